@@ -1,0 +1,93 @@
+"""The `Backend` protocol and the registry of backends by name (entry point group `rlspec.backends`).
+
+A backend owns the trainer ranks (and, for multi-process backends, places the rollout engines). It
+never moves weights itself: `export_weights` yields them and a `sync` transport moves them. The step
+order is `rlspec.loop.train`, shared by every backend.
+"""
+
+from __future__ import annotations
+
+import warnings
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import ClassVar, Iterator, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from .batch import TrainBatch
+from .grpo import LossNorm
+from .rollout.base import RolloutEngine
+from .spec import BackendCaps, RunPlan, SpecError
+
+ENTRY_POINT_GROUP = "rlspec.backends"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One trainer implementation. Methods run on the driver; a backend fans out to its ranks."""
+
+    caps: ClassVar[BackendCaps]
+
+    def setup(self, plan: RunPlan) -> None:
+        """Build model(s), optimizer and rollout engine(s) from the plan. Raises `RunError` on failure."""
+
+    def rollout_engine(self) -> RolloutEngine:
+        """The engine (or group of engines) that samples completions for this backend's placement."""
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
+        """[N, L] token log-probs of the current (or the reference) policy, no gradient."""
+
+    def forward_backward(self, batch: TrainBatch, norm: LossNorm) -> dict[str, float]:
+        """Accumulate gradients of the shared GRPO loss over `batch` (sharded over ranks, split into
+        micro-batches); return statistic sums (`rlspec.policy.STAT_KEYS`) over the whole batch."""
+
+    def optimizer_step(self) -> float:
+        """Clip (if configured), step, zero gradients; return the global grad norm before clipping."""
+
+    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Full (unsharded) policy weights by Hugging Face name, one tensor at a time."""
+
+    def save(self, path: Path) -> None:
+        """Write a checkpoint directory: `save_pretrained` safetensors (+ tokenizer) and optimizer state."""
+
+    def load(self, path: Path) -> None:
+        """Restore weights and optimizer state from a directory written by `save`."""
+
+    def shutdown(self) -> None:
+        """Release processes, actors and process groups. Safe to call twice."""
+
+
+def _entry_points() -> dict[str, object]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def backend_names() -> list[str]:
+    return sorted(_entry_points())
+
+
+def backend_class(name: str) -> type:
+    """The backend class registered under `name` (imports its module; heavy imports stay lazy)."""
+    eps = _entry_points()
+    if name not in eps:
+        raise SpecError("backend", f"{name!r} is not a registered backend",
+                        f"use one of: {', '.join(sorted(eps))} (backends register under the entry point group {ENTRY_POINT_GROUP})")
+    return eps[name].load()  # type: ignore[attr-defined]
+
+
+def all_caps() -> dict[str, BackendCaps]:
+    """Capabilities of every registered backend, for the compiler.
+
+    A backend whose module fails to import is left out with a warning, so one broken third-party
+    package does not stop plans for the others.
+    """
+    caps = {}
+    for name in backend_names():
+        try:
+            caps[name] = backend_class(name).caps
+        except Exception as err:  # noqa: BLE001 - report and carry on
+            warnings.warn(f"backend {name!r} could not be loaded and is skipped: {err!r}", stacklevel=2)
+    return caps
+
+
+def create_backend(name: str) -> Backend:
+    return backend_class(name)()

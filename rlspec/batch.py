@@ -1,0 +1,76 @@
+"""The training batch every backend consumes: right-padded sequences with token-aligned tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class TrainBatch:
+    """N sequences of prompt + completion, right-padded to a common length L.
+
+    Token-aligned tensors have shape [N, L]; column t of a log-prob tensor is log p(input_ids[:, t] | prefix).
+    """
+
+    input_ids: Tensor
+    """[N, L] token ids (prompt then completion, pad after)."""
+    attention_mask: Tensor
+    """[N, L] 1 on real tokens."""
+    loss_mask: Tensor
+    """[N, L] 1 on completion tokens (the ones the loss sees)."""
+    advantages: Tensor
+    """[N] one advantage per sequence."""
+    rewards: Tensor
+    """[N] scalar rewards (for logging)."""
+    old_logprobs: Tensor | None = None
+    """[N, L] log-probs of the policy that sampled the batch, as recomputed by the trainer."""
+    ref_logprobs: Tensor | None = None
+    """[N, L] reference-policy log-probs (only when algorithm.kl_coef > 0)."""
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def _map(self, fn) -> "TrainBatch":
+        return TrainBatch(**{f.name: (None if (v := getattr(self, f.name)) is None else fn(v))
+                             for f in dataclasses.fields(self)})
+
+    def select(self, start: int, stop: int) -> "TrainBatch":
+        """Sequences [start, stop)."""
+        return self._map(lambda t: t[start:stop])
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        return self._map(lambda t: t.to(device))
+
+    def trimmed(self) -> "TrainBatch":
+        """Drop trailing columns that are padding in every sequence (saves compute per micro-batch)."""
+        length = int(self.attention_mask.sum(dim=0).nonzero().max().item()) + 1
+        return self._map(lambda t: t[:, :length] if t.dim() == 2 else t)
+
+    def chunks(self, size: int) -> Iterator["TrainBatch"]:
+        """Consecutive slices of at most `size` sequences."""
+        for start in range(0, len(self), size):
+            yield self.select(start, min(start + size, len(self)))
+
+    def shard(self, rank: int, world_size: int) -> "TrainBatch":
+        """This rank's contiguous share (the plan guarantees an even split)."""
+        per_rank = len(self) // world_size
+        return self.select(rank * per_rank, (rank + 1) * per_rank)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The non-empty fields, e.g. for safetensors or a Ray object."""
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
+    @staticmethod
+    def from_tensors(tensors: dict[str, Tensor]) -> "TrainBatch":
+        return TrainBatch(**tensors)
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions counted over real tokens only (what generation uses with left padding)."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp(min=0)

@@ -1,0 +1,86 @@
+"""The `rlspec` command: run, plan, conformance, bench. Exit codes: 0 ok, 1 run failure, 2 bad input."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from typing import Sequence
+
+from .errors import RunError, SpecError
+
+EXIT_OK, EXIT_RUN_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlspec", description="Declarative GRPO post-training with interchangeable backends.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="train from a spec; writes plan.json, metrics.jsonl, checkpoints/ under --out",
+                         usage="rlspec run SPEC [key=value ...] [--backend B] [--out DIR] [--resume]")
+    run.add_argument("spec", help="experiment YAML")
+    run.add_argument("--backend", help="trainer backend; overrides the spec's `backend`")
+    run.add_argument("--out", help="output directory (default outputs/<spec>/<time>)")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    plan = sub.add_parser("plan", help="print the compiled run plan as JSON",
+                          usage="rlspec plan SPEC [key=value ...] [--backend B]")
+    plan.add_argument("spec")
+    plan.add_argument("--backend")
+
+    conf = sub.add_parser("conformance", help="check that backends compute the same GRPO step as the reference")
+    conf.add_argument("--backends", help="comma-separated backend names (default: all registered)")
+    conf.add_argument("--json", dest="json_path", help="write the checks as JSON to this file")
+    conf.add_argument("--dump", help="write the fixture and each backend's steps/weights under this directory")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    # Overrides (key=value, Hydra syntax) may stand anywhere after the spec, between options too.
+    args, extra = parser.parse_known_args(argv)
+    flags = [a for a in extra if a.startswith("-")]
+    if flags or (extra and args.command not in ("run", "plan")):
+        parser.error(f"unrecognized arguments: {' '.join(flags or extra)}")
+    args.overrides = extra
+    try:
+        return _dispatch(args)
+    except SpecError as err:
+        print(f"rlspec: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("rlspec: interrupted", file=sys.stderr)
+        return 130
+    except RunError as err:
+        print(f"rlspec: run failed: {err}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    except Exception:  # noqa: BLE001 - any other failure is a run failure, reported with its traceback
+        traceback.print_exc()
+        print("rlspec: run failed (traceback above)", file=sys.stderr)
+        return EXIT_RUN_FAILED
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "plan":
+        from .run import build_plan
+
+        plan, _ = build_plan(args.spec, args.overrides, args.backend)
+        print(plan.to_json())
+        return EXIT_OK
+    if args.command == "run":
+        from .run import run
+
+        out = run(args.spec, args.overrides, args.backend, args.out, args.resume,
+                  progress=False if args.no_progress else None)
+        print(f"rlspec: run finished; outputs in {out}", file=sys.stderr)
+        return EXIT_OK
+    if args.command == "conformance":
+        from .conformance.cli import main as conformance_main
+
+        return conformance_main(args.backends, args.json_path, args.dump)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+r"""GRPO advantage and loss — the one implementation every backend calls.
+
+Notation: a rollout batch holds P prompts x G completions; sequence i has completion tokens
+t in T_i (the `loss_mask`), reward r_i, and belongs to group g(i).
+
+Advantage (one scalar per sequence, broadcast to its tokens)::
+
+    group_std:  A_i = (r_i - mean_g(r)) / (std_g(r) + eps)      std unbiased (Bessel), eps = 1e-6
+    none:       A_i =  r_i - mean_g(r)                          (Dr. GRPO, Liu et al. 2025)
+
+verl uses the same unbiased std with eps 1e-6; TRL uses eps 1e-4 (set `algorithm.adv_eps`).
+
+Per-token policy loss, with ratio rho = exp(logp - logp_old)::
+
+    l_t = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))          (PPO clip; DAPO's clip-higher
+                                                                          when eps_high > eps_low)
+    if dual_clip_c and A < 0:  l_t = min(l_t, -A c)                      (dual-clip, Ye et al. 2020)
+    l_t += beta * KL_t   with  k1: KL_t = logp - logp_ref
+                               k3: KL_t = exp(logp_ref - logp) - (logp_ref - logp) - 1
+
+Aggregation over the batch B behind one optimizer step (`algorithm.loss_agg`)::
+
+    token-mean                 L = sum_i sum_{t in T_i} l_t / sum_i |T_i|
+    seq-mean-token-mean        L = (1/|B|) sum_i (1/|T_i|) sum_{t in T_i} l_t     (the GRPO paper)
+    seq-mean-token-sum-norm    L = (1/|B|) sum_i sum_{t in T_i} l_t / L_max        (Dr. GRPO; L_max =
+                                                                                    rollout.max_new_tokens)
+
+Deviations and choices, stated: the default aggregation is token-mean (verl's and TRL's default, not the
+paper's seq-mean-token-mean); the KL term is added to the loss (as in the paper and TRL), not to the
+reward; with one update per rollout batch, rho = 1 and the clip is inactive (the loss gradient is then
+the plain policy gradient); the paper's per-step re-sampling is unchanged.
+
+Distribution: `aggregate` divides by *global* counts (`LossNorm`, computed over the whole optimizer
+step's batch on every rank and micro-batch), so summing the per-micro-batch losses over micro-batches
+and ranks gives exactly L. A backend whose gradient reduction averages over W ranks multiplies its
+local loss by W before backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class LossNorm:
+    """Global denominators for one optimizer step, identical on every rank and micro-batch."""
+
+    num_tokens: int
+    """Completion tokens in the whole step's batch (all ranks, all micro-batches)."""
+    num_sequences: int
+    """Sequences in the whole step's batch."""
+    max_new_tokens: int
+    """Dr. GRPO's constant L_max."""
+
+    @staticmethod
+    def of(loss_mask: Tensor, max_new_tokens: int) -> "LossNorm":
+        return LossNorm(int(loss_mask.sum().item()), int(loss_mask.shape[0]), max_new_tokens)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The algorithm knobs the loss reads (a projection of `AlgorithmSpec`)."""
+
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip_c: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    loss_agg: str = "token-mean"
+
+    @staticmethod
+    def from_algorithm(algo) -> "LossConfig":
+        return LossConfig(algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c, algo.kl_coef,
+                          algo.kl_estimator, algo.loss_agg)
+
+
+def group_advantages(rewards: Tensor, group_size: int, norm: str = "group_std", eps: float = 1e-6) -> Tensor:
+    """Per-sequence advantages for rewards laid out group after group (shape [P * G])."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size}")
+    grouped = rewards.float().view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if norm == "group_std":
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    elif norm != "none":
+        raise ValueError(f"unknown advantage normalisation {norm!r}")
+    return centred.view(-1)
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
+    """Per-token KL(pi || pi_ref) estimate from log-probs of the sampled tokens."""
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k3":
+        log_ratio = ref_logp - logp
+        return torch.exp(log_ratio) - log_ratio - 1
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def aggregate(per_token: Tensor, loss_mask: Tensor, mode: str, norm: LossNorm) -> Tensor:
+    """This shard's share of the batch aggregate: summed over shards it is the `loss_agg` formula above."""
+    masked = per_token * loss_mask
+    if mode == "token-mean":
+        return masked.sum() / max(norm.num_tokens, 1)
+    if mode == "seq-mean-token-mean":
+        per_seq = masked.sum(dim=-1) / loss_mask.sum(dim=-1).clamp(min=1)
+        return per_seq.sum() / norm.num_sequences
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / (norm.num_sequences * norm.max_new_tokens)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor, norm: LossNorm,
+                cfg: LossConfig, ref_logp: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Clipped GRPO loss of one shard (tensors [N, L] token-aligned; `advantages` [N]).
+
+    Returns the loss share (see `aggregate`) and *sums* over this shard's completion tokens, so that
+    statistics add up across micro-batches and ranks: `clipped_tokens`, `kl_sum`, `tokens`.
+    """
+    adv = advantages.unsqueeze(-1).to(logp.dtype)
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if cfg.dual_clip_c is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * cfg.dual_clip_c), per_token)
+    kl = None
+    if cfg.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs reference log-probs")
+        kl = kl_penalty(logp, ref_logp, cfg.kl_estimator)
+        per_token = per_token + cfg.kl_coef * kl
+    loss = aggregate(per_token, loss_mask, cfg.loss_agg, norm)
+    with torch.no_grad():
+        mask = loss_mask > 0
+        stats = {
+            "clipped_tokens": float(((clipped > unclipped) & mask).sum().item()),
+            "kl_sum": float((kl * loss_mask).sum().item()) if kl is not None else 0.0,
+            "tokens": float(mask.sum().item()),
+        }
+    return loss, stats
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """log p(input_ids[:, t] | input_ids[:, :t]) at `temperature`, aligned with `input_ids` (column 0 is 0)."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of the next-token distribution at `temperature`, aligned like `token_logprobs`."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.nn.functional.pad(entropy, (1, 0))

@@ -1,0 +1,126 @@
+"""The GRPO step template, shared by every backend.
+
+    sample prompts -> engine.generate -> rewards -> group advantages -> collate
+      -> [old log-probs if several updates] -> [reference log-probs if KL]
+      -> per mini-batch: backend.forward_backward + backend.optimizer_step
+      -> sync weights to the engine (every N steps) -> metrics, checkpoint
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .backend import Backend
+from .batch import TrainBatch
+from .checkpoints import Checkpoints
+from .grpo import LossNorm, group_advantages
+from .metrics import MetricsLog, peak_memory_gb
+from .rollout.base import collate
+from .spec import RunPlan
+from .tasks import Task
+
+
+@dataclass
+class StepResult:
+    batch: TrainBatch
+    stats: dict[str, float]
+    grad_norms: list[float]
+
+
+class _Timer(dict):
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self[name] = self.get(name, 0.0) + time.perf_counter() - start
+
+
+def rollout_batch(plan: RunPlan, engine, task: Task, step: int, pad_id: int, timer: _Timer) -> TrainBatch:
+    """Sample, score and collate one step's batch (prompts x group_size sequences)."""
+    spec = plan.spec
+    prompts = task.sample(step, plan.batch.prompts_per_step)
+    with timer("gen"):
+        rollout = engine.generate([p.text for p in prompts], spec.algorithm.group_size, seed=spec.algorithm.seed + step)
+    with timer("reward"):
+        grouped = [p for p in prompts for _ in range(spec.algorithm.group_size)]
+        rewards = torch.tensor([task.reward(text, p) for text, p in zip(rollout.texts, grouped)], dtype=torch.float32)
+    advantages = group_advantages(rewards, spec.algorithm.group_size, spec.algorithm.adv_norm, spec.algorithm.adv_eps)
+    return collate(rollout, advantages, rewards, pad_id)
+
+
+def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
+    """All optimizer updates of one rollout batch (mini-batch after mini-batch)."""
+    if plan.batch.updates_per_batch > 1:
+        batch.old_logprobs = backend.logprobs(batch)
+    if plan.needs_reference_model:
+        batch.ref_logprobs = backend.logprobs(batch, reference=True)
+    size = plan.batch.sequences_per_update
+    totals: dict[str, float] = {}
+    grad_norms = []
+    for start in range(0, len(batch), size):
+        mini = batch.select(start, start + size)
+        norm = LossNorm.of(mini.loss_mask, plan.spec.rollout.max_new_tokens)
+        stats = backend.forward_backward(mini, norm)
+        grad_norms.append(backend.optimizer_step())
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+    return StepResult(batch, totals, grad_norms)
+
+
+def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, sync_bytes: int) -> dict:
+    stats, batch = result.stats, result.batch
+    tokens = max(stats["tokens"], 1.0)
+    updates = len(result.grad_norms)
+    step_time = timer["step"]
+    return {
+        "step": step,
+        "reward/mean": float(batch.rewards.mean()),
+        "reward/std": float(batch.rewards.std()) if len(batch) > 1 else 0.0,
+        "loss": stats["loss"] / updates,
+        "kl": stats["kl_sum"] / tokens if plan.needs_reference_model else None,
+        "grad_norm": sum(result.grad_norms) / updates,
+        "clip_frac": stats["clipped_tokens"] / tokens,
+        "entropy": stats["entropy_sum"] / tokens,
+        "response_len/mean": float(batch.loss_mask.sum(-1).mean()),
+        "timing_s/gen": timer.get("gen", 0.0),
+        "timing_s/reward": timer.get("reward", 0.0),
+        "timing_s/train": timer.get("train", 0.0),
+        "timing_s/sync": timer.get("sync", 0.0),
+        "timing_s/step": step_time,
+        "perf/tokens_per_s": float(batch.attention_mask.sum()) / step_time if step_time > 0 else 0.0,
+        "sync/bytes": sync_bytes,
+        "mem/peak_gb": stats.get("peak_mem_gb") or peak_memory_gb(plan.placement.device),
+    }
+
+
+def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path, pad_id: int,
+          start_step: int = 0, progress: bool | None = None) -> None:
+    """Run steps `start_step .. algorithm.steps - 1`; checkpoint every N steps and at the end."""
+    spec = plan.spec
+    engine = backend.rollout_engine()
+    transport.connect(engine)
+    checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
+    log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress)
+    try:
+        for step in range(start_step, spec.algorithm.steps):
+            timer = _Timer()
+            with timer("step"):
+                batch = rollout_batch(plan, engine, task, step, pad_id, timer)
+                with timer("train"):
+                    result = update(plan, backend, batch)
+                sync_bytes = 0
+                if (step + 1) % spec.sync.every_n_steps == 0:
+                    with timer("sync"):
+                        sync_bytes = transport.push(backend.export_weights, engine)
+            log.log(metrics_row(plan, step, result, timer, sync_bytes))
+            last = step == spec.algorithm.steps - 1
+            every = spec.checkpoint.every_n_steps
+            if last or (every and (step + 1) % every == 0):
+                checkpoints.save(step, backend, {"backend": plan.backend})
+    finally:
+        log.close()

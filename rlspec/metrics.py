@@ -1,0 +1,70 @@
+"""Per-step metrics: `metrics.jsonl` (the contract), TensorBoard events, and a progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+METRIC_KEYS = (
+    "step", "reward/mean", "reward/std", "loss", "kl", "grad_norm", "clip_frac", "entropy", "response_len/mean",
+    "timing_s/gen", "timing_s/reward", "timing_s/train", "timing_s/sync", "timing_s/step", "perf/tokens_per_s",
+    "sync/bytes", "mem/peak_gb",
+)
+
+
+def peak_memory_gb(device: str) -> float:
+    """Peak device memory of this process (CUDA allocator), or peak host RSS on CPU."""
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss_kb / 2**20
+
+
+class MetricsLog:
+    """Appends one JSON object per step; mirrors scalars to TensorBoard; drives the progress bar."""
+
+    def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0, progress: bool | None = None,
+                 tensorboard: bool = True) -> None:
+        self.path = out_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+        show = sys.stderr.isatty() if progress is None else progress
+        self._bar = None
+        if show:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def log(self, row: dict) -> None:
+        missing = [k for k in METRIC_KEYS if k not in row]
+        assert not missing, f"metrics row lacks {missing}"
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in clean.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, row["step"])
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(reward=f"{row['reward/mean']:.3f}", tok_s=f"{row['perf/tokens_per_s']:.0f}")
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

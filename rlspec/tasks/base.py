@@ -1,0 +1,72 @@
+"""A task is a prompt source plus a reward function; the spec's `reward_kwargs` reach the function.
+
+`build_task` checks the kwargs against the reward function's signature up front, so a misspelt kwarg
+is a spec error (exit 2) rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from ..spec import SpecError, TaskSpec
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt and whatever its reward needs (e.g. the reference answer)."""
+
+    text: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Task(Protocol):
+    name: str
+
+    def sample(self, step: int, n: int) -> list[Prompt]:
+        """The `n` prompts of rollout step `step` (deterministic for a given seed and step)."""
+
+    def reward(self, completion: str, prompt: Prompt) -> float:
+        """Scalar reward of one completion."""
+
+
+RewardFn = Callable[..., float]
+
+
+class RewardTask:
+    """A task made of a prompt source and a reward function `fn(completion, prompt, **reward_kwargs)`."""
+
+    def __init__(self, name: str, prompts: list[Prompt] | Callable[[random.Random], Prompt], reward_fn: RewardFn,
+                 reward_kwargs: dict[str, Any], seed: int) -> None:
+        self.name = name
+        self._prompts = prompts
+        self._reward_fn = reward_fn
+        self._reward_kwargs = dict(reward_kwargs)
+        self._seed = seed
+
+    def sample(self, step: int, n: int) -> list[Prompt]:
+        rng = random.Random(self._seed * 1_000_003 + step)
+        if callable(self._prompts):
+            return [self._prompts(rng) for _ in range(n)]
+        return [self._prompts[rng.randrange(len(self._prompts))] for _ in range(n)]
+
+    def reward(self, completion: str, prompt: Prompt) -> float:
+        return float(self._reward_fn(completion, prompt, **self._reward_kwargs))
+
+
+def check_kwargs(fn: Callable, kwargs: dict[str, Any], key: str, skip: int) -> None:
+    """Refuse kwargs `fn` does not accept (after its first `skip` positional parameters), naming `key`."""
+    params = list(inspect.signature(fn).parameters.values())[skip:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    accepted = {p.name for p in params}
+    for name in kwargs:
+        if name not in accepted:
+            raise SpecError(f"{key}.{name}", f"{fn.__qualname__} takes no argument {name!r}",
+                            f"accepted: {', '.join(sorted(accepted)) or '(none)'}")
+    try:
+        inspect.signature(fn).bind_partial(*([None] * skip), **kwargs)
+    except TypeError as err:
+        raise SpecError(key, str(err), "check the task's documented kwargs") from None

@@ -1,0 +1,31 @@
+"""`copy_char`: repeat the prompt's letter. Small enough that a random-init tiny model learns it on CPU.
+
+Prompt: ``"<c>="`` for a letter c drawn from `alphabet`. Reward: the fraction of the first
+`target_len` completion characters equal to c (an early end of sequence scores the missing characters
+as wrong). A random byte-level policy scores ~1/256 per character; always emitting one letter of the
+alphabet scores 1/len(alphabet); only conditioning on the prompt reaches 1.0 — so a rise past
+1/len(alphabet) is the model reading its prompt, not just shifting its unigram distribution.
+"""
+
+from __future__ import annotations
+
+import random
+
+from .base import Prompt
+
+
+def make_prompt_source(alphabet: str = "abcd"):
+    if not alphabet:
+        raise ValueError("alphabet must not be empty")
+
+    def draw(rng: random.Random) -> Prompt:
+        letter = alphabet[rng.randrange(len(alphabet))]
+        return Prompt(text=f"{letter}=", meta={"letter": letter})
+
+    return draw
+
+
+def reward(completion: str, prompt: Prompt, target_len: int = 8) -> float:
+    """Fraction of the first `target_len` characters of `completion` equal to the prompt's letter."""
+    letter = prompt.meta["letter"]
+    return sum(ch == letter for ch in completion[:target_len]) / target_len

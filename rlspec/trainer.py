@@ -1,0 +1,132 @@
+"""The plain single-process torch trainer.
+
+It is the standalone backend's trainer and the reference the conformance suite compares every other
+backend against: fp32, no sharding, gradients accumulated over micro-batches with the shared loss.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from .batch import TrainBatch
+from .grpo import LossConfig, LossNorm
+from .models import apply_lora, load_model, load_tokenizer, save_hf
+from .policy import accumulate, batch_logprobs
+from .spec import AlgorithmSpec, ModelSpec
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def build_optimizer(params, algo: AlgorithmSpec) -> torch.optim.Optimizer:
+    """The policy optimizer, from the spec (shared by every backend that uses a torch optimizer)."""
+    params = [p for p in params if p.requires_grad]
+    if algo.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=algo.lr, weight_decay=algo.weight_decay)
+    return torch.optim.AdamW(params, lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2), eps=algo.adam_eps,
+                             weight_decay=algo.weight_decay, foreach=False)
+
+
+def grad_norm_and_clip(params, max_grad_norm: float) -> float:
+    """Global L2 norm of the gradients (before clipping); clip in place when `max_grad_norm` > 0."""
+    params = [p for p in params if p.grad is not None]
+    limit = max_grad_norm if max_grad_norm > 0 else math.inf
+    return float(torch.nn.utils.clip_grad_norm_(params, limit, foreach=False).item())
+
+
+class LocalTrainer:
+    """Policy (+ optional LoRA and reference model) and optimizer in this process."""
+
+    def __init__(self, model_spec: ModelSpec, algo: AlgorithmSpec, temperature: float, max_new_tokens: int,
+                 device: torch.device | str = "cpu", needs_reference: bool = False,
+                 model: torch.nn.Module | None = None) -> None:
+        self.device = torch.device(device)
+        self.algo = algo
+        self.temperature = temperature
+        self.max_new_tokens = max_new_tokens
+        self.loss_cfg = LossConfig.from_algorithm(algo)
+        self.tokenizer = load_tokenizer(model_spec)
+        base = model if model is not None else load_model(model_spec, algo.seed)
+        self.reference = None
+        if needs_reference:
+            self.reference = load_model(model_spec, algo.seed).to(self.device).eval()
+            self.reference.requires_grad_(False)
+        if model_spec.gradient_checkpointing:
+            base.gradient_checkpointing_enable()
+        self.model = apply_lora(base, model_spec, algo.seed).to(self.device)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model.parameters(), algo)
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
+        model = self.reference if reference else self.model
+        if model is None:
+            raise RuntimeError("no reference model: algorithm.kl_coef is 0")
+        return batch_logprobs(model, batch, self.temperature, self.algo.micro_batch_size, self.device)
+
+    def forward_backward(self, batch: TrainBatch, norm: LossNorm) -> dict[str, float]:
+        return accumulate(self.model, batch, self.algo.micro_batch_size, norm, self.loss_cfg, self.temperature,
+                          lambda loss: loss.backward(), self.device)
+
+    def optimizer_step(self) -> float:
+        norm = grad_norm_and_clip(self.model.parameters(), self.algo.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Full policy weights by base-model name (LoRA adapters merged in)."""
+        yield from full_state_dict(self.model).items()
+
+    def save(self, path: Path, save_optimizer: bool = True) -> None:
+        save_hf(self.model, self.tokenizer, path)
+        if save_optimizer:
+            torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)
+
+    def load(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        weights = {}
+        for file in sorted(path.glob("*.safetensors")):
+            weights.update(load_file(file))
+        load_full_state_dict(self.model, weights)
+        if (path / OPTIMIZER_FILE).is_file():
+            self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+    """Base-model state dict with any LoRA adapters merged (W + B A * alpha / r), detached."""
+    if not hasattr(model, "peft_config"):
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    merged = {}
+    base = model.get_base_model()
+    for name, module in base.named_modules():
+        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight"):
+            weight = module.base_layer.weight.detach().clone()
+            for adapter in module.active_adapters:
+                weight += module.get_delta_weight(adapter).detach()
+            merged[f"{name}.weight"] = weight
+            if module.base_layer.bias is not None:
+                merged[f"{name}.bias"] = module.base_layer.bias.detach()
+    out = {}
+    for key, value in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        clean = key.replace(".base_layer.", ".")
+        out[clean] = merged.get(clean, value.detach())
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
+    """Load base-model weights into `model` (into the frozen base layers when it carries LoRA)."""
+    if hasattr(model, "peft_config"):
+        target = {k.replace(".base_layer.", "."): v for k, v in model.get_base_model().state_dict(keep_vars=True).items()
+                  if "lora_" not in k}
+    else:
+        target = model.state_dict(keep_vars=True)
+    for name, tensor in weights.items():
+        target[name].copy_(tensor)

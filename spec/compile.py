@@ -1,0 +1,212 @@
+"""Spec -> RunPlan: every derived value computed once, impossible combinations refused.
+
+The compiler is pure: it sees the backends only through their `BackendCaps` (what each can run), so a
+plan can be compiled and printed without importing DeepSpeed or starting Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import SpecError, require
+from .schema import Spec
+
+
+@dataclass(frozen=True)
+class BackendCaps:
+    """What a backend can run; declared by the backend class, read by the compiler."""
+
+    name: str
+    model_kinds: tuple[str, ...] = ("causal_lm",)
+    placements: tuple[str, ...] = ("colocated",)
+    sync_methods: tuple[str, ...] = ("checkpoint",)
+    engines: tuple[str, ...] = ("hf",)
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    supports_lora: bool = False
+    max_trainer_ranks: int = 1_000_000
+    single_process: bool = False
+    """Trainer and engine live in one process (the only case where `sync.method=shared` is possible)."""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The batch-size arithmetic, resolved."""
+
+    prompts_per_step: int
+    group_size: int
+    sequences_per_step: int
+    num_trainer_ranks: int
+    updates_per_batch: int
+    sequences_per_update: int
+    """Global mini-batch: sequences behind one optimizer step."""
+    sequences_per_update_per_rank: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    """Micro-batches per optimizer step on one rank."""
+    max_tokens_per_sequence: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which device runs what."""
+
+    device: str
+    rollout: str
+    trainer_devices: tuple[str, ...]
+    engine_devices: tuple[str, ...]
+    num_gpus: int
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The frozen, fully resolved run: what `rlspec plan` prints and `Backend.setup` receives."""
+
+    backend: str
+    spec: Spec
+    batch: BatchPlan
+    placement: Placement
+    sync_method: str
+    needs_reference_model: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+
+def compile_plan(spec: Spec, backends: Mapping[str, BackendCaps]) -> RunPlan:
+    """Resolve `spec` for the backend it names, given the capabilities of all registered backends."""
+    require(spec.backend in backends, "backend", f"{spec.backend!r} is not a registered backend",
+            f"use one of: {', '.join(sorted(backends))} (or --backend NAME)")
+    caps = backends[spec.backend]
+    _check_support(spec, caps, backends)
+    batch = _batch_plan(spec)
+    placement = _placement(spec)
+    sync_method = _resolve_sync(spec, caps)
+    _check_files(spec)
+    spec.freeze()
+    return RunPlan(backend=spec.backend, spec=spec, batch=batch, placement=placement,
+                   sync_method=sync_method, needs_reference_model=spec.algorithm.kl_coef > 0)
+
+
+def _supporters(backends: Mapping[str, BackendCaps], ok) -> str:
+    names = sorted(name for name, caps in backends.items() if ok(caps))
+    return ", ".join(names) if names else "none yet"
+
+
+def _check_support(spec: Spec, caps: BackendCaps, backends: Mapping[str, BackendCaps]) -> None:
+    hw, model = spec.hardware, spec.model
+    require(model.kind in caps.model_kinds, "model.kind",
+            f"model.kind={model.kind} is not supported by backend {caps.name}",
+            f"backends that support it: {_supporters(backends, lambda c: model.kind in c.model_kinds)}")
+    require(model.lora.r == 0 or caps.supports_lora, "model.lora.r",
+            f"LoRA is not supported by backend {caps.name}",
+            f"set model.lora.r=0, or use one of: {_supporters(backends, lambda c: c.supports_lora)}")
+    require(hw.rollout in caps.placements, "hardware.rollout",
+            f"hardware.rollout={hw.rollout} is not supported by backend {caps.name}",
+            f"use one of: {', '.join(caps.placements)}")
+    require(hw.device in caps.devices, "hardware.device",
+            f"hardware.device={hw.device} is not supported by backend {caps.name}", f"use one of: {', '.join(caps.devices)}")
+    require(hw.num_trainer_ranks <= caps.max_trainer_ranks, "hardware.num_trainer_ranks",
+            f"backend {caps.name} runs at most {caps.max_trainer_ranks} trainer rank(s), got {hw.num_trainer_ranks}",
+            f"set hardware.num_trainer_ranks={caps.max_trainer_ranks} or use a distributed backend "
+            f"({_supporters(backends, lambda c: c.max_trainer_ranks > 1)})")
+    engine = spec.rollout.engine
+    require(engine in caps.engines, "rollout.engine",
+            f"rollout.engine={engine} is not supported by backend {caps.name}",
+            f"use one of: {', '.join(caps.engines)}; backends with it: {_supporters(backends, lambda c: engine in c.engines)}")
+    require(not (engine == "vllm" and hw.device == "cpu"), "rollout.engine",
+            "rollout.engine=vllm needs hardware.device=cuda", "use rollout.engine=hf on CPU")
+    require(not (model.dtype == "float16" and hw.device == "cpu"), "model.dtype",
+            "float16 is not supported on CPU", "use model.dtype=float32 or bfloat16 on CPU")
+    require(not (hw.offload_params or hw.offload_optimizer) or hw.device == "cuda", "hardware.offload_params",
+            "offloading to host memory only makes sense with hardware.device=cuda",
+            "set hardware.offload_params=false and hardware.offload_optimizer=false on CPU")
+
+
+def _batch_plan(spec: Spec) -> BatchPlan:
+    algo, hw, rollout = spec.algorithm, spec.hardware, spec.rollout
+    sequences = rollout.prompts_per_step * algo.group_size
+    per_update = sequences // algo.updates_per_batch
+    require(sequences % algo.updates_per_batch == 0, "algorithm.updates_per_batch",
+            f"{sequences} sequences per step (rollout.prompts_per_step={rollout.prompts_per_step} x "
+            f"algorithm.group_size={algo.group_size}) do not split into {algo.updates_per_batch} updates",
+            f"choose a divisor of {sequences}")
+    ranks = hw.num_trainer_ranks
+    require(per_update % ranks == 0, "hardware.num_trainer_ranks",
+            f"{per_update} sequences per update do not split evenly over {ranks} trainer ranks",
+            f"choose rollout.prompts_per_step so prompts_per_step x group_size / updates_per_batch is a multiple of {ranks}")
+    per_rank = per_update // ranks
+    require(algo.micro_batch_size <= per_rank, "algorithm.micro_batch_size",
+            f"{algo.micro_batch_size} is larger than the {per_rank} sequences each rank gets per update",
+            f"set algorithm.micro_batch_size to at most {per_rank}")
+    return BatchPlan(
+        prompts_per_step=rollout.prompts_per_step, group_size=algo.group_size, sequences_per_step=sequences,
+        num_trainer_ranks=ranks, updates_per_batch=algo.updates_per_batch, sequences_per_update=per_update,
+        sequences_per_update_per_rank=per_rank, micro_batch_size=algo.micro_batch_size,
+        grad_accum_steps=math.ceil(per_rank / algo.micro_batch_size),
+        max_tokens_per_sequence=rollout.max_prompt_tokens + rollout.max_new_tokens,
+    )
+
+
+def _placement(spec: Spec) -> Placement:
+    hw = spec.hardware
+    ranks, engines = hw.num_trainer_ranks, hw.num_rollout_engines
+    if hw.device == "cpu":
+        return Placement("cpu", hw.rollout, ("cpu",) * ranks, ("cpu",) * engines, 0)
+    tp = spec.rollout.tensor_parallel_size
+    trainer = tuple(f"cuda:{i}" for i in range(ranks))
+    if hw.rollout == "colocated":
+        require(engines * tp <= ranks, "hardware.num_rollout_engines",
+                f"{engines} colocated engine(s) x tensor_parallel_size {tp} need more GPUs than the {ranks} trainer rank(s) hold",
+                f"set hardware.num_rollout_engines to at most {max(1, ranks // tp)} or use hardware.rollout=separate")
+        engine = tuple(f"cuda:{i}" for i in range(engines * tp))
+        return Placement("cuda", "colocated", trainer, engine, ranks)
+    engine = tuple(f"cuda:{ranks + i}" for i in range(engines * tp))
+    return Placement("cuda", "separate", trainer, engine, ranks + engines * tp)
+
+
+def _resolve_sync(spec: Spec, caps: BackendCaps) -> str:
+    method, hw = spec.sync.method, spec.hardware
+    if method == "auto":
+        if caps.single_process and hw.rollout == "colocated":
+            method = "shared"
+        elif spec.model.lora.r > 0 and "lora" in caps.sync_methods:
+            method = "lora"
+        elif hw.rollout == "colocated":
+            method = "cuda_ipc" if hw.device == "cuda" else "ray"
+        else:
+            method = "nccl"
+        if method not in caps.sync_methods:
+            method = caps.sync_methods[0]
+        return method
+    require(method in caps.sync_methods, "sync.method", f"sync.method={method} is not supported by backend {caps.name}",
+            f"use one of: auto, {', '.join(caps.sync_methods)}")
+    require(method != "shared" or (caps.single_process and hw.rollout == "colocated"), "sync.method",
+            "sync.method=shared needs trainer and engine in one process",
+            "it works with backend=standalone and hardware.rollout=colocated; use sync.method=auto")
+    require(method != "cuda_ipc" or (hw.rollout == "colocated" and hw.device == "cuda"), "sync.method",
+            "sync.method=cuda_ipc needs hardware.rollout=colocated and hardware.device=cuda",
+            "set both, or use sync.method=auto")
+    require(method != "lora" or spec.model.lora.r > 0, "sync.method",
+            "sync.method=lora moves only adapters, but model.lora.r=0", "set model.lora.r > 0 or use sync.method=auto")
+    return method
+
+
+def _check_files(spec: Spec) -> None:
+    if spec.model.path is not None:
+        path = Path(spec.model.path)
+        require(path.is_dir(), "model.path", f"{spec.model.path} is not a directory",
+                "point model.path at a local directory holding config.json and the weights, or unset it to use model.preset")
+        require((path / "config.json").is_file(), "model.path", f"{spec.model.path} has no config.json",
+                "save the model there with save_pretrained")
+    data = spec.rollout.task.data_path
+    if data is not None:
+        require(Path(data).is_file(), "rollout.task.data_path", f"{data} does not exist",
+                "give a local .jsonl or .parquet file (paths are relative to the current directory)")

@@ -1,0 +1,58 @@
+"""`checkpoint`: the trainer writes safetensors files; the engine reloads them from the directory.
+
+The slowest transport but the most robust: it needs only a filesystem both sides see (a shared mount
+across nodes), and it is how an external inference server that can only reload from disk is fed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from . import register
+from .base import buckets, compare_fingerprints, fingerprint
+
+
+@register("checkpoint")
+class CheckpointTransport:
+    def __init__(self, sync_spec, directory: str | Path | None = None, **_options) -> None:
+        self.spec = sync_spec
+        self._owned = directory is None
+        self.directory = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="rlspec-sync-"))
+
+    def connect(self, engine) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def push(self, weights, engine) -> int:
+        version = self.directory / "current"
+        staging = self.directory / "staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        total, expected = 0, {}
+        for i, bucket in enumerate(buckets(weights(), self.spec.bucket_mb)):
+            tensors = {name: t.contiguous() for name, t in bucket.unpack()}
+            if self.spec.verify:
+                expected.update(fingerprint(tensors.items()))
+            save_file(tensors, str(staging / f"part-{i:05d}.safetensors"))
+            total += bucket.nbytes
+        shutil.rmtree(version, ignore_errors=True)
+        staging.rename(version)  # the engine never sees a half-written version
+        engine.receive(CheckpointTransport.receive, {"path": str(version), "expected": expected or None})
+        return total
+
+    @staticmethod
+    def receive(engine, payload) -> None:
+        loaded = {}
+        for file in sorted(Path(payload["path"]).glob("*.safetensors")):
+            loaded.update(load_file(str(file)))
+        engine.load_weights(loaded.items())
+        if payload["expected"]:
+            names = set(payload["expected"])
+            compare_fingerprints(payload["expected"], fingerprint((n, t) for n, t in engine.named_weights() if n in names))
+
+    def close(self) -> None:
+        if self._owned:
+            shutil.rmtree(self.directory, ignore_errors=True)
