@@ -148,13 +148,18 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
     """log p(input_ids[:, t] | input_ids[:, :t]) at `temperature`, aligned with `input_ids` (column 0 is 0)."""
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    logp = torch.log_softmax(_at_least_fp32(logits[:, :-1]) / temperature, dim=-1)
     picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0))
 
 
 def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """Entropy of the next-token distribution at `temperature`, aligned like `token_logprobs`."""
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    logp = torch.log_softmax(_at_least_fp32(logits[:, :-1]) / temperature, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))
+
+
+def _at_least_fp32(t: Tensor) -> Tensor:
+    """bf16/fp16 logits are upcast before log_softmax (as verl and TRL do); fp64 stays fp64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))

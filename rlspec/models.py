@@ -62,6 +62,13 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
+def check_model_spec(spec: ModelSpec) -> None:
+    """Refuse an unknown preset before anything is built (a local `path` is checked by the compiler)."""
+    if spec.path is None and spec.preset not in PRESETS:
+        raise SpecError("model.preset", f"unknown preset {spec.preset!r}",
+                        f"use one of: {', '.join(PRESETS)}, or set model.path to a local model directory")
+
+
 def preset_config(name: str, attn_implementation: str = "eager"):
     from transformers import AutoConfig
 
@@ -114,6 +121,9 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, seed: int) -> torch.nn.M
 def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None, path: Path,
             state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """`save_pretrained` in safetensors (merging LoRA adapters into the base weights first)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per shard would interleave with the run's own progress
     if hasattr(model, "merge_and_unload"):
         import copy
 

@@ -14,6 +14,7 @@ from .checkpoints import Checkpoints, step_of
 from .errors import SpecError
 from .loop import train
 from .metrics import read_metrics
+from .models import check_model_spec
 from .spec import RunPlan, compile_plan, load_spec
 from .tasks import Task, build_task
 
@@ -21,6 +22,7 @@ from .tasks import Task, build_task
 def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | None = None) -> tuple[RunPlan, Task]:
     """Compose, validate and compile; also build the task so its data file and reward kwargs are checked."""
     spec = load_spec(spec_path, overrides, backend)
+    check_model_spec(spec.model)
     plan = compile_plan(spec, all_caps())
     task = build_task(plan.spec.rollout.task, plan.spec.algorithm.seed)
     return plan, task

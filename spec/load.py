@@ -99,10 +99,13 @@ def _compose(path: Path, overrides: list[str], declared: set[str]):
         GlobalHydra.instance().clear()
 
 
-def _root_cause(err: BaseException) -> BaseException:
-    while err.__cause__ is not None:
-        err = err.__cause__
-    return err
+def _chain(err: BaseException) -> list[BaseException]:
+    """`err` and the exceptions it was raised from or during, outermost first."""
+    seen: list[BaseException] = []
+    while err is not None and err not in seen:
+        seen.append(err)
+        err = err.__cause__ or err.__context__
+    return seen
 
 
 def _from_omegaconf(err: OmegaConfBaseException, source: str) -> SpecError:
@@ -118,10 +121,12 @@ def _from_omegaconf(err: OmegaConfBaseException, source: str) -> SpecError:
 def _from_hydra(err: BaseException, source: str, overrides: list[str]) -> SpecError:
     from hydra.errors import MissingConfigException, OverrideParseException
 
-    cause = _root_cause(err)
+    chain = _chain(err)
+    cause = chain[-1]
     text = str(err)
-    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
-        return _from_omegaconf(cause, source)
+    keyed = [e for e in chain if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None)]
+    if keyed and "Could not override" not in text:
+        return _from_omegaconf(keyed[0], source)
     if isinstance(err, OverrideParseException) or isinstance(cause, OverrideParseException):
         return SpecError("overrides", f"cannot parse override: {text.splitlines()[0]}",
                          "write overrides as key.path=value, e.g. algorithm.lr=1e-5")

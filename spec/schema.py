@@ -49,7 +49,7 @@ def _non_negative(value: float, where: str) -> None:
 
 
 def _finite(value: float, where: str) -> None:
-    require(math.isfinite(value), where, f"must be a finite number, got {value}")
+    require(math.isfinite(value), where, f"must be a finite number, got {value}", f"set {where} to a finite number")
 
 
 @dataclass
@@ -107,7 +107,7 @@ class AlgorithmSpec(_Section):
         _non_negative(self.weight_decay, f"{p}.weight_decay")
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
-            require(0 <= value < 1, f"{p}.{name}", f"must be in [0, 1), got {value}")
+            require(0 <= value < 1, f"{p}.{name}", f"must be in [0, 1), got {value}", "the usual values are 0.9 and 0.999")
         _positive(self.adam_eps, f"{p}.adam_eps")
         _non_negative(self.max_grad_norm, f"{p}.max_grad_norm")
         for name in ("clip_eps_low", "clip_eps_high"):
@@ -147,7 +147,7 @@ class LoraSpec(_Section):
         p = "model.lora"
         _non_negative(self.r, f"{p}.r")
         _positive(self.alpha, f"{p}.alpha")
-        require(0 <= self.dropout < 1, f"{p}.dropout", f"must be in [0, 1), got {self.dropout}")
+        require(0 <= self.dropout < 1, f"{p}.dropout", f"must be in [0, 1), got {self.dropout}", "use 0.0 to 0.1")
         if self.r:
             require(len(self.target_modules) > 0, f"{p}.target_modules", "is empty while model.lora.r > 0",
                     "name at least one module, e.g. [q_proj, v_proj]")
@@ -225,9 +225,9 @@ class RolloutSpec(_Section):
         _positive(self.max_new_tokens, f"{p}.max_new_tokens")
         _positive(self.max_prompt_tokens, f"{p}.max_prompt_tokens")
         _positive(self.temperature, f"{p}.temperature")
-        require(0 < self.top_p <= 1, f"{p}.top_p", f"must be in (0, 1], got {self.top_p}")
+        require(0 < self.top_p <= 1, f"{p}.top_p", f"must be in (0, 1], got {self.top_p}", "use 1.0 to sample from the full distribution")
         require(0 < self.gpu_memory_fraction <= 1, f"{p}.gpu_memory_fraction",
-                f"must be in (0, 1], got {self.gpu_memory_fraction}")
+                f"must be in (0, 1], got {self.gpu_memory_fraction}", "e.g. 0.5")
         _positive(self.tensor_parallel_size, f"{p}.tensor_parallel_size")
 
 

@@ -1,0 +1,52 @@
+"""The hf engine: group layout, end-of-sequence handling, and its log-probs versus the trainer's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlspec.batch import TrainBatch
+from rlspec.models import byte_tokenizer, load_model
+from rlspec.policy import batch_logprobs
+from rlspec.rollout.base import collate, engine_logprobs_tensor
+from rlspec.rollout.hf import HFEngine
+from rlspec.spec import ModelSpec, RolloutSpec
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return HFEngine(load_model(ModelSpec(), seed=0), byte_tokenizer(), RolloutSpec(max_new_tokens=12, temperature=0.8), "cpu")
+
+
+def test_groups_lengths_and_reproducibility(engine):
+    rollout = engine.generate(["a=", "bcd="], n=3, seed=5)
+    assert len(rollout.completion_ids) == 6
+    assert rollout.prompt_ids[:3] == [[101, 65]] * 3 and rollout.prompt_ids[3] == [102, 103, 104, 65]
+    eos = engine.tokenizer.eos_token_id
+    for ids, logps in zip(rollout.completion_ids, rollout.completion_logprobs):
+        assert 1 <= len(ids) <= 12 and len(logps) == len(ids)
+        assert eos not in ids[:-1], "nothing is kept after the first end-of-sequence token"
+        assert all(lp <= 0 for lp in logps)
+    assert engine.generate(["a=", "bcd="], n=3, seed=5).completion_ids == rollout.completion_ids
+    assert engine.generate(["a=", "bcd="], n=3, seed=6).completion_ids != rollout.completion_ids
+
+
+def test_engine_logprobs_match_trainer_forward(engine):
+    """Left-padded sampling and right-padded training give the same token log-probs."""
+    rollout = engine.generate(["a=", "bcd=", "hello="], n=2, seed=1)
+    batch = collate(rollout, torch.zeros(6), torch.zeros(6), engine.tokenizer.pad_token_id)
+    trainer = batch_logprobs(engine.model, batch, temperature=0.8, micro_batch_size=4, device="cpu")
+    diff = ((trainer - engine_logprobs_tensor(rollout, batch)) * batch.loss_mask).abs().max().item()
+    assert diff < 1e-5, diff
+
+
+def test_collate_masks():
+    from rlspec.rollout.base import Rollout
+
+    rollout = Rollout([[5, 6], [7]], [[8, 2], [9, 10, 11]], [[-1.0, -2.0], [-1.0, -1.0, -1.0]], ["", ""])
+    batch: TrainBatch = collate(rollout, torch.tensor([1.0, -1.0]), torch.tensor([1.0, 0.0]), pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 8, 2], [7, 9, 10, 11]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
+    trimmed = collate(Rollout([[5]], [[6]], [[-1.0]], [""]), torch.zeros(1), torch.zeros(1), 0)
+    assert trimmed.input_ids.shape == (1, 2)

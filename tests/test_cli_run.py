@@ -1,0 +1,113 @@
+"""`rlspec run` end to end through the real entry point: outputs, exit codes, refusal, resume, learning."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+
+import pytest
+import torch
+
+from rlspec.cli import _parser
+from rlspec.metrics import METRIC_KEYS, read_metrics
+from tests.conftest import REPO, rlspec_cmd
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(rlspec_cmd(*args), capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "out"
+    proc = run_cli("run", "examples/tiny.yaml", "algorithm.steps=4", "checkpoint.every_n_steps=2",
+                   "checkpoint.keep_last=0", "--out", str(out), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_outputs_follow_the_contract(short_run):
+    plan = json.loads((short_run / "plan.json").read_text())
+    assert plan["backend"] == "standalone" and plan["spec"]["algorithm"]["steps"] == 4
+    rows = read_metrics(short_run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for row in rows:
+        assert set(METRIC_KEYS) <= set(row)
+        assert row["kl"] is None  # kl_coef = 0: no reference model, nothing measured
+        assert row["timing_s/step"] >= row["timing_s/gen"] + row["timing_s/train"]
+        assert row["perf/tokens_per_s"] > 0 and row["mem/peak_gb"] > 0
+    assert sorted(p.name for p in (short_run / "checkpoints").iterdir()) == ["step_000001", "step_000003"]
+    assert list((short_run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_checkpoint_loads_with_from_pretrained(short_run):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = short_run / "checkpoints" / "step_000003"
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    assert tokenizer("a=").input_ids == [101, 65]
+    saved = load_file(ckpt / "model.safetensors")
+    for name, tensor in model.state_dict().items():
+        if name in saved:
+            assert torch.equal(tensor, saved[name])
+    first = load_file(short_run / "checkpoints" / "step_000001" / "model.safetensors")
+    assert any(not torch.equal(first[k], saved[k]) for k in saved), "weights should change between checkpoints"
+
+
+def test_existing_run_is_refused_and_left_intact(short_run):
+    before = (short_run / "metrics.jsonl").read_bytes()
+    proc = run_cli("run", "examples/tiny.yaml", "algorithm.steps=4", "--out", str(short_run), "--no-progress")
+    assert proc.returncode == 2 and "--out" in proc.stderr and "--resume" in proc.stderr
+    assert (short_run / "metrics.jsonl").read_bytes() == before
+
+
+def test_resume_continues_from_the_latest_checkpoint(short_run, tmp_path):
+    import shutil
+
+    out = tmp_path / "resumed"
+    shutil.copytree(short_run, out)
+    shutil.rmtree(out / "checkpoints" / "step_000003")  # pretend the run died after step 1's checkpoint
+    proc = run_cli("run", "examples/tiny.yaml", "algorithm.steps=4", "checkpoint.every_n_steps=2",
+                   "checkpoint.keep_last=0", "--out", str(out), "--resume", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    original = read_metrics(short_run / "metrics.jsonl")
+    assert rows[2]["reward/mean"] == original[2]["reward/mean"]  # same sampling seed per step
+    mismatch = run_cli("run", "examples/tiny.yaml", "algorithm.steps=5", "--out", str(out), "--resume")
+    assert mismatch.returncode == 2 and "spec differs" in mismatch.stderr
+
+
+def test_run_failure_exits_1_with_traceback(tmp_path):
+    proc = run_cli("run", "examples/tiny.yaml", "hardware.device=cuda", "--out", str(tmp_path / "o"), "--no-progress")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert proc.returncode == 1
+    assert "no CUDA device" in proc.stderr
+
+
+def test_cli_surface_is_frozen():
+    """The flags are a public contract: adding one is fine, renaming or dropping one must show up here."""
+    sub = {a.dest: a for a in _parser()._actions if a.dest == "command"}["command"]
+    flags = {name: sorted(o for act in p._actions for o in act.option_strings if o not in ("-h", "--help"))
+             for name, p in sub.choices.items()}
+    assert flags == {
+        "run": ["--backend", "--no-progress", "--out", "--resume"],
+        "plan": ["--backend"],
+        "conformance": ["--backends", "--dump", "--json"],
+    }
+
+
+def test_tiny_example_learns(tmp_path):
+    """The issue's criterion: last-10 mean reward >= 2x the first-10 mean and higher by >= 0.2."""
+    out = tmp_path / "tiny"
+    proc = run_cli("run", "examples/tiny.yaml", "--out", str(out), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    rewards = [r["reward/mean"] for r in read_metrics(out / "metrics.jsonl")]
+    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+    assert last >= 2 * first and last - first >= 0.2, (first, last)
+    # above 1/len(alphabet) = 0.25, the policy must be reading the prompt's letter
+    assert last > 0.5, (first, last)

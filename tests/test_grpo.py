@@ -1,0 +1,152 @@
+"""GRPO math against a plain per-token loop, hand-computed cases, and micro-batch invariance."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from rlspec.grpo import LossConfig, LossNorm, group_advantages, kl_penalty, policy_loss, token_logprobs
+
+
+def loop_advantages(rewards: list[float], group_size: int, norm: str, eps: float) -> list[float]:
+    out = []
+    for g in range(0, len(rewards), group_size):
+        group = rewards[g:g + group_size]
+        mean = sum(group) / len(group)
+        var = sum((r - mean) ** 2 for r in group) / (len(group) - 1)
+        for r in group:
+            out.append((r - mean) / (math.sqrt(var) + eps) if norm == "group_std" else r - mean)
+    return out
+
+
+def loop_loss(logp, old, ref, adv, mask, cfg: LossConfig, max_new_tokens: int) -> float:
+    """The formulas of rlspec.grpo's docstring, one token at a time in plain Python floats."""
+    per_seq_sums, per_seq_counts = [], []
+    for i in range(len(logp)):
+        total, count = 0.0, 0
+        for t in range(len(logp[i])):
+            if not mask[i][t]:
+                continue
+            a = adv[i]
+            ratio = math.exp(logp[i][t] - old[i][t])
+            clipped_ratio = min(max(ratio, 1 - cfg.clip_eps_low), 1 + cfg.clip_eps_high)
+            loss = max(-a * ratio, -a * clipped_ratio)
+            if cfg.dual_clip_c is not None and a < 0:
+                loss = min(loss, -a * cfg.dual_clip_c)
+            if cfg.kl_coef > 0:
+                d = ref[i][t] - logp[i][t]
+                kl = (logp[i][t] - ref[i][t]) if cfg.kl_estimator == "k1" else math.exp(d) - d - 1
+                loss += cfg.kl_coef * kl
+            total += loss
+            count += 1
+        per_seq_sums.append(total)
+        per_seq_counts.append(count)
+    n = len(logp)
+    if cfg.loss_agg == "token-mean":
+        return sum(per_seq_sums) / sum(per_seq_counts)
+    if cfg.loss_agg == "seq-mean-token-mean":
+        return sum(s / max(c, 1) for s, c in zip(per_seq_sums, per_seq_counts)) / n
+    return sum(per_seq_sums) / (n * max_new_tokens)
+
+
+def random_case(seed: int, n: int = 6, length: int = 9):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(n, length, generator=g, dtype=torch.float64) * 3
+    old = logp + (torch.rand(n, length, generator=g, dtype=torch.float64) - 0.5) * 0.8  # ratios well outside the clip
+    ref = logp + (torch.rand(n, length, generator=g, dtype=torch.float64) - 0.5)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = torch.zeros(n, length, dtype=torch.float64)
+    for i in range(n):
+        start = 2 + i % 3
+        mask[i, start:start + 1 + (i * 5) % (length - start)] = 1
+    return logp, old, ref, adv, mask
+
+
+CONFIGS = [LossConfig(loss_agg=agg, kl_coef=kl, kl_estimator=est, dual_clip_c=dual, clip_eps_high=high)
+           for agg, (kl, est), dual, high in itertools.product(
+               ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+               ((0.0, "k3"), (0.1, "k1"), (0.05, "k3")), (None, 3.0), (0.2, 0.28))]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss_agg}-kl{c.kl_coef}{c.kl_estimator}-dual{c.dual_clip_c}-hi{c.clip_eps_high}")
+def test_loss_equals_per_token_loop(cfg):
+    logp, old, ref, adv, mask = random_case(seed=7)
+    norm = LossNorm.of(mask, max_new_tokens=12)
+    loss, stats = policy_loss(logp, old, adv, mask, norm, cfg, ref)
+    expected = loop_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), cfg, 12)
+    assert loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-14)
+    assert stats["tokens"] == mask.sum().item()
+
+
+def test_advantages_equal_loop_and_hand_values():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    got = group_advantages(rewards, 4, "group_std", 1e-6)
+    assert got.tolist() == pytest.approx(loop_advantages(rewards.tolist(), 4, "group_std", 1e-6), abs=1e-6)
+    # group 1: mean 0.5, unbiased std sqrt(1/3); a constant group has zero advantage, not NaN
+    assert got[0].item() == pytest.approx(0.5 / (math.sqrt(1 / 3) + 1e-6), rel=1e-6)
+    assert got[4:].tolist() == [0.0] * 4
+    assert group_advantages(rewards, 4, "none").tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+
+
+def test_hand_computed_clip_and_dual_clip():
+    mask = torch.tensor([[0.0, 1.0]])
+    norm = LossNorm.of(mask, 4)
+    # ratio e^{0.5} = 1.6487 with A = +1: clipped at 1.2 -> loss -1.2, the token counts as clipped
+    loss, stats = policy_loss(torch.tensor([[0.0, 0.5]]), torch.zeros(1, 2), torch.tensor([1.0]), mask, norm, LossConfig())
+    assert loss.item() == pytest.approx(-1.2)
+    assert stats["clipped_tokens"] == 1
+    # A = -1 with ratio e^{2} = 7.389: PPO gives 7.389; dual-clip with c = 3 caps it at 3
+    logp = torch.tensor([[0.0, 2.0]])
+    plain, _ = policy_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), mask, norm, LossConfig())
+    dual, _ = policy_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), mask, norm, LossConfig(dual_clip_c=3.0))
+    assert plain.item() == pytest.approx(math.exp(2.0))
+    assert dual.item() == pytest.approx(3.0)
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) + 0.5 - 1)
+    assert kl_penalty(logp, logp, "k3").item() == 0.0
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_split_into_micro_batches_and_ranks_sums_to_whole(agg):
+    """Global normalisers make the loss and its gradient invariant to how the batch is split."""
+    logp, old, ref, adv, mask = random_case(seed=3, n=8)
+    cfg = LossConfig(loss_agg=agg, kl_coef=0.1)
+    norm = LossNorm.of(mask, 12)
+    whole_logp = logp.clone().requires_grad_(True)
+    whole, _ = policy_loss(whole_logp, old, adv, mask, norm, cfg, ref)
+    whole.backward()
+    split_logp = logp.clone().requires_grad_(True)
+    total = 0.0
+    for rows in ([0, 1, 2], [3], [4, 5, 6, 7]):  # uneven pieces, uneven token counts
+        part, _ = policy_loss(split_logp[rows], old[rows], adv[rows], mask[rows], norm, cfg, ref[rows])
+        part.backward()
+        total += part.item()
+    assert total == pytest.approx(whole.item(), rel=1e-12)
+    torch.testing.assert_close(split_logp.grad, whole_logp.grad, rtol=0, atol=1e-15)
+
+
+def test_local_normaliser_is_not_invariant():
+    """The bug the global normaliser prevents: per-shard token-mean averaged over shards differs."""
+    logp, old, _, adv, mask = random_case(seed=3, n=8)
+    cfg = LossConfig()
+    whole, _ = policy_loss(logp, old, adv, mask, LossNorm.of(mask, 12), cfg)
+    halves = [policy_loss(logp[s], old[s], adv[s], mask[s], LossNorm.of(mask[s], 12), cfg)[0] for s in (slice(0, 4), slice(4, 8))]
+    assert abs((halves[0] + halves[1]).item() / 2 - whole.item()) > 1e-3
+
+
+def test_token_logprobs_alignment():
+    logits = torch.randn(2, 5, 7, dtype=torch.float64)
+    ids = torch.randint(0, 7, (2, 5))
+    got = token_logprobs(logits, ids, temperature=0.7)
+    assert got[:, 0].tolist() == [0.0, 0.0]
+    for b in range(2):
+        for t in range(1, 5):
+            want = torch.log_softmax(logits[b, t - 1] / 0.7, -1)[ids[b, t]]
+            assert got[b, t].item() == pytest.approx(want.item(), rel=1e-12)
