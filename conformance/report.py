@@ -53,7 +53,12 @@ def compare(backend: str, case: str, metric: str, measured: float, reference: fl
 
 
 def error_check(backend: str, case: str, metric: str, err: BaseException, transport: str | None = None) -> Check:
-    return Check(backend, transport, case, metric, None, None, False, f"{type(err).__name__}: {err}")
+    """A check that could not be measured because the backend (or transport) raised."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith("<")]
+    where = f" (raised at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return Check(backend, transport, case, metric, None, None, False, f"{type(err).__name__}: {err}{where}")
 
 
 @dataclass
