@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from ..backend import backend_class, backend_names
 from ..loop import update
 from ..spec import BackendCaps, compile_plan
-from .cases import CASES, Case, case_by_name, case_spec
+from .cases import CASES, NUM_THREADS, Case, case_by_name, case_spec
 from .fixture import Fixture, build_fixture, dump_fixture
 from .reference import CaseRun, run_backend, run_reference
 from .report import Check, Report, Skipped, compare, error_check
@@ -58,7 +59,14 @@ def run_suite(backends: BackendsArg = None, cases: Iterable[str | Case] | None =
     start = time.perf_counter()
     classes = resolve_backends(backends)
     selected = [case_by_name(c) if isinstance(c, str) else c for c in cases] if cases is not None else list(CASES)
-    say = progress or (lambda _: None)
+    with _torch_threads(NUM_THREADS):
+        report = _run(classes, selected, sync, dump, progress or (lambda _: None))
+    report.wall_s = time.perf_counter() - start
+    return report
+
+
+def _run(classes: dict[str, type], selected: list[Case], sync: bool, dump: str | Path | None,
+         say: Callable[[str], None]) -> Report:
     fixture = build_fixture()
     dumper = _Dumper(Path(dump)) if dump is not None else None
     if dumper:
@@ -72,8 +80,18 @@ def run_suite(backends: BackendsArg = None, cases: Iterable[str | Case] | None =
         if sync:
             say(f"conformance: {name} weight sync")
             report.extend(check_sync(name, cls, fixture))
-    report.wall_s = time.perf_counter() - start
     return report
+
+
+@contextmanager
+def _torch_threads(num_threads: int) -> Iterator[None]:
+    """The reference and in-process backends run with the threads the cases' `hardware.num_threads` names."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def check_case(name: str, cls: type, case: Case, fixture: Fixture, references: dict[str, CaseRun] | None = None,

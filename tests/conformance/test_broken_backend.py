@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -83,3 +84,17 @@ def test_local_token_count_normalisation_is_caught() -> None:
     assert "backend " in line and "vs reference " in line and "> tolerance" in line
     with pytest.raises(AssertionError, match="grad_norm/step0"):
         report.raise_for_failures()
+
+
+def test_cli_exits_1_and_json_names_the_failures(tmp_path, monkeypatch, capsys) -> None:
+    from rlspec.conformance import cli, suite
+
+    monkeypatch.setattr(suite, "backend_class", lambda name: LocalTokenMeanBackend)
+    out = tmp_path / "conf.json"
+    assert cli.main("broken_local_norm", str(out), None) == 1
+    report = json.loads(out.read_text())
+    assert report["passed"] is False
+    failed = {(c["case"], c["metric"]) for c in report["checks"] if not c["passed"]}
+    assert ("token_mean_adamw_microbatch", "grad_norm/step0") in failed
+    assert ("token_mean_sgd", "weights/max_abs_diff") in failed
+    assert "conformance FAILED" in capsys.readouterr().out
