@@ -28,3 +28,11 @@ def test_every_case_compiles_on_two_ranks_and_some_accumulate() -> None:
     assert aggs == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
     assert {p.spec.algorithm.optimizer for p in plans} == {"adamw", "sgd"}
     assert {p.needs_reference_model for p in plans} == {True, False}
+
+
+def test_every_tolerance_states_its_reason() -> None:
+    from rlspec.conformance import TOLERANCES
+
+    assert {"loss", "grad_norm", "kl", "weights/adamw", "weights/sgd", "sync/logprobs"} <= set(TOLERANCES)
+    for name, tol in TOLERANCES.items():
+        assert tol.atol > 0 and tol.rtol >= 0 and len(tol.reason) > 40, name
