@@ -29,6 +29,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("spec")
     plan.add_argument("--backend")
 
+    bench = sub.add_parser("bench", help="run one spec on several backends and compare throughput",
+                           usage="rlspec bench SPEC [key=value ...] [--backends a,b] [--out DIR]")
+    bench.add_argument("spec")
+    bench.add_argument("--backends", help="comma-separated backend names (default: the spec's backend)")
+    bench.add_argument("--out", help="output directory (default outputs/bench/<spec>/<time>)")
+    bench.add_argument("--warmup-steps", type=int, default=1, help="steps left out of the medians")
+
     conf = sub.add_parser("conformance", help="check that backends compute the same GRPO step as the reference")
     conf.add_argument("--backends", help="comma-separated backend names (default: all registered)")
     conf.add_argument("--json", dest="json_path", help="write the checks as JSON to this file")
@@ -41,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Overrides (key=value, Hydra syntax) may stand anywhere after the spec, between options too.
     args, extra = parser.parse_known_args(argv)
     flags = [a for a in extra if a.startswith("-")]
-    if flags or (extra and args.command not in ("run", "plan")):
+    if flags or (extra and args.command not in ("run", "plan", "bench")):
         parser.error(f"unrecognized arguments: {' '.join(flags or extra)}")
     args.overrides = extra
     try:
@@ -74,6 +81,18 @@ def _dispatch(args: argparse.Namespace) -> int:
         out = run(args.spec, args.overrides, args.backend, args.out, args.resume,
                   progress=False if args.no_progress else None)
         print(f"rlspec: run finished; outputs in {out}", file=sys.stderr)
+        return EXIT_OK
+    if args.command == "bench":
+        from pathlib import Path
+
+        from .bench import bench, table
+        from .run import default_out_dir
+        from .spec import load_spec
+
+        names = args.backends.split(",") if args.backends else [load_spec(args.spec, args.overrides).backend]
+        out = Path(args.out) if args.out else default_out_dir(args.spec, root="outputs/bench")
+        print(table(bench(args.spec, args.overrides, names, out, args.warmup_steps)))
+        print(f"rlspec: bench written to {out}/bench.json", file=sys.stderr)
         return EXIT_OK
     if args.command == "conformance":
         from .conformance.cli import main as conformance_main

@@ -28,8 +28,8 @@ def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | Non
     return plan, task
 
 
-def default_out_dir(spec_path: str) -> Path:
-    return Path("outputs") / Path(spec_path).stem / time.strftime("%Y%m%d-%H%M%S")
+def default_out_dir(spec_path: str, root: str = "outputs") -> Path:
+    return Path(root) / Path(spec_path).stem / time.strftime("%Y%m%d-%H%M%S")
 
 
 def prepare_out_dir(out: Path, plan: RunPlan, resume: bool) -> int:

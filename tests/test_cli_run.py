@@ -97,6 +97,7 @@ def test_cli_surface_is_frozen():
     assert flags == {
         "run": ["--backend", "--no-progress", "--out", "--resume"],
         "plan": ["--backend"],
+        "bench": ["--backends", "--out", "--warmup-steps"],
         "conformance": ["--backends", "--dump", "--json"],
     }
 
@@ -111,3 +112,14 @@ def test_tiny_example_learns(tmp_path):
     assert last >= 2 * first and last - first >= 0.2, (first, last)
     # above 1/len(alphabet) = 0.25, the policy must be reading the prompt's letter
     assert last > 0.5, (first, last)
+
+
+def test_bench_writes_table_json_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    proc = run_cli("bench", "examples/tiny.yaml", "algorithm.steps=3", "--backends", "standalone", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "bench.json").read_text())
+    row = report["backends"]["standalone"]
+    assert row["steps_measured"] == 2 and row["perf/tokens_per_s"] > 0
+    assert "perf/tokens_per_s" in proc.stdout and (out / "bench.png").stat().st_size > 0
+    assert (out / "standalone" / "metrics.jsonl").is_file()
