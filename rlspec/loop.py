@@ -103,7 +103,8 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     """Run steps `start_step .. algorithm.steps - 1`; checkpoint every N steps and at the end."""
     spec = plan.spec
     engine = backend.rollout_engine()
-    transport.connect(engine)
+    weights = backend.weight_source()
+    transport.connect(engine, weights)
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
     log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress)
     try:
@@ -116,7 +117,7 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
                 sync_bytes = 0
                 if (step + 1) % spec.sync.every_n_steps == 0:
                     with timer("sync"):
-                        sync_bytes = transport.push(backend.export_weights, engine)
+                        sync_bytes = transport.push(weights, engine)
             log.log(metrics_row(plan, step, result, timer, sync_bytes))
             last = step == spec.algorithm.steps - 1
             every = spec.checkpoint.every_n_steps
