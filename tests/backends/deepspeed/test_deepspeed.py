@@ -99,6 +99,8 @@ def test_matches_local_trainer_and_transports(ray_session, case):
         worst = sorted(((float((have[n] - want[n]).abs().max()), int(((have[n] - want[n]).abs() > 1e-5).sum()), n)
                         for n in want), reverse=True)[:3]
         print("  worst tensors (max diff, #elements > 1e-5, name):", worst)
+        # AdamW's first steps are ~lr * sign(g): the few elements whose gradient is ~0 amplify rounding
+        # differences (the reference alone moves 2.7e-5 between micro-batch sizes 1 and 2); SGD is exact.
         assert diff < (2e-4 if "adamw" in case else 1e-6)
         # Every transport this backend offers: after a push, the engine scores like the trainer.
         engine = backend.rollout_engine()
@@ -117,3 +119,75 @@ def test_matches_local_trainer_and_transports(ray_session, case):
     finally:
         backend.shutdown()
         backend.shutdown()  # idempotent
+
+
+def rlspec_run(out: Path, *overrides: str, env: dict | None = None, ranks: int = 2) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rlspec.cli", "run", str(TINY), "--backend", "deepspeed", "--out", str(out),
+           "--no-progress", f"hardware.num_trainer_ranks={ranks}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})})
+
+
+def test_cli_run_smoke(tmp_path):
+    proc = rlspec_run(tmp_path / "run", "algorithm.steps=3", "checkpoint.every_n_steps=0")
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["sync/bytes"] > 0 for r in rows)
+    final = tmp_path / "run" / "checkpoints" / "step_000002"
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(final)  # save() wrote a loadable HF directory
+    assert (final / "optimizer_zero3").is_dir()
+
+
+def _actor_pids(root_pid: int, title: str) -> list[int]:
+    import psutil
+
+    procs = psutil.Process(root_pid).children(recursive=True)
+    return [p.pid for p in procs if title in " ".join(_cmdline(p))]
+
+
+def _cmdline(proc) -> list[str]:
+    try:
+        return proc.cmdline()
+    except Exception:  # noqa: BLE001 - the process went away
+        return []
+
+
+def test_watchdog_killed_rank_stops_run(tmp_path):
+    """SIGKILL trainer rank actor mid-run: exit 1 within 30 s, naming the dead rank."""
+    out = tmp_path / "killed"
+    proc = rlspec_run(out, "algorithm.steps=200")
+    try:
+        deadline = time.monotonic() + 300
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.5)
+        pids = _actor_pids(proc.pid, "DeepSpeedWorker")
+        assert len(pids) == 2, pids
+        os.kill(max(pids), 9)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"\nkilled a trainer rank; the run exited with {proc.returncode} after {elapsed:.1f} s")
+    assert proc.returncode == 1, err[-4000:]
+    assert elapsed < 30
+    assert "run failed: trainer rank" in err and "died" in err, err[-4000:]
+
+
+def test_watchdog_raising_rank_reports_traceback(tmp_path):
+    """A rank that raises (test hook RLSPEC_FAULT_INJECT) stops the run with its Python traceback."""
+    start = time.monotonic()
+    proc = rlspec_run(tmp_path / "raised", "algorithm.steps=50", env={"RLSPEC_FAULT_INJECT": "rank=1,step=2,mode=raise"})
+    _, err = proc.communicate(timeout=400)
+    print(f"\nraising rank: exit {proc.returncode} after {time.monotonic() - start:.1f} s (incl. start-up)")
+    assert proc.returncode == 1, err[-4000:]
+    assert "trainer rank 1 failed: RuntimeError" in err
+    assert "injected fault" in err and "worker.py" in err and "forward_backward" in err  # the worker's traceback
