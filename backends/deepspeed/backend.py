@@ -21,7 +21,7 @@ from ...batch import TrainBatch
 from ...errors import RunError
 from ...grpo import LossNorm
 from ...policy import add_stats
-from ...spec import BackendCaps, RunPlan
+from ...spec import BackendCaps, RunPlan, SpecError
 
 CPUS_PER_ACTOR = 0.5
 """Fractional CPUs per actor on CPU: whole CPUs per actor deadlock a 2-core node (PLATFORM.md)."""
@@ -57,6 +57,10 @@ class DeepSpeedBackend:
         self.plan = plan
         hw = plan.spec.hardware
         cuda = plan.placement.device == "cuda"
+        if cuda and plan.sync_method == "nccl" and plan.placement.rollout == "colocated":
+            raise SpecError("sync.method", "sync.method=nccl with hardware.rollout=colocated would put trainer rank 0 "
+                            "and engine 0 on one GPU, which one communicator cannot hold",
+                            "use sync.method=ray (or auto), or hardware.rollout=separate")
         start_ray(hw.ray_address)
         world, num_engines = hw.num_trainer_ranks, hw.num_rollout_engines
         colocated = plan.placement.rollout == "colocated"

@@ -71,8 +71,9 @@ CASES = {
     "adamw_token_mean": ["algorithm.optimizer=adamw", "algorithm.lr=1e-2", "algorithm.micro_batch_size=2"],
     "sgd_seq_mean_kl": ["algorithm.optimizer=sgd", "algorithm.lr=1e-1", "algorithm.micro_batch_size=3",
                         "algorithm.loss_agg=seq-mean-token-mean", "algorithm.kl_coef=0.1"],
-    "sgd_sum_norm_clip": ["algorithm.optimizer=sgd", "algorithm.lr=1e-1", "algorithm.micro_batch_size=4",
-                          "algorithm.loss_agg=seq-mean-token-sum-norm", "algorithm.max_grad_norm=0.05"],
+    "sgd_sum_norm_clip_ckpt": ["algorithm.optimizer=sgd", "algorithm.lr=1e-1", "algorithm.micro_batch_size=4",
+                          "algorithm.loss_agg=seq-mean-token-sum-norm", "algorithm.max_grad_norm=0.05",
+                          "model.gradient_checkpointing=true"],
 }
 
 
