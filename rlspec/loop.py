@@ -67,8 +67,8 @@ def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
         norm = LossNorm.of(mini.loss_mask, plan.spec.rollout.max_new_tokens)
         stats = backend.forward_backward(mini, norm)
         grad_norms.append(backend.optimizer_step())
-        for key, value in stats.items():
-            totals[key] = totals.get(key, 0.0) + value
+        for key, value in stats.items():  # sums over mini-batches; a peak is a peak
+            totals[key] = max(totals.get(key, 0.0), value) if key == "peak_mem_gb" else totals.get(key, 0.0) + value
     return StepResult(batch, totals, grad_norms)
 
 
@@ -105,6 +105,8 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     engine = backend.rollout_engine()
     weights = backend.weight_source()
     transport.connect(engine, weights)
+    if start_step:  # resumed: the engine holds the initial weights, not the checkpoint's
+        transport.push(weights, engine)
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
     log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress)
     try:
