@@ -18,10 +18,9 @@ import torch
 from torch import Tensor
 
 from ...batch import TrainBatch
-from ...grpo import LossConfig, LossNorm
+from ...grpo import LossConfig, LossNorm, token_logprobs
 from ...models import load_model, load_tokenizer, save_hf
-from ...policy import STAT_KEYS, accumulate, forward_logits
-from ...grpo import token_logprobs
+from ...policy import accumulate, forward_logits
 from ...spec import RunPlan
 from ...trainer import build_optimizer
 

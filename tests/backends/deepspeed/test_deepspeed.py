@@ -193,7 +193,8 @@ def test_watchdog_killed_rank_stops_run(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    print(f"\nkilled a trainer rank; the run exited with {proc.returncode} after {elapsed:.1f} s")
+    print(f"\nkilled a trainer rank; the run exited with {proc.returncode} after {elapsed:.1f} s; stderr ends:\n"
+          + "\n".join(line for line in err.splitlines() if "rlspec" in line or "died" in line.lower())[-1500:])
     assert proc.returncode == 1, err[-4000:]
     assert elapsed < 30
     assert "run failed: trainer rank" in err and "died" in err, err[-4000:]
