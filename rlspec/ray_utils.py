@@ -34,8 +34,9 @@ def start_ray(address: str | None) -> bool:
         return True
     # A private local cluster on this machine: token auth would need a token the workers cannot have.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), object_store_memory=1 << 30, include_dashboard=False,
-             log_to_driver=True)
+    # address="local": a new cluster even if `ray start` left one (or its stale record) on this machine.
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), object_store_memory=1 << 30,
+             include_dashboard=False, log_to_driver=True)
     return True
 
 
