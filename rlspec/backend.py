@@ -19,7 +19,7 @@ from .batch import TrainBatch
 from .grpo import LossNorm
 from .rollout.base import RolloutEngine
 from .spec import BackendCaps, RunPlan, SpecError
-from .sync.base import WeightSource
+from .sync.base import LocalWeights, WeightSource
 
 ENTRY_POINT_GROUP = "rlspec.backends"
 
@@ -97,3 +97,9 @@ def all_caps() -> dict[str, BackendCaps]:
 
 def create_backend(name: str) -> Backend:
     return backend_class(name)()
+
+
+def weight_source_of(backend: Backend) -> WeightSource:
+    """`backend.weight_source()`, or its `export_weights` run in this process for a backend without one."""
+    make = getattr(backend, "weight_source", None)
+    return make() if make is not None else LocalWeights(backend.export_weights)

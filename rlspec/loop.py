@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import Backend
+from .backend import Backend, weight_source_of
 from .batch import TrainBatch
 from .checkpoints import Checkpoints
 from .grpo import LossNorm, group_advantages
@@ -103,7 +103,7 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     """Run steps `start_step .. algorithm.steps - 1`; checkpoint every N steps and at the end."""
     spec = plan.spec
     engine = backend.rollout_engine()
-    weights = backend.weight_source()
+    weights = weight_source_of(backend)
     transport.connect(engine, weights)
     if start_step:  # resumed: the engine holds the initial weights, not the checkpoint's
         transport.push(weights, engine)
