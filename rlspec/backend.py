@@ -1,7 +1,8 @@
 """The `Backend` protocol and the registry of backends by name (entry point group `rlspec.backends`).
 
 A backend owns the trainer ranks (and, for multi-process backends, places the rollout engines). It
-never moves weights itself: `export_weights` yields them and a `sync` transport moves them. The step
+never moves weights itself: `weight_source()` runs a `sync` transport's sender half next to the full
+weights (`export_weights` brings them to the driver), and the transport moves them. The step
 order is `rlspec.loop.train`, shared by every backend.
 """
 
@@ -18,6 +19,7 @@ from .batch import TrainBatch
 from .grpo import LossNorm
 from .rollout.base import RolloutEngine
 from .spec import BackendCaps, RunPlan, SpecError
+from .sync.base import LocalWeights, WeightSource
 
 ENTRY_POINT_GROUP = "rlspec.backends"
 
@@ -45,7 +47,11 @@ class Backend(Protocol):
         """Clip (if configured), step, zero gradients; return the global grad norm before clipping."""
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Full (unsharded) policy weights by Hugging Face name, one tensor at a time."""
+        """Full (unsharded) policy weights by Hugging Face name, one tensor at a time, on the driver."""
+
+    def weight_source(self) -> WeightSource:
+        """Where a transport's sender half runs next to the full weights (`sync.base.WeightSource`):
+        in-process for a single-process trainer, inside the ranks for a sharded one."""
 
     def save(self, path: Path) -> None:
         """Write a checkpoint directory: `save_pretrained` safetensors (+ tokenizer) and optimizer state."""
@@ -91,3 +97,9 @@ def all_caps() -> dict[str, BackendCaps]:
 
 def create_backend(name: str) -> Backend:
     return backend_class(name)()
+
+
+def weight_source_of(backend: Backend) -> WeightSource:
+    """`backend.weight_source()`, or its `export_weights` run in this process for a backend without one."""
+    make = getattr(backend, "weight_source", None)
+    return make() if make is not None else LocalWeights(backend.export_weights)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import Backend
+from .backend import Backend, weight_source_of
 from .batch import TrainBatch
 from .checkpoints import Checkpoints
 from .grpo import LossNorm, group_advantages
@@ -67,8 +67,8 @@ def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
         norm = LossNorm.of(mini.loss_mask, plan.spec.rollout.max_new_tokens)
         stats = backend.forward_backward(mini, norm)
         grad_norms.append(backend.optimizer_step())
-        for key, value in stats.items():
-            totals[key] = totals.get(key, 0.0) + value
+        for key, value in stats.items():  # sums over mini-batches; a peak is a peak
+            totals[key] = max(totals.get(key, 0.0), value) if key == "peak_mem_gb" else totals.get(key, 0.0) + value
     return StepResult(batch, totals, grad_norms)
 
 
@@ -103,7 +103,10 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     """Run steps `start_step .. algorithm.steps - 1`; checkpoint every N steps and at the end."""
     spec = plan.spec
     engine = backend.rollout_engine()
-    transport.connect(engine)
+    weights = weight_source_of(backend)
+    transport.connect(engine, weights)
+    if start_step:  # resumed: the engine holds the initial weights, not the checkpoint's
+        transport.push(weights, engine)
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
     log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress)
     try:
@@ -116,7 +119,7 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
                 sync_bytes = 0
                 if (step + 1) % spec.sync.every_n_steps == 0:
                     with timer("sync"):
-                        sync_bytes = transport.push(backend.export_weights, engine)
+                        sync_bytes = transport.push(weights, engine)
             log.log(metrics_row(plan, step, result, timer, sync_bytes))
             last = step == spec.algorithm.steps - 1
             every = spec.checkpoint.every_n_steps

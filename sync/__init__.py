@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .base import Bucket, SyncError, Transport, buckets, compare_fingerprints, fingerprint
+from .base import (Bucket, LocalWeights, SyncError, Transport, WeightSource, as_source, buckets, collect_cpu,
+                   compare_fingerprints, fingerprint)
 
 _REGISTRY: dict[str, Callable[..., Transport]] = {}
 _MODULES = {"shared": ".shared", "checkpoint": ".checkpoint", "ray": ".ray_store", "nccl": ".collective",
@@ -35,5 +36,5 @@ def build_transport(name: str, sync_spec, **options) -> Transport:
     return transport_class(name)(sync_spec, **options)
 
 
-__all__ = ["Bucket", "SyncError", "Transport", "buckets", "build_transport", "compare_fingerprints", "fingerprint",
-           "register", "transport_class"]
+__all__ = ["Bucket", "LocalWeights", "SyncError", "Transport", "WeightSource", "as_source", "buckets",
+           "build_transport", "collect_cpu", "compare_fingerprints", "fingerprint", "register", "transport_class"]

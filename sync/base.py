@@ -1,21 +1,56 @@
-"""What every transport shares: the protocol, flat buckets, and a weight fingerprint for verification.
+"""What every transport shares: the protocol, weight sources, flat buckets, and a weight fingerprint.
 
-A transport has two halves. `push` runs on the trainer side (the driver) and calls
-`engine.receive(Transport.receive, payload)`; the engine (in-process, or a proxy that forwards the call
-to a remote process) runs that static `receive(engine, payload)` where the engine's weights live. So
-engines know no transport, and backends know none either: they only yield weights.
+A transport has a driver part and two halves that run where the data is. The sender half runs next to
+the trainer's full weights: `push` calls `source.run_sender(fn, payload)`, and the weight source runs
+`fn(named_tensors, payload)` in-process (standalone) or inside the trainer ranks (all ranks join the
+gather of the sharded weights; rank 0 runs `fn`). The receiver half runs where the engine's weights
+live: `engine.receive(fn, payload)` runs `fn(engine, payload)` in-process or in the engine's process.
+So engines know no transport, and backends know none either: they only yield weights.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterable, Iterator, Protocol
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional, Protocol
 
 import torch
 from torch import Tensor
 
 NamedTensors = Iterable[tuple[str, Tensor]]
-WeightSource = Callable[[], NamedTensors]
+SenderFn = Callable[[Optional[NamedTensors], Any], Any]
+
+
+class WeightSource(Protocol):
+    """Where the trainer's full weights can be produced; the one hook a transport's sender half uses."""
+
+    def run_sender(self, fn: SenderFn, payload: Any, gather: bool = True) -> Any:
+        """Run `fn(named_tensors, payload)` next to the weights and return its result.
+
+        With `gather`, `named_tensors` iterates the full weights by Hugging Face state-dict name and
+        `fn` must consume it to the end (on sharded trainers every rank takes part in each gather);
+        without, it is None and nothing is gathered (rendezvous, teardown). `fn` and `payload` must
+        be picklable (module-level functions or static methods) to reach remote ranks.
+        """
+
+
+class LocalWeights:
+    """A `WeightSource` for weights in this process, given as a callable returning `(name, tensor)`s."""
+
+    def __init__(self, export: Callable[[], NamedTensors]) -> None:
+        self.export = export
+
+    def run_sender(self, fn: SenderFn, payload: Any, gather: bool = True) -> Any:
+        return fn(self.export() if gather else None, payload)
+
+
+def as_source(weights: "WeightSource | Callable[[], NamedTensors]") -> WeightSource:
+    """Accept a `WeightSource` or a bare `export_weights`-style callable (wrapped as `LocalWeights`)."""
+    return weights if hasattr(weights, "run_sender") else LocalWeights(weights)  # type: ignore[arg-type]
+
+
+def collect_cpu(named: NamedTensors, _payload: Any = None) -> list[tuple[str, Tensor]]:
+    """Sender function that brings the full weights back as CPU copies (e.g. to the driver)."""
+    return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named]
 
 
 class SyncError(RuntimeError):
@@ -25,11 +60,13 @@ class SyncError(RuntimeError):
 class Transport(Protocol):
     name: ClassVar[str]
 
-    def connect(self, engine) -> None:
-        """Set up the channel eagerly (rendezvous while every party is known to be alive)."""
+    def connect(self, engine, weights: "WeightSource | None" = None) -> None:
+        """Set up the channel eagerly (rendezvous while every party is known to be alive); transports whose
+        sender half holds a connection (`nccl`) need the weight source here too."""
 
-    def push(self, weights: WeightSource, engine) -> int:
-        """Move the trainer's current weights into `engine`; return the bytes moved."""
+    def push(self, weights: "WeightSource | Callable[[], NamedTensors]", engine) -> int:
+        """Move the trainer's current weights into `engine`; return the bytes moved. `weights` is a
+        `WeightSource` (or a bare callable yielding `(name, tensor)`, run in this process)."""
 
     @staticmethod
     def receive(engine, payload) -> None:

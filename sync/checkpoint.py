@@ -13,7 +13,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from . import register
-from .base import buckets, compare_fingerprints, fingerprint
+from .base import as_source, buckets, compare_fingerprints, fingerprint
 
 
 @register("checkpoint")
@@ -23,7 +23,7 @@ class CheckpointTransport:
         self._owned = directory is None
         self.directory = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="rlspec-sync-"))
 
-    def connect(self, engine) -> None:
+    def connect(self, engine, weights=None) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
 
     def push(self, weights, engine) -> int:
@@ -31,17 +31,24 @@ class CheckpointTransport:
         staging = self.directory / "staging"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        total, expected = 0, {}
-        for i, bucket in enumerate(buckets(weights(), self.spec.bucket_mb)):
-            tensors = {name: t.contiguous() for name, t in bucket.unpack()}
-            if self.spec.verify:
-                expected.update(fingerprint(tensors.items()))
-            save_file(tensors, str(staging / f"part-{i:05d}.safetensors"))
-            total += bucket.nbytes
+        total, expected = as_source(weights).run_sender(
+            CheckpointTransport.send, {"path": str(staging), "bucket_mb": self.spec.bucket_mb, "verify": self.spec.verify})
         shutil.rmtree(version, ignore_errors=True)
         staging.rename(version)  # the engine never sees a half-written version
         engine.receive(CheckpointTransport.receive, {"path": str(version), "expected": expected or None})
         return total
+
+    @staticmethod
+    def send(named, payload) -> tuple[int, dict]:
+        """Sender half (next to the weights): write the buckets as safetensors files into `payload["path"]`."""
+        total, expected = 0, {}
+        for i, bucket in enumerate(buckets(named, payload["bucket_mb"])):
+            tensors = {name: t.contiguous().cpu() for name, t in bucket.unpack()}
+            if payload["verify"]:
+                expected.update(fingerprint(tensors.items()))
+            save_file(tensors, str(Path(payload["path"]) / f"part-{i:05d}.safetensors"))
+            total += bucket.nbytes
+        return total, expected
 
     @staticmethod
     def receive(engine, payload) -> None:

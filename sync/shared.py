@@ -10,7 +10,7 @@ class SharedTransport:
     def __init__(self, sync_spec, **_options) -> None:
         self.spec = sync_spec
 
-    def connect(self, engine) -> None:
+    def connect(self, engine, weights=None) -> None:
         pass
 
     def push(self, weights, engine) -> int:

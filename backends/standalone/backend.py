@@ -20,6 +20,7 @@ from ...grpo import LossNorm
 from ...models import load_model
 from ...rollout.hf import HFEngine
 from ...spec import BackendCaps, RunPlan
+from ...sync.base import LocalWeights
 from ...trainer import LocalTrainer
 
 
@@ -62,6 +63,9 @@ class StandaloneBackend:
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
         return self.trainer.export_weights()
+
+    def weight_source(self) -> LocalWeights:
+        return LocalWeights(self.trainer.export_weights)
 
     def save(self, path: Path) -> None:
         self.trainer.save(path)

@@ -1,0 +1,245 @@
+"""One DeepSpeed ZeRO-3 trainer rank, run as a Ray actor (the driver side is `backend.py`).
+
+Every rank builds the same initial model (`rlspec.models.load_model` with the plan's seed), wraps it with
+`deepspeed.initialize` and a torch optimizer from `rlspec.trainer.build_optimizer`, and runs the shared
+micro-batch loop `rlspec.policy.accumulate` on its shard. Anything that touches ZeRO-3 parameters
+(forward, gather, save) is collective: the driver always calls all ranks together.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from ...batch import TrainBatch
+from ...grpo import LossConfig, LossNorm, token_logprobs
+from ...models import load_model, load_tokenizer, save_hf
+from ...policy import accumulate, forward_logits
+from ...spec import RunPlan
+from ...trainer import build_optimizer
+
+ZERO_DIR = "optimizer_zero3"
+"""DeepSpeed's own checkpoint (per-rank ZeRO partitions of weights and optimizer state) inside a save."""
+ZERO_TAG = "state"
+FAULT_ENV = "RLSPEC_FAULT_INJECT"
+"""Test hook, `rank=R,step=S,mode=raise|exit`: rank R fails in its S-th forward_backward (0-based)."""
+
+
+def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
+    """The DeepSpeed config, every value that matters written from the plan (DeepSpeed's defaults are not
+    neutral: an omitted `gradient_clipping` clips at 1.0)."""
+    spec, batch = plan.spec, plan.batch
+    dtype = spec.model.dtype
+    offload_params = "cpu" if spec.hardware.offload_params else "none"
+    offload_optimizer = "cpu" if spec.hardware.offload_optimizer else "none"
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
+        "gradient_accumulation_steps": batch.grad_accum_steps,
+        "train_batch_size": batch.micro_batch_size * batch.grad_accum_steps * batch.num_trainer_ranks,
+        "gradient_clipping": float(spec.algorithm.max_grad_norm),  # 0.0 = off
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": offload_params, "pin_memory": offload_params == "cpu"},
+            "offload_optimizer": {"device": offload_optimizer, "pin_memory": offload_optimizer == "cpu"},
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+            "reduce_bucket_size": 50_000_000,
+            "stage3_prefetch_bucket_size": 50_000_000,
+            "stage3_param_persistence_threshold": 100_000,
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_max_reuse_distance": 1_000_000_000,
+            "stage3_gather_16bit_weights_on_model_save": False,
+        },
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "fp16": {"enabled": dtype == "float16", "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                 "hysteresis": 2, "min_loss_scale": 1},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # a torch optimizer on offloaded state: no cpu_adam JIT build
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "dump_state": False,
+    }
+    if dtype != "float32":
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if not train:  # a frozen reference model: parameters only, no optimizer, no clipping
+        for key in ("gradient_clipping", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"):
+            config.pop(key)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "none"}
+    return config
+
+
+class DeepSpeedWorker:
+    """Trainer rank `rank` of `world_size`."""
+
+    def __init__(self, plan: RunPlan, rank: int, world_size: int, fault: str | None = None) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.world_size = world_size
+        self.fault = _parse_fault(fault) if fault else None
+        self.calls = 0
+        self.engine = None
+        self.reference = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def master_address(self) -> tuple[str, int]:
+        from ...ray_utils import node_address
+
+        return node_address()
+
+    def setup(self, master: tuple[str, int]) -> None:
+        import deepspeed
+
+        spec = self.plan.spec
+        if spec.hardware.num_threads:
+            torch.set_num_threads(spec.hardware.num_threads)
+        cuda = self.plan.placement.device == "cuda"
+        if cuda:
+            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU
+        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0" if cuda else str(self.rank),
+                          LOCAL_WORLD_SIZE="1" if cuda else str(self.world_size))
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
+                                   timeout=timedelta(minutes=30), rank=self.rank, world_size=self.world_size)
+        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        self.loss_cfg = LossConfig.from_algorithm(spec.algorithm)
+        self.tokenizer = load_tokenizer(spec.model) if self.rank == 0 else None
+        model = load_model(spec.model, spec.algorithm.seed)
+        if spec.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        optimizer = build_optimizer(model.parameters(), spec.algorithm)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                                 config=ds_config(self.plan))
+        if self.plan.needs_reference_model:
+            reference = load_model(spec.model, spec.algorithm.seed).eval().requires_grad_(False)
+            self.reference, *_ = deepspeed.initialize(model=reference, config=ds_config(self.plan, train=False))
+            self.reference.eval()
+
+    # --- the training step -------------------------------------------------------------------------
+
+    def logprobs(self, part: TrainBatch, num_chunks: int, reference: bool) -> Tensor:
+        """Log-probs of this rank's part. Every rank runs exactly `num_chunks` forwards (ZeRO-3 gathers
+        are collective), padding with a throw-away forward when its part is shorter."""
+        model = self.reference if reference else self.engine
+        if model is None:
+            raise RuntimeError("no reference model: algorithm.kl_coef is 0")
+        mbs = self.plan.batch.micro_batch_size
+        out = torch.zeros(part.input_ids.shape, dtype=torch.float32)
+        with torch.no_grad():
+            for i in range(num_chunks):
+                start = i * mbs
+                mb = part.select(start, start + mbs) if start < len(part) else None
+                run = (mb if mb is not None and len(mb) else _dummy(part)).trimmed().to(self.device)
+                logits = forward_logits(model, run.input_ids, run.attention_mask)
+                if mb is not None and len(mb):
+                    logp = token_logprobs(logits, run.input_ids, self.plan.spec.rollout.temperature)
+                    out[start:start + len(mb), :logp.shape[1]] = logp.float().cpu()
+        return out
+
+    def forward_backward(self, shard: TrainBatch, norm: LossNorm) -> dict[str, float]:
+        self._maybe_fail()
+        engine = self.engine
+        num_micro = math.ceil(len(shard) / self.plan.batch.micro_batch_size)
+        done = 0
+
+        def backward(loss: Tensor) -> None:
+            # The loss share is normalised by global counts (LossNorm); DeepSpeed averages gradients
+            # over ranks, so undo that with x world size, and skip its 1/gradient_accumulation_steps.
+            nonlocal done
+            done += 1
+            engine.set_gradient_accumulation_boundary(done == num_micro)
+            engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+        stats = accumulate(engine, shard, self.plan.batch.micro_batch_size, norm, self.loss_cfg,
+                           self.plan.spec.rollout.temperature, backward, self.device)
+        if self.device.type == "cuda":
+            stats["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return stats
+
+    def optimizer_step(self) -> float:
+        """Clip (DeepSpeed's `gradient_clipping`), step, zero; the global grad norm before clipping."""
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm.item() if isinstance(norm, Tensor) else norm)
+
+    # --- weights -------------------------------------------------------------------------------------
+
+    def _full_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Full weights by the HF state-dict name (tied weights under each of their names), one ZeRO-3
+        gather per tensor on every rank; rank 0 gets copies, other ranks only take part."""
+        import deepspeed
+
+        module = self.engine.module
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if hasattr(tensor, "ds_id"):
+                with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+                    yield name, (tensor.data.detach().clone() if self.rank == 0 else tensor.data)
+            else:
+                yield name, tensor.detach()
+
+    def run_sender(self, fn, payload, gather: bool) -> Any:
+        """A transport's sender half (see `sync.base.WeightSource`): rank 0 runs it, all ranks gather."""
+        if self.rank == 0:
+            return fn(self._full_weights() if gather else None, payload)
+        if gather:
+            for _ in self._full_weights():
+                pass
+        return None
+
+    def save(self, path: str, save_optimizer: bool) -> None:
+        """HF safetensors directory (rank 0) + DeepSpeed's per-rank ZeRO-3 state for an exact resume."""
+        full = dict(self._full_weights())
+        if self.rank == 0:
+            save_hf(self.engine.module, self.tokenizer, Path(path), state_dict={k: v.cpu() for k, v in full.items()})
+        if save_optimizer:
+            self.engine.save_checkpoint(str(Path(path) / ZERO_DIR), tag=ZERO_TAG, save_latest=False)
+
+    def load(self, path: str) -> None:
+        import deepspeed
+        from safetensors.torch import load_file
+
+        zero = Path(path) / ZERO_DIR
+        if zero.is_dir():  # weights (fp32 master partitions) and optimizer state, exactly as saved
+            self.engine.load_checkpoint(str(zero), tag=ZERO_TAG, load_optimizer_states=True,
+                                        load_lr_scheduler_states=False)
+            return
+        weights = {}
+        for file in sorted(Path(path).glob("*.safetensors")):
+            weights.update(load_file(str(file)))
+        module = self.engine.module
+        with torch.no_grad():
+            for name, tensor in module.state_dict(keep_vars=True).items():
+                if name not in weights:
+                    continue
+                with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
+                    if self.rank == 0:
+                        tensor.data.copy_(weights[name].to(tensor.dtype))
+        self.optimizer.refresh_fp32_params()
+
+    def _maybe_fail(self) -> None:
+        call, self.calls = self.calls, self.calls + 1
+        if self.fault and self.fault["rank"] == self.rank and self.fault["step"] == call:
+            if self.fault["mode"] == "exit":
+                os._exit(3)
+            raise RuntimeError(f"injected fault ({FAULT_ENV}) on trainer rank {self.rank} at call {call}")
+
+
+def _dummy(part: TrainBatch) -> TrainBatch:
+    return part.select(0, 1) if len(part) else part
+
+
+def _parse_fault(text: str) -> dict:
+    fields = dict(item.split("=", 1) for item in text.split(","))
+    return {"rank": int(fields["rank"]), "step": int(fields["step"]), "mode": fields.get("mode", "raise")}

@@ -1,0 +1,128 @@
+"""Ray plumbing shared by the multi-process backends: start or join Ray, place actors, and the watchdog.
+
+Every driver-side call into an actor goes through `wait_all`, which waits on all the futures of one
+fan-out together and raises `RunError` with the failing actor's traceback as soon as *any* of them fails
+or its process dies — the others may be blocked in a collective with the dead one and would never
+return. Ray is imported lazily so that `rlspec plan` and the backend registry never need it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Callable, Sequence
+
+from .errors import RunError
+
+POLL_S = 0.2
+"""How often the watchdog looks at pending futures; an actor death is reported within about this."""
+
+
+def start_ray(address: str | None) -> bool:
+    """Join the cluster at `address`, or start a local one with sane defaults when it is null.
+
+    An already-initialised Ray in this process is reused (one driver may set up many runs). Returns
+    whether this call started Ray.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address is not None:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        return True
+    # A private local cluster on this machine: token auth would need a token the workers cannot have.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # address="local": a new cluster even if `ray start` left one (or its stale record) on this machine.
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), object_store_memory=1 << 30,
+             include_dashboard=False, log_to_driver=True)
+    return True
+
+
+def node_address() -> tuple[str, int]:
+    """This process's node IP and a free TCP port on it (for a rendezvous that peers connect to)."""
+    try:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray, loopback is the only address peers can use
+        host = "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return host, port
+
+
+def describe(err: BaseException) -> str:
+    """The remote traceback Ray carries in a task error, or how the actor died."""
+    return str(err).strip()
+
+
+def wait_all(refs: Sequence[Any], labels: Sequence[str], timeout_s: float | None = None) -> list:
+    """Results of `refs` in order; raise `RunError` as soon as one fails, its actor dies, or time runs out.
+
+    `labels` name the actor behind each future (`trainer rank 1`) for the error message.
+    """
+    import ray
+
+    assert len(refs) == len(labels)
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending = list(refs)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+        for ref in ready:
+            i = index[ref]
+            try:
+                results[i] = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                raise RunError(f"{labels[i]} died", describe(err)) from None
+            except ray.exceptions.RayTaskError as err:
+                raise RunError(f"{labels[i]} failed: {type(err.cause).__name__ if err.cause else 'error'}",
+                               describe(err)) from None
+            except ray.exceptions.RayError as err:
+                raise RunError(f"{labels[i]} failed", describe(err)) from None
+        if pending and deadline is not None and time.monotonic() > deadline:
+            waiting = ", ".join(labels[index[r]] for r in pending)
+            raise RunError(f"timed out after {timeout_s:.0f} s waiting for {waiting}")
+    return results
+
+
+def call_all(actors: Sequence[Any], labels: Sequence[str], method: str, *args, **kwargs) -> list:
+    """Call `method` on every actor with the same arguments and wait through the watchdog."""
+    return wait_all([getattr(a, method).remote(*args, **kwargs) for a in actors], labels)
+
+
+def kill_all(actors: Sequence[Any]) -> None:
+    """Kill actors without waiting for them (idempotent; a dead actor is fine)."""
+    import ray
+
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+def actor_class(cls: type, **options) -> Callable:
+    """`ray.remote(cls)` with options, created on demand so that importing `cls`'s module needs no Ray."""
+    import ray
+
+    return ray.remote(**options)(cls) if options else ray.remote(cls)
+
+
+class ActorWeightSource:
+    """A `sync.WeightSource` over trainer-rank actors: the sender half runs inside every rank.
+
+    Each rank actor implements `run_sender(fn, payload, gather)`: all ranks join the collective gather of
+    the full weights, rank 0 passes them to `fn`, and rank 0's result comes back.
+    """
+
+    def __init__(self, actors: Sequence[Any], labels: Sequence[str]) -> None:
+        self.actors = list(actors)
+        self.labels = list(labels)
+
+    def run_sender(self, fn, payload, gather: bool = True):
+        return call_all(self.actors, self.labels, "run_sender", fn, payload, gather)[0]

@@ -1,0 +1,116 @@
+"""Rollout engines as Ray actors, and the driver-side proxy that implements `RolloutEngine` over them.
+
+`EngineWorker` holds one `HFEngine` in its own process; `RemoteEngines` fans calls out to one or more
+workers through the watchdog (`rlspec.ray_utils.wait_all`), so a dead engine stops the run with its
+traceback. With several engines, `generate` splits the prompts evenly (engine i samples with seed + i);
+`receive` runs a transport's engine half in every engine, where each carries `engine_index`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..batch import TrainBatch
+from ..models import load_model, load_tokenizer
+from ..spec import RunPlan
+from .base import Rollout
+
+
+class EngineWorker:
+    """One rollout engine in a Ray actor; starts from the same weights as the trainer (same seed)."""
+
+    def __init__(self, plan: RunPlan, index: int) -> None:
+        from .hf import HFEngine
+
+        spec = plan.spec
+        if spec.hardware.num_threads:
+            torch.set_num_threads(spec.hardware.num_threads)
+        device = "cuda" if plan.placement.device == "cuda" else "cpu"  # Ray exposes this actor's GPU as cuda:0
+        model = load_model(spec.model, spec.algorithm.seed).to(device).eval().requires_grad_(False)
+        self.engine = HFEngine(model, load_tokenizer(spec.model), spec.rollout, device, spec.algorithm.micro_batch_size)
+        self.engine.engine_index = index
+        self.engine.num_engines = spec.hardware.num_rollout_engines
+
+    def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
+        return self.engine.generate(prompts, n, seed)
+
+    def logprobs(self, batch: TrainBatch) -> Tensor:
+        return self.engine.logprobs(batch)
+
+    def load_weights(self, named_tensors: list[tuple[str, Tensor]]) -> None:
+        self.engine.load_weights(named_tensors)
+
+    def receive(self, fn, payload) -> Any:
+        return fn(self.engine, payload)
+
+    def named_weights(self) -> list[tuple[str, Tensor]]:
+        return [(name, t.detach().cpu()) for name, t in self.engine.named_weights()]
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+class RemoteEngines:
+    """Driver-side `RolloutEngine` over engine actors."""
+
+    def __init__(self, actors: Sequence[Any], tokenizer) -> None:
+        self.actors = list(actors)
+        self.labels = [f"rollout engine {i}" for i in range(len(self.actors))]
+        self.tokenizer = tokenizer
+        self.num_engines = len(self.actors)
+
+    def _all(self, method: str, *args) -> list:
+        from ..ray_utils import call_all
+
+        return call_all(self.actors, self.labels, method, *args)
+
+    def _first(self, method: str, *args) -> Any:
+        from ..ray_utils import wait_all
+
+        return wait_all([getattr(self.actors[0], method).remote(*args)], self.labels[:1])[0]
+
+    def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
+        from ..ray_utils import wait_all
+
+        share = -(-len(prompts) // self.num_engines)
+        parts = [(i, prompts[i * share:(i + 1) * share]) for i in range(self.num_engines)]
+        parts = [(i, p) for i, p in parts if p]
+        outs = wait_all([self.actors[i].generate.remote(p, n, seed + i) for i, p in parts], [self.labels[i] for i, _ in parts])
+        return Rollout(*(sum((getattr(o, f) for o in outs), []) for f in
+                         ("prompt_ids", "completion_ids", "completion_logprobs", "texts")))
+
+    def logprobs(self, batch: TrainBatch) -> Tensor:
+        return self._first("logprobs", batch)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        self._all("load_weights", [(n, t.detach().cpu()) for n, t in named_tensors])
+
+    def receive(self, fn, payload) -> None:
+        self._all("receive", fn, payload)
+
+    def named_weights(self) -> list[tuple[str, Tensor]]:
+        return self._first("named_weights")
+
+    def pids(self) -> list[int]:
+        return self._all("pid")
+
+
+def start_engines(plan: RunPlan, bundles: Sequence[tuple[Any, int]], num_cpus: float, num_gpus: float) -> RemoteEngines:
+    """One `EngineWorker` per (placement group, bundle index) in `bundles`."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from ..ray_utils import wait_all
+
+    remote_cls = ray.remote(EngineWorker)
+    actors = [remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1,
+                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b))
+              .remote(plan, i) for i, (pg, b) in enumerate(bundles)]
+    engines = RemoteEngines(actors, load_tokenizer(plan.spec.model))
+    wait_all([a.pid.remote() for a in actors], engines.labels)  # surfaces a failed constructor now
+    return engines

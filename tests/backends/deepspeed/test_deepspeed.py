@@ -1,0 +1,213 @@
+"""The deepspeed backend against the single-process reference, its transports, the watchdog, the CLI.
+
+All tests spawn Ray actors (2 ZeRO-3 ranks on gloo + 1 engine) and share one Ray session per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlspec.backend import all_caps, create_backend
+from rlspec.batch import TrainBatch
+from rlspec.grpo import LossNorm
+from rlspec.spec import compile_plan, load_spec
+from rlspec.sync import build_transport
+from rlspec.trainer import LocalTrainer
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[3]
+TINY = ROOT / "examples" / "tiny.yaml"
+
+
+def make_plan(*overrides: str):
+    spec = load_spec(TINY, ["hardware.num_trainer_ranks=2", "algorithm.max_grad_norm=0", *overrides], "deepspeed")
+    return compile_plan(spec, all_caps())
+
+
+def fixed_batch(n: int = 8, prompt: int = 5, max_new: int = 8, seed: int = 0) -> TrainBatch:
+    """Random sequences with uneven completion lengths; rank 0's half has far more tokens than rank 1's."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [8, 7, 8, 6, 1, 2, 1, 3][:n]
+    width = prompt + max(lengths)
+    input_ids = torch.randint(4, 260, (n, width), generator=gen)
+    attention_mask = torch.zeros(n, width, dtype=torch.long)
+    loss_mask = torch.zeros(n, width)
+    for i, length in enumerate(lengths):
+        attention_mask[i, :prompt + length] = 1
+        loss_mask[i, prompt:prompt + length] = 1
+        input_ids[i, prompt + length:] = 0
+    rewards = torch.rand(n, generator=gen)
+    return TrainBatch(input_ids, attention_mask, loss_mask, advantages=torch.randn(n, generator=gen), rewards=rewards)
+
+
+def run_steps(trainer, plan, batch: TrainBatch, steps: int = 3) -> list[tuple[float, float, float]]:
+    """(loss, grad norm, kl) per step, with old and reference log-probs filled the way `rlspec.loop` does."""
+    out = []
+    for _ in range(steps):
+        step = TrainBatch(**batch.tensors())
+        step.old_logprobs = trainer.logprobs(step) + 0.01 * step.loss_mask  # ratio != 1: the clip matters
+        if plan.needs_reference_model:
+            step.ref_logprobs = trainer.logprobs(step, reference=True)
+        stats = trainer.forward_backward(step, LossNorm.of(step.loss_mask, plan.spec.rollout.max_new_tokens))
+        out.append((stats["loss"], trainer.optimizer_step(), stats["kl_sum"] / stats["tokens"]))
+    return out
+
+
+def reference_trainer(plan) -> LocalTrainer:
+    spec = plan.spec
+    return LocalTrainer(spec.model, spec.algorithm, spec.rollout.temperature, spec.rollout.max_new_tokens,
+                        needs_reference=plan.needs_reference_model)
+
+
+CASES = {
+    # adam_eps=1e-6: with the default 1e-8, the few weights whose gradient is ~1e-8 turn fp32 rounding of
+    # the gradient into ~1e-4 weight differences (the same 1.1e-4 without accumulation; the reference
+    # alone moves 2.7e-5 between micro-batch sizes 1 and 2), which would hide a real error of that size.
+    "adamw_token_mean": ["algorithm.optimizer=adamw", "algorithm.lr=1e-2", "algorithm.micro_batch_size=2",
+                         "algorithm.adam_eps=1e-6"],
+    "sgd_seq_mean_kl": ["algorithm.optimizer=sgd", "algorithm.lr=1e-1", "algorithm.micro_batch_size=3",
+                        "algorithm.loss_agg=seq-mean-token-mean", "algorithm.kl_coef=0.1"],
+    "sgd_sum_norm_clip_ckpt": ["algorithm.optimizer=sgd", "algorithm.lr=1e-1", "algorithm.micro_batch_size=4",
+                          "algorithm.loss_agg=seq-mean-token-sum-norm", "algorithm.max_grad_norm=0.05",
+                          "model.gradient_checkpointing=true"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_local_trainer_and_transports(ray_session, case):
+    plan = make_plan("rollout.prompts_per_step=1", *CASES[case])
+    batch = fixed_batch()
+    reference = reference_trainer(plan)
+    expected = run_steps(reference, plan, batch)
+    backend = create_backend("deepspeed")
+    try:
+        backend.setup(plan)
+        got = run_steps(backend, plan, batch)
+        for (l_ref, g_ref, k_ref), (l, g, k) in zip(expected, got):
+            assert l == pytest.approx(l_ref, abs=1e-5)
+            assert g == pytest.approx(g_ref, rel=1e-4, abs=1e-6)
+            assert k == pytest.approx(k_ref, abs=1e-6)
+        want = dict(reference.export_weights())
+        have = dict(backend.export_weights())
+        assert set(have) == set(want)  # incl. the tied lm_head.weight
+        diff = max(float((have[n] - want[n]).abs().max()) for n in want)
+        print(f"\n{case}: max abs weight diff vs LocalTrainer after 3 steps = {diff:.3g}; "
+              f"loss/grad_norm/kl per step {got}")
+        worst = sorted(((float((have[n] - want[n]).abs().max()), int(((have[n] - want[n]).abs() > 1e-5).sum()), n)
+                        for n in want), reverse=True)[:3]
+        print("  worst tensors (max diff, #elements > 1e-5, name):", worst)
+        assert diff < (2e-5 if "adamw" in case else 1e-6)
+        # Every transport this backend offers: after a push, the engine scores like the trainer.
+        engine = backend.rollout_engine()
+        trainer_logp = backend.logprobs(batch)
+        for method in ("ray", "nccl", "checkpoint"):
+            transport = build_transport(method, plan.spec.sync)
+            try:
+                transport.connect(engine, backend.weight_source())
+                assert transport.push(backend.weight_source(), engine) > 0
+            finally:
+                transport.close()
+            engine_logp = engine.logprobs(batch)
+            err = float(((engine_logp - trainer_logp) * batch.loss_mask).abs().max())
+            print(f"  {method}: engine vs trainer logprob max abs diff {err:.3g}")
+            assert err < 1e-5
+    finally:
+        backend.shutdown()
+        backend.shutdown()  # idempotent
+
+
+def rlspec_run(out: Path, *overrides: str, env: dict | None = None, ranks: int = 2) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rlspec.cli", "run", str(TINY), "--backend", "deepspeed", "--out", str(out),
+           "--no-progress", f"hardware.num_trainer_ranks={ranks}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})})
+
+
+def test_cli_run_smoke_and_resume(tmp_path):
+    """3 steps through the CLI; then resume from the step-1 checkpoint and land on the same weights."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    args = ("algorithm.steps=3", "checkpoint.every_n_steps=2", "checkpoint.keep_last=0")
+    proc = rlspec_run(tmp_path / "run", *args)
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["sync/bytes"] > 0 for r in rows)
+    final = tmp_path / "run" / "checkpoints" / "step_000002"
+    AutoModelForCausalLM.from_pretrained(final)  # save() wrote a loadable HF directory
+    assert (final / "optimizer_zero3").is_dir()
+
+    shutil.copytree(tmp_path / "run", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000002")
+    proc = rlspec_run(tmp_path / "resumed", *args, "--resume")
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-4000:]
+    want = load_file(final / "model.safetensors")
+    have = load_file(tmp_path / "resumed" / "checkpoints" / "step_000002" / "model.safetensors")
+    diff = max(float((have[n] - want[n]).abs().max()) for n in want)
+    print(f"\nresume from step 1: max abs weight diff at step 2 vs the uninterrupted run {diff:.3g}")
+    assert diff < 1e-6
+
+
+def _actor_pids(root_pid: int, title: str) -> list[int]:
+    import psutil
+
+    procs = psutil.Process(root_pid).children(recursive=True)
+    return [p.pid for p in procs if title in " ".join(_cmdline(p))]
+
+
+def _cmdline(proc) -> list[str]:
+    try:
+        return proc.cmdline()
+    except Exception:  # noqa: BLE001 - the process went away
+        return []
+
+
+def test_watchdog_killed_rank_stops_run(tmp_path):
+    """SIGKILL trainer rank actor mid-run: exit 1 within 30 s, naming the dead rank."""
+    out = tmp_path / "killed"
+    proc = rlspec_run(out, "algorithm.steps=200")
+    try:
+        deadline = time.monotonic() + 300
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.5)
+        pids = _actor_pids(proc.pid, "DeepSpeedWorker")
+        assert len(pids) == 2, pids
+        os.kill(max(pids), 9)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"\nkilled a trainer rank; the run exited with {proc.returncode} after {elapsed:.1f} s; stderr ends:\n"
+          + "\n".join(line for line in err.splitlines() if "rlspec" in line or "died" in line.lower())[-1500:])
+    assert proc.returncode == 1, err[-4000:]
+    assert elapsed < 30
+    assert "run failed: trainer rank" in err and "died" in err, err[-4000:]
+
+
+def test_watchdog_raising_rank_reports_traceback(tmp_path):
+    """A rank that raises (test hook RLSPEC_FAULT_INJECT) stops the run with its Python traceback."""
+    start = time.monotonic()
+    proc = rlspec_run(tmp_path / "raised", "algorithm.steps=50", env={"RLSPEC_FAULT_INJECT": "rank=1,step=2,mode=raise"})
+    _, err = proc.communicate(timeout=400)
+    print(f"\nraising rank: exit {proc.returncode} after {time.monotonic() - start:.1f} s (incl. start-up)")
+    assert proc.returncode == 1, err[-4000:]
+    assert "trainer rank 1 failed: RuntimeError" in err
+    assert "injected fault" in err and "worker.py" in err and "forward_backward" in err  # the worker's traceback
