@@ -195,6 +195,7 @@ def measure_sync(name: str, cls: type, spec, fixture: Fixture) -> tuple[float, f
 
     This is the one place that knows how a transport is built and fed; adapt it here if that changes.
     """
+    from ..backend import weight_source_of
     from ..sync import build_transport
 
     plan = compile_plan(spec, {name: cls.caps})
@@ -203,12 +204,13 @@ def measure_sync(name: str, cls: type, spec, fixture: Fixture) -> tuple[float, f
     try:
         backend.setup(plan)
         engine = backend.rollout_engine()
-        transport.connect(engine)
+        weights = weight_source_of(backend)
+        transport.connect(engine, weights)
         batch = fixture.train_batch(plan.spec.algorithm)
         update(plan, backend, batch)
         mask = batch.loss_mask > 0
         before = _masked_max_diff(engine.logprobs(batch), backend.logprobs(batch), mask)
-        transport.push(backend.export_weights, engine)
+        transport.push(weights, engine)
         after = _masked_max_diff(engine.logprobs(batch), backend.logprobs(batch), mask)
     finally:
         transport.close()

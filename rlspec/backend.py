@@ -19,7 +19,7 @@ from .batch import TrainBatch
 from .grpo import LossNorm
 from .rollout.base import RolloutEngine
 from .spec import BackendCaps, RunPlan, SpecError
-from .sync.base import LocalWeights, WeightSource
+from .weights import LocalWeights, WeightSource
 
 ENTRY_POINT_GROUP = "rlspec.backends"
 
@@ -50,7 +50,7 @@ class Backend(Protocol):
         """Full (unsharded) policy weights by Hugging Face name, one tensor at a time, on the driver."""
 
     def weight_source(self) -> WeightSource:
-        """Where a transport's sender half runs next to the full weights (`sync.base.WeightSource`):
+        """Where a transport's sender half runs next to the full weights (`rlspec.weights.WeightSource`):
         in-process for a single-process trainer, inside the ranks for a sharded one."""
 
     def save(self, path: Path) -> None:

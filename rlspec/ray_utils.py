@@ -114,7 +114,7 @@ def actor_class(cls: type, **options) -> Callable:
 
 
 class ActorWeightSource:
-    """A `sync.WeightSource` over trainer-rank actors: the sender half runs inside every rank.
+    """A `rlspec.weights.WeightSource` over trainer-rank actors: the sender half runs inside every rank.
 
     Each rank actor implements `run_sender(fn, payload, gather)`: all ranks join the collective gather of
     the full weights, rank 0 passes them to `fn`, and rank 0's result comes back.

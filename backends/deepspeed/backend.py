@@ -143,13 +143,13 @@ class DeepSpeedBackend:
         return self._call("optimizer_step", [()] * len(self.ranks))[0]
 
     def weight_source(self):
-        """Where the full weights are produced: inside the ranks (see `sync.base.WeightSource`)."""
+        """Where the full weights are produced: inside the ranks (see `rlspec.weights.WeightSource`)."""
         from ...ray_utils import ActorWeightSource
 
         return ActorWeightSource(self.ranks, self.labels)
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        from ...sync import collect_cpu
+        from ...weights import collect_cpu
 
         yield from self.weight_source().run_sender(collect_cpu, None)
 

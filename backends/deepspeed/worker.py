@@ -190,7 +190,7 @@ class DeepSpeedWorker:
                 yield name, tensor.detach()
 
     def run_sender(self, fn, payload, gather: bool) -> Any:
-        """A transport's sender half (see `sync.base.WeightSource`): rank 0 runs it, all ranks gather."""
+        """A transport's sender half (see `rlspec.weights.WeightSource`): rank 0 runs it, all ranks gather."""
         if self.rank == 0:
             return fn(self._full_weights() if gather else None, payload)
         if gather:

@@ -20,7 +20,7 @@ from ...grpo import LossNorm
 from ...models import load_model
 from ...rollout.hf import HFEngine
 from ...spec import BackendCaps, RunPlan
-from ...sync.base import LocalWeights
+from ...weights import LocalWeights
 from ...trainer import LocalTrainer
 
 
