@@ -1,19 +1,23 @@
 """`rlspec bench`: the same spec on several backends, side by side.
 
-Each backend runs the full `rlspec run` into OUT/<backend>/; the bench reads back `metrics.jsonl` and
-reports medians over the steps after the first (`warmup_steps`), since the first step pays for
-compilation, allocator growth and connection set-up.
+Each backend runs the full `rlspec run` in its own process (so one backend's cached device memory and
+peak-memory counter cannot leak into the next one's numbers) into OUT/<backend>/; the bench reads back
+`metrics.jsonl` and reports medians over the steps after the first (`warmup_steps`), since the first
+step pays for compilation, allocator growth and connection set-up.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Sequence
 
 from .metrics import read_metrics
-from .run import build_plan, run
+from .errors import RunError
+from .run import build_plan
 
 COLUMNS = ("perf/tokens_per_s", "timing_s/step", "timing_s/gen", "timing_s/train", "timing_s/sync", "sync/bytes",
            "mem/peak_gb")
@@ -29,13 +33,25 @@ def bench(spec_path: str, overrides: Sequence[str], backends: Sequence[str], out
     """Run `spec_path` on each backend (all plans are compiled first, so a bad spec fails before any run)."""
     for name in backends:
         build_plan(spec_path, overrides, name)
-    results = {}
+    results, failures = {}, {}
     for name in backends:
-        run_dir = run(spec_path, overrides, name, str(out / name), progress=False)
+        run_dir = out / name
+        proc = subprocess.run([sys.executable, "-m", "rlspec.cli", "run", spec_path, *overrides, "--backend", name,
+                               "--out", str(run_dir), "--no-progress"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            failures[name] = proc.stderr.strip().splitlines()[-20:]
+            continue
         results[name] = summarise(read_metrics(run_dir / "metrics.jsonl"), warmup_steps)
-    report = {"spec": spec_path, "overrides": list(overrides), "warmup_steps": warmup_steps, "backends": results}
+    report = {"spec": spec_path, "overrides": list(overrides), "warmup_steps": warmup_steps, "backends": results,
+              "failed": failures}
+    out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
-    _plot(results, out / "bench.png")
+    if results:
+        _plot(results, out / "bench.png")
+    if failures:
+        name, lines = next(iter(failures.items()))
+        raise RunError(f"bench: backend(s) {', '.join(failures)} failed (the others are in {out}/bench.json)",
+                       "\n".join(lines))
     return report
 
 

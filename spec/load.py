@@ -86,9 +86,11 @@ def _compose(path: Path, overrides: list[str], declared: set[str]):
     store = ConfigStore.instance()
     store.store(name=_SCHEMA_NAME, node=Spec)
     primary = f"rlspec_primary_{path.stem}"
-    # A null placeholder per preset group the file does not choose, so `algorithm=dapo` works on any spec.
+    # A null placeholder per preset group the file does not choose, so `hardware=gpu1` works on any spec.
+    # They come after the file: a preset picked on the command line overrides the file's values for that
+    # section (a preset the file picks itself is overridden by the file's own values, as usual in Hydra).
     placeholders = [{g: None} for g in _preset_groups() if g not in declared]
-    store.store(name=primary, node={"defaults": [_SCHEMA_NAME, *placeholders, path.stem, "_self_"]})
+    store.store(name=primary, node={"defaults": [_SCHEMA_NAME, path.stem, *placeholders, "_self_"]})
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(path.resolve().parent), version_base=None):

@@ -84,7 +84,7 @@ class DeepSpeedBackend:
         fault = os.environ.get(FAULT_ENV)
         self.labels = [f"trainer rank {r}" for r in range(world)]
         self.ranks = [
-            worker_cls.options(num_cpus=CPUS_PER_ACTOR, num_gpus=gpu_share,
+            worker_cls.options(num_cpus=CPUS_PER_ACTOR, num_gpus=gpu_share, runtime_env=_runtime_env(cuda),
                                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
                                                                                     placement_group_bundle_index=r))
             .remote(plan, r, world, fault)
@@ -164,3 +164,9 @@ class DeepSpeedBackend:
         pids = dict(zip(self.labels, self._call("pid", [()] * len(self.ranks))))
         pids.update(zip(self.engines.labels, self.engines.pids()))
         return pids
+
+
+def _runtime_env(cuda: bool) -> dict:
+    """On `hardware.device=cpu` hide GPUs from the ranks: DeepSpeed would otherwise pick its CUDA
+    accelerator on a GPU machine (transformers imports it before `setup` runs) and move the model there."""
+    return {} if cuda else {"env_vars": {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}}

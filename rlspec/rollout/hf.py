@@ -1,4 +1,11 @@
-"""The `hf` rollout engine: batched sampling with transformers' `generate`."""
+"""The `hf` rollout engine: batched sampling with a transformers causal LM and a KV cache.
+
+The sampling loop is rlspec's own rather than `generate()`: it keeps only the sampled token's log-prob
+at each step (returning all logits, as `generate(output_logits=True)` does, costs batch x length x
+vocabulary floats — 30 GB for 128 x 256 tokens of a 152k vocabulary), and it defines the engine's
+log-probs exactly as the trainer's: log_softmax(logits / temperature) of the sampled token, before
+top-p truncation.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,21 @@ from typing import Iterable
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig
 
-from ..batch import TrainBatch
+from ..batch import TrainBatch, position_ids
 from ..policy import batch_logprobs
 from ..spec import RolloutSpec, SpecError
 from .base import Rollout
+
+
+def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
+    """Zero the tail outside the smallest set of tokens whose mass reaches `top_p` (rows need not renormalise)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keeps at least the most likely token
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
 class HFEngine:
@@ -24,10 +40,6 @@ class HFEngine:
         self.spec = rollout
         self.device = torch.device(device)
         self.micro_batch_size = micro_batch_size
-        self.generation_config = GenerationConfig(
-            do_sample=True, temperature=rollout.temperature, top_p=rollout.top_p, top_k=0,
-            max_new_tokens=rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id, return_dict_in_generate=True, output_logits=True)
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
@@ -43,21 +55,46 @@ class HFEngine:
         attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=self.device)
         was_training = self.model.training
         self.model.eval()
-        torch.manual_seed(seed)
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                  generation_config=self.generation_config)
-        self.model.train(was_training)
-        new_tokens = out.sequences[:, width:].cpu()
-        logprobs = torch.stack(out.logits, dim=1).float().div(self.spec.temperature).log_softmax(-1)
-        picked = logprobs.gather(-1, new_tokens.to(logprobs.device).unsqueeze(-1)).squeeze(-1).cpu()
+        try:
+            tokens, logps = self._sample(input_ids, attention_mask, seed)
+        finally:
+            self.model.train(was_training)
         completions, completion_logprobs, texts = [], [], []
-        vocab = len(self.tokenizer)
-        for row, row_logp in zip(new_tokens.tolist(), picked.tolist()):
-            end = row.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in row else len(row)
+        vocab, eos = len(self.tokenizer), self.tokenizer.eos_token_id
+        for row, row_logp in zip(tokens.tolist(), logps.tolist()):
+            end = row.index(eos) + 1 if eos in row else len(row)
             completions.append(row[:end])
             completion_logprobs.append(row_logp[:end])
             texts.append(self.tokenizer.decode([t for t in row[:end] if t < vocab], skip_special_tokens=True))
         return Rollout(prompt_ids, completions, completion_logprobs, texts)
+
+    def _sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int) -> tuple[Tensor, Tensor]:
+        """[B, T] sampled tokens and their log-probs; rows that ended carry the end token onward (cut later)."""
+        from transformers import DynamicCache
+
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        eos, temperature = self.tokenizer.eos_token_id, self.spec.temperature
+        positions = position_ids(attention_mask)
+        cache = DynamicCache()
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True).logits[:, -1]
+        next_position = positions[:, -1:] + 1
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=self.device)
+        tokens, logps = [], []
+        for _ in range(self.spec.max_new_tokens):
+            logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+            token = torch.multinomial(top_p_filter(logp.exp(), self.spec.top_p), 1, generator=generator).squeeze(-1)
+            token = torch.where(done, torch.full_like(token, eos), token)
+            tokens.append(token)
+            logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))
+            done |= token == eos
+            if bool(done.all()):
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
+            logits = self.model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_position,
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+            next_position = next_position + 1
+        return torch.stack(tokens, dim=1).cpu(), torch.stack(logps, dim=1).float().cpu()
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         return batch_logprobs(self.model, batch, self.spec.temperature, self.micro_batch_size, self.device)

@@ -50,3 +50,24 @@ def test_collate_masks():
     assert batch.loss_mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
     trimmed = collate(Rollout([[5]], [[6]], [[-1.0]], [""]), torch.zeros(1), torch.zeros(1), 0)
     assert trimmed.input_ids.shape == (1, 2)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    from rlspec.rollout.hf import top_p_filter
+
+    probs = torch.tensor([[0.1, 0.5, 0.3, 0.1]])
+    assert torch.equal(top_p_filter(probs, 0.7), torch.tensor([[0.0, 0.5, 0.3, 0.0]]))
+    assert torch.equal(top_p_filter(probs, 0.4), torch.tensor([[0.0, 0.5, 0.0, 0.0]]))  # the top token always stays
+    assert torch.equal(top_p_filter(probs, 1.0), probs)
+
+
+def test_sampling_follows_the_model_distribution():
+    """With temperature 1 and top-p 1, first-token frequencies match the model's softmax."""
+    model = load_model(ModelSpec(), seed=0)
+    engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=1), "cpu")
+    rollout = engine.generate(["a="], n=4000, seed=0)
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([[101, 65]])).logits[0, -1], -1)
+    counts = torch.bincount(torch.tensor([c[0] for c in rollout.completion_ids]), minlength=probs.numel()).float()
+    top = probs.argsort(descending=True)[:5]
+    assert torch.allclose(counts[top] / 4000, probs[top], atol=0.02)

@@ -123,3 +123,13 @@ def test_reward_kwargs_reach_the_reward_function(monkeypatch):
     prompt = task.sample(0, 1)[0]
     letter = prompt.meta["letter"]
     assert task.reward(letter * 2 + "zzzzzz", prompt) == 1.0  # with the default target_len=8 this would be 0.25
+
+
+def test_command_line_preset_overrides_the_file(tmp_path):
+    """`hardware=gpu1` must win over `hardware.device: cpu` written in the file, or a GPU run silently runs on CPU."""
+    path = tmp_path / "x.yaml"
+    path.write_text("hardware:\n  device: cpu\n  num_threads: 2\nalgorithm:\n  lr: 0.5\n")
+    spec = load_spec(path, ["hardware=gpu1", "algorithm=dapo"])
+    assert spec.hardware.device == "cuda" and spec.hardware.num_threads == 2
+    assert spec.algorithm.clip_eps_high == 0.28 and spec.algorithm.lr == 0.5
+    assert load_spec(path, ["hardware=gpu1", "hardware.device=cpu"]).hardware.device == "cpu"  # a key override wins last
