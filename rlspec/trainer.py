@@ -20,6 +20,7 @@ from .policy import accumulate, batch_logprobs
 from .spec import AlgorithmSpec, ModelSpec
 
 OPTIMIZER_FILE = "optimizer.pt"
+ADAPTER_DIR = "adapter"
 
 
 def build_optimizer(params, algo: AlgorithmSpec) -> torch.optim.Optimizer:
@@ -82,17 +83,26 @@ class LocalTrainer:
         yield from full_state_dict(self.model).items()
 
     def save(self, path: Path, save_optimizer: bool = True) -> None:
+        """Merged weights for `from_pretrained`; with LoRA also the adapters alone, which `load` resumes from."""
         save_hf(self.model, self.tokenizer, path)
+        if hasattr(self.model, "peft_config"):
+            self.model.save_pretrained(path / ADAPTER_DIR)
         if save_optimizer:
             torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)
 
     def load(self, path: Path) -> None:
         from safetensors.torch import load_file
 
-        weights = {}
-        for file in sorted(path.glob("*.safetensors")):
-            weights.update(load_file(file))
-        load_full_state_dict(self.model, weights)
+        if hasattr(self.model, "peft_config"):
+            # The base stays as built (same seed or directory); the adapters carry all training.
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, load_file(path / ADAPTER_DIR / "adapter_model.safetensors"))
+        else:
+            weights = {}
+            for file in sorted(path.glob("*.safetensors")):
+                weights.update(load_file(file))
+            load_full_state_dict(self.model, weights)
         if (path / OPTIMIZER_FILE).is_file():
             self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
 
@@ -122,11 +132,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
 
 @torch.no_grad()
 def load_full_state_dict(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
-    """Load base-model weights into `model` (into the frozen base layers when it carries LoRA)."""
-    if hasattr(model, "peft_config"):
-        target = {k.replace(".base_layer.", "."): v for k, v in model.get_base_model().state_dict(keep_vars=True).items()
-                  if "lora_" not in k}
-    else:
-        target = model.state_dict(keep_vars=True)
+    """Copy full weights into `model` by state-dict name (tied weights appear under both names)."""
+    target = model.state_dict(keep_vars=True)
     for name, tensor in weights.items():
         target[name].copy_(tensor)

@@ -123,3 +123,24 @@ def test_bench_writes_table_json_and_plot(tmp_path):
     assert row["steps_measured"] == 2 and row["perf/tokens_per_s"] > 0
     assert "perf/tokens_per_s" in proc.stdout and (out / "bench.png").stat().st_size > 0
     assert (out / "standalone" / "metrics.jsonl").is_file()
+
+
+def test_lora_run_resumes_exactly(tmp_path):
+    """Resuming a LoRA run restores the adapters (not the merged weights) and continues identically."""
+    pytest.importorskip("peft")
+    args = ["examples/tiny.yaml", "algorithm.steps=3", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0",
+            "model.lora.r=4", "--no-progress"]
+    full = tmp_path / "full"
+    assert run_cli("run", *args, "--out", str(full)).returncode == 0
+    part = tmp_path / "part"
+    import shutil
+
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "checkpoints" / "step_000002")
+    proc = run_cli("run", *args, "--out", str(part), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    from safetensors.torch import load_file
+
+    a = load_file(full / "checkpoints" / "step_000002" / "model.safetensors")
+    b = load_file(part / "checkpoints" / "step_000002" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
