@@ -44,8 +44,7 @@ class StandaloneBackend:
         if plan.sync_method != "shared":
             # The engine holds a plain copy (LoRA merged away): it receives full weights by base-model name.
             engine_model = load_model(spec.model, spec.algorithm.seed).to(device).eval().requires_grad_(False)
-            with torch.no_grad():
-                HFEngine.copy_into(engine_model, self.trainer.export_weights())
+            HFEngine.copy_into(engine_model, self.trainer.export_weights())
         self.engine = HFEngine(engine_model, self.trainer.tokenizer, spec.rollout, device, spec.algorithm.micro_batch_size)
 
     def rollout_engine(self) -> HFEngine:
