@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from .backend import all_caps, create_backend
+from .backend import all_caps, backend_class, create_backend
 from .checkpoints import Checkpoints, step_of
 from .errors import SpecError
 from .loop import train
@@ -26,6 +26,16 @@ def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | Non
     plan = compile_plan(spec, all_caps())
     task = build_task(plan.spec.rollout.task, plan.spec.algorithm.seed)
     return plan, task
+
+
+def check_installed(caps) -> None:
+    """Refuse, before anything is written, a backend whose packages are missing from this environment."""
+    import importlib.util
+
+    missing = [m for m in caps.requires if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpecError("backend", f"backend {caps.name} needs {', '.join(missing)}, not installed in this environment",
+                        caps.install_hint or f"install {', '.join(missing)}")
 
 
 def default_out_dir(spec_path: str, root: str = "outputs") -> Path:
@@ -64,6 +74,7 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
         resume: bool = False, progress: bool | None = None) -> Path:
     """Train; return the output directory. Raises `SpecError` before writing anything for bad input."""
     plan, task = build_plan(spec_path, overrides, backend_name)
+    check_installed(backend_class(plan.backend).caps)
     out_dir = Path(out) if out is not None else default_out_dir(spec_path)
     start_step = prepare_out_dir(out_dir, plan, resume)
     if plan.spec.hardware.num_threads:

@@ -31,6 +31,10 @@ class BackendCaps:
     max_trainer_ranks: int = 1_000_000
     single_process: bool = False
     """Trainer and engine live in one process (the only case where `sync.method=shared` is possible)."""
+    requires: tuple[str, ...] = ()
+    """Importable modules the backend needs at run time (checked before a run writes anything)."""
+    install_hint: str = ""
+    """How to install them, e.g. pip install 'rlspec[deepspeed]'."""
 
 
 @dataclass(frozen=True)

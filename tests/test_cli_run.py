@@ -144,3 +144,12 @@ def test_lora_run_resumes_exactly(tmp_path):
     a = load_file(full / "checkpoints" / "step_000002" / "model.safetensors")
     b = load_file(part / "checkpoints" / "step_000002" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+def test_missing_backend_packages_are_bad_input():
+    from rlspec.run import check_installed
+    from rlspec.spec import BackendCaps, SpecError
+
+    check_installed(BackendCaps("ok", requires=("json",)))
+    with pytest.raises(SpecError, match=r"backend: backend x needs no_such_module_rlspec.*pip install 'rlspec\[x\]'"):
+        check_installed(BackendCaps("x", requires=("no_such_module_rlspec",), install_hint="pip install 'rlspec[x]'"))

@@ -30,7 +30,7 @@ CPUS_PER_ACTOR = 0.5
 class DeepSpeedBackend:
     caps = BackendCaps(name="deepspeed", model_kinds=("causal_lm",), placements=("colocated", "separate"),
                        sync_methods=("ray", "nccl", "checkpoint"), engines=("hf",), devices=("cpu", "cuda"),
-                       supports_lora=False)
+                       supports_lora=False, requires=("deepspeed", "ray"), install_hint="pip install 'rlspec[deepspeed]'")
 
     def __init__(self) -> None:
         self.plan: RunPlan | None = None
