@@ -118,6 +118,27 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, seed: int) -> torch.nn.M
         return get_peft_model(model, config)
 
 
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the `*.safetensors` files in `path` (one model, possibly sharded), by name."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+@torch.no_grad()
+def copy_weights(model: torch.nn.Module, named_tensors) -> None:
+    """Copy `(name, tensor)`s into `model`'s weights by state-dict name, cast to each weight's device
+    and dtype (tied weights appear under both names); an unknown name raises KeyError."""
+    params = model.state_dict(keep_vars=True)
+    for name, tensor in named_tensors:
+        if name not in params:
+            raise KeyError(f"model has no weight named {name!r}")
+        params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+
+
 def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None, path: Path,
             state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """`save_pretrained` in safetensors (merging LoRA adapters into the base weights first)."""

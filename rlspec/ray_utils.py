@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from .errors import RunError
 
@@ -104,13 +104,6 @@ def kill_all(actors: Sequence[Any]) -> None:
             ray.kill(actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-
-
-def actor_class(cls: type, **options) -> Callable:
-    """`ray.remote(cls)` with options, created on demand so that importing `cls`'s module needs no Ray."""
-    import ray
-
-    return ray.remote(**options)(cls) if options else ray.remote(cls)
 
 
 class ActorWeightSource:

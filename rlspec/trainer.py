@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .batch import TrainBatch
 from .grpo import LossConfig, LossNorm
-from .models import apply_lora, load_model, load_tokenizer, save_hf
+from .models import apply_lora, copy_weights, load_model, load_tokenizer, read_safetensors_dir, save_hf
 from .policy import accumulate, batch_logprobs
 from .spec import AlgorithmSpec, ModelSpec
 
@@ -91,18 +91,13 @@ class LocalTrainer:
             torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)
 
     def load(self, path: Path) -> None:
-        from safetensors.torch import load_file
-
         if hasattr(self.model, "peft_config"):
             # The base stays as built (same seed or directory); the adapters carry all training.
             from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(self.model, load_file(path / ADAPTER_DIR / "adapter_model.safetensors"))
+            set_peft_model_state_dict(self.model, read_safetensors_dir(path / ADAPTER_DIR))
         else:
-            weights = {}
-            for file in sorted(path.glob("*.safetensors")):
-                weights.update(load_file(file))
-            load_full_state_dict(self.model, weights)
+            copy_weights(self.model, read_safetensors_dir(path).items())
         if (path / OPTIMIZER_FILE).is_file():
             self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
 
@@ -128,11 +123,3 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
         clean = key.replace(".base_layer.", ".")
         out[clean] = merged.get(clean, value.detach())
     return out
-
-
-@torch.no_grad()
-def load_full_state_dict(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
-    """Copy full weights into `model` by state-dict name (tied weights appear under both names)."""
-    target = model.state_dict(keep_vars=True)
-    for name, tensor in weights.items():
-        target[name].copy_(tensor)

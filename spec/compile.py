@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import SpecError, require
+from .errors import require
 from .schema import Spec
 
 

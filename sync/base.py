@@ -11,7 +11,7 @@ So engines know no transport, and backends know none either: they only yield wei
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, Protocol
+from typing import Callable, ClassVar, Iterator, Protocol
 
 import torch
 from torch import Tensor

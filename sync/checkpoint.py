@@ -10,8 +10,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from ..models import read_safetensors_dir
 from . import register
 from .base import as_source, buckets, compare_fingerprints, fingerprint
 
@@ -52,10 +53,7 @@ class CheckpointTransport:
 
     @staticmethod
     def receive(engine, payload) -> None:
-        loaded = {}
-        for file in sorted(Path(payload["path"]).glob("*.safetensors")):
-            loaded.update(load_file(str(file)))
-        engine.load_weights(loaded.items())
+        engine.load_weights(read_safetensors_dir(Path(payload["path"])).items())
         if payload["expected"]:
             names = set(payload["expected"])
             compare_fingerprints(payload["expected"], fingerprint((n, t) for n, t in engine.named_weights() if n in names))

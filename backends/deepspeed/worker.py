@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ...batch import TrainBatch
 from ...grpo import LossConfig, LossNorm, token_logprobs
-from ...models import load_model, load_tokenizer, save_hf
+from ...models import load_model, load_tokenizer, read_safetensors_dir, save_hf
 from ...policy import accumulate, forward_logits
 from ...spec import RunPlan
 from ...trainer import build_optimizer
@@ -208,16 +208,13 @@ class DeepSpeedWorker:
 
     def load(self, path: str) -> None:
         import deepspeed
-        from safetensors.torch import load_file
 
         zero = Path(path) / ZERO_DIR
         if zero.is_dir():  # weights (fp32 master partitions) and optimizer state, exactly as saved
             self.engine.load_checkpoint(str(zero), tag=ZERO_TAG, load_optimizer_states=True,
                                         load_lr_scheduler_states=False)
             return
-        weights = {}
-        for file in sorted(Path(path).glob("*.safetensors")):
-            weights.update(load_file(str(file)))
+        weights = read_safetensors_dir(Path(path))
         module = self.engine.module
         with torch.no_grad():
             for name, tensor in module.state_dict(keep_vars=True).items():

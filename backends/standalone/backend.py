@@ -17,7 +17,7 @@ from torch import Tensor
 from ...batch import TrainBatch
 from ...errors import RunError
 from ...grpo import LossNorm
-from ...models import load_model
+from ...models import copy_weights, load_model
 from ...rollout.hf import HFEngine
 from ...spec import BackendCaps, RunPlan
 from ...weights import LocalWeights
@@ -44,7 +44,7 @@ class StandaloneBackend:
         if plan.sync_method != "shared":
             # The engine holds a plain copy (LoRA merged away): it receives full weights by base-model name.
             engine_model = load_model(spec.model, spec.algorithm.seed).to(device).eval().requires_grad_(False)
-            HFEngine.copy_into(engine_model, self.trainer.export_weights())
+            copy_weights(engine_model, self.trainer.export_weights())
         self.engine = HFEngine(engine_model, self.trainer.tokenizer, spec.rollout, device, spec.algorithm.micro_batch_size)
 
     def rollout_engine(self) -> HFEngine:

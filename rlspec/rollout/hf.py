@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..batch import TrainBatch, position_ids
+from ..models import copy_weights
 from ..policy import batch_logprobs
 from ..spec import RolloutSpec, SpecError
 from .base import Rollout
@@ -100,17 +101,7 @@ class HFEngine:
         return batch_logprobs(self.model, batch, self.spec.temperature, self.micro_batch_size, self.device)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        self.copy_into(self.model, named_tensors)
-
-    @staticmethod
-    @torch.no_grad()
-    def copy_into(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy tensors into `model`'s weights by state-dict name (cast to each weight's device and dtype)."""
-        params = model.state_dict(keep_vars=True)  # tied weights appear under both names
-        for name, tensor in named_tensors:
-            if name not in params:
-                raise KeyError(f"engine has no weight named {name!r}")
-            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+        copy_weights(self.model, named_tensors)
 
     def receive(self, fn, payload) -> None:
         """Run a sync transport's engine half, `fn(self, payload)`, here."""

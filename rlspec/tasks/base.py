@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from ..spec import SpecError, TaskSpec
+from ..spec import SpecError
 
 
 @dataclass(frozen=True)
