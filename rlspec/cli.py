@@ -1,4 +1,7 @@
-"""The `rlspec` command: run, plan, conformance, bench. Exit codes: 0 ok, 1 run failure, 2 bad input."""
+"""The `rlspec` command: run, plan, conformance, bench.
+
+Exit codes: 0 ok, 1 run failure, 2 bad input, 128 + N stopped by signal N after a checkpoint (143: SIGTERM).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import sys
 import traceback
 from typing import Sequence
 
-from .errors import RunError, SpecError
+from .errors import RunError, SpecError, Stopped
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -62,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunError as err:
         print(f"rlspec: run failed: {err}", file=sys.stderr)
         return EXIT_RUN_FAILED
+    except Stopped as stop:
+        print(f"rlspec: {stop}", file=sys.stderr)
+        return stop.exit_code
     except Exception:  # noqa: BLE001 - any other failure is a run failure, reported with its traceback
         traceback.print_exc()
         print("rlspec: run failed (traceback above)", file=sys.stderr)

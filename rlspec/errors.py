@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+from pathlib import Path
+
 from .spec.errors import SpecError
 
 
@@ -19,4 +22,21 @@ class RunError(RuntimeError):
         return text
 
 
-__all__ = ["RunError", "SpecError"]
+class Stopped(Exception):
+    """The run stopped on a signal (e.g. a scheduler's SIGTERM), after checkpointing `step` when it could.
+
+    The CLI exits with `exit_code` (128 + the signal number, the shell's convention for "terminated").
+    """
+
+    def __init__(self, signum: int, step: int | None, checkpoint: Path | None) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_code = 128 + int(signum)
+        name = signal.Signals(signum).name
+        if checkpoint is not None:
+            text = f"{name}: stopped after step {step}; checkpoint {checkpoint} — continue with --resume"
+        else:
+            text = f"{name} again: stopped at once, without a checkpoint of the current step"
+        super().__init__(text)
+
+
+__all__ = ["RunError", "SpecError", "Stopped"]

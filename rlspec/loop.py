@@ -20,6 +20,7 @@ from .batch import TrainBatch
 from .checkpoints import Checkpoints
 from .grpo import LossNorm, group_advantages
 from .metrics import MetricsLog, peak_memory_gb
+from .monitor import RunMonitor
 from .rollout.base import collate
 from .spec import RunPlan
 from .tasks import Task
@@ -99,8 +100,11 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, syn
 
 
 def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path, pad_id: int,
-          start_step: int = 0, progress: bool | None = None) -> None:
-    """Run steps `start_step .. algorithm.steps - 1`; checkpoint every N steps and at the end."""
+          start_step: int = 0, progress: bool | None = None, monitor: RunMonitor | None = None) -> None:
+    """Run steps `start_step .. algorithm.steps - 1`; checkpoint every N steps and at the end.
+
+    `monitor` sees each step's metrics: it raises on non-finite numbers (before the checkpoint) and asks
+    for a checkpoint and a stop when a SIGTERM came (`rlspec.monitor`)."""
     spec = plan.spec
     engine = backend.rollout_engine()
     weights = weight_source_of(backend)
@@ -120,10 +124,14 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
                 if (step + 1) % spec.sync.every_n_steps == 0:
                     with timer("sync"):
                         sync_bytes = transport.push(weights, engine)
-            log.log(metrics_row(plan, step, result, timer, sync_bytes))
+            row = metrics_row(plan, step, result, timer, sync_bytes)
+            log.log(row)
+            stop = monitor is not None and monitor.step_done(step, row)
             last = step == spec.algorithm.steps - 1
             every = spec.checkpoint.every_n_steps
-            if last or (every and (step + 1) % every == 0):
-                checkpoints.save(step, backend, {"backend": plan.backend})
+            if last or stop or (every and (step + 1) % every == 0):
+                saved = checkpoints.save(step, backend, {"backend": plan.backend})
+                if stop and not last:
+                    raise monitor.stopped(step, saved)
     finally:
         log.close()

@@ -10,11 +10,12 @@ from typing import Sequence
 import torch
 
 from .backend import all_caps, backend_class, create_backend
-from .checkpoints import Checkpoints, step_of
+from .checkpoints import Checkpoints, check_resumable
 from .errors import SpecError
 from .loop import train
 from .metrics import read_metrics
 from .models import check_model_spec
+from .monitor import RUN_LOG, RunLog, RunMonitor
 from .spec import RunPlan, compile_plan, load_spec
 from .tasks import Task, build_task
 
@@ -38,36 +39,84 @@ def check_installed(caps) -> None:
                         caps.install_hint or f"install {', '.join(missing)}")
 
 
+def check_machine(plan: RunPlan) -> None:
+    """What the plan cannot know: is there CUDA (and enough GPUs) where the ranks will run? Checked only
+    when they run on this machine (no `hardware.ray_address`); a cluster's GPUs are the backend's to find."""
+    if plan.placement.device != "cuda" or plan.spec.hardware.ray_address is not None:
+        return
+    if not torch.cuda.is_available():
+        raise SpecError("hardware.device", "hardware.device=cuda but this machine has no usable CUDA device "
+                        "(torch.cuda.is_available() is False)", "set hardware.device=cpu, or run where a GPU is visible")
+    if torch.cuda.device_count() < plan.placement.num_gpus:
+        raise SpecError("hardware.num_trainer_ranks", f"the plan needs {plan.placement.num_gpus} GPUs, this machine "
+                        f"shows {torch.cuda.device_count()}", "lower hardware.num_trainer_ranks / num_rollout_engines, "
+                        "or set hardware.ray_address to a cluster")
+
+
+def create_out_dir(out: Path) -> list[Path]:
+    """`mkdir -p out`; return the directories it created (to remove again if the run is refused later)."""
+    missing = [p for p in (out, *out.parents) if not p.exists()][::-1]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        remove_created(missing)
+        raise SpecError("--out", f"cannot create {out}: {err.strerror or err}",
+                        "choose a directory this user can create and write to") from None
+    return missing
+
+
+def remove_created(created: list[Path], files: Sequence[Path] = ()) -> None:
+    """Undo a refused run's outputs: `files`, then the directories it created if they are empty."""
+    for file in files:
+        file.unlink(missing_ok=True)
+    for folder in reversed(created):
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
 def default_out_dir(spec_path: str, root: str = "outputs") -> Path:
     return Path(root) / Path(spec_path).stem / time.strftime("%Y%m%d-%H%M%S")
 
 
-def prepare_out_dir(out: Path, plan: RunPlan, resume: bool) -> int:
-    """Create `out` (refusing to mix two runs in one directory); return the step to start from."""
+def prepare_out_dir(out: Path, plan: RunPlan, resume: bool) -> tuple[int, list[Path]]:
+    """Create `out` (refusing to mix two runs in one directory); return the step to start from and the
+    directories created."""
     metrics = out / "metrics.jsonl"
     if not resume:
         if metrics.exists():
             raise SpecError("--out", f"{out} already holds a run (metrics.jsonl)",
                             "choose a new --out directory, or pass --resume to continue that run")
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.json").write_text(plan.to_json())
-        return 0
+        if out.exists() and not out.is_dir():
+            raise SpecError("--out", f"{out} is a file", "choose a directory path for --out")
+        created = create_out_dir(out)
+        try:
+            (out / "plan.json").write_text(plan.to_json())
+        except OSError as err:
+            remove_created(created, [out / "plan.json"])
+            raise SpecError("--out", f"cannot write in {out}: {err.strerror or err}", "choose a writable --out") from None
+        return 0, created
     previous = out / "plan.json"
     if not previous.is_file():
         raise SpecError("--resume", f"{out} holds no run to resume (no plan.json)", "drop --resume to start a new run")
-    if json.loads(previous.read_text())["spec"] != json.loads(plan.to_json())["spec"]:
+    try:
+        same = json.loads(previous.read_text())["spec"] == json.loads(plan.to_json())["spec"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SpecError("--resume", f"{previous} is unreadable ({type(err).__name__})", "start a new --out") from None
+    if not same:
         raise SpecError("--resume", f"the spec differs from the one {out} was started with",
                         "resume with the same spec and overrides, or start a new --out")
     latest = Checkpoints(out / "checkpoints", 0, True).latest()
     if latest is None:
         raise SpecError("--resume", f"{out} has no completed checkpoint", "start a new run instead")
-    start = step_of(latest) + 1
+    start = check_resumable(latest, plan.spec.model) + 1
     if metrics.exists():  # drop rows past the checkpoint; rewrite atomically
         kept = [row for row in read_metrics(metrics) if row["step"] < start]
         staging = out / "metrics.jsonl.tmp"
         staging.write_text("".join(json.dumps(row) + "\n" for row in kept))
         staging.replace(metrics)
-    return start
+    return start, []
 
 
 def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None = None, out: str | None = None,
@@ -75,21 +124,31 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
     """Train; return the output directory. Raises `SpecError` before writing anything for bad input."""
     plan, task = build_plan(spec_path, overrides, backend_name)
     check_installed(backend_class(plan.backend).caps)
+    check_machine(plan)
     out_dir = Path(out) if out is not None else default_out_dir(spec_path)
-    start_step = prepare_out_dir(out_dir, plan, resume)
+    start_step, created = prepare_out_dir(out_dir, plan, resume)
     if plan.spec.hardware.num_threads:
         torch.set_num_threads(plan.spec.hardware.num_threads)
     from .sync import build_transport
 
     backend = create_backend(plan.backend)
     transport = build_transport(plan.sync_method, plan.spec.sync)
+    set_up = False
     try:
-        backend.setup(plan)
-        if start_step:
-            backend.load(Checkpoints(out_dir / "checkpoints", 0, True).latest())
-        pad_id = backend.rollout_engine().tokenizer.pad_token_id
-        train(plan, backend, task, transport, out_dir, pad_id, start_step, progress)
-    finally:
-        transport.close()
-        backend.shutdown()
+        with RunLog(out_dir / RUN_LOG):
+            try:
+                backend.setup(plan)
+                set_up = True
+                if start_step:
+                    backend.load(Checkpoints(out_dir / "checkpoints", 0, True).latest())
+                pad_id = backend.rollout_engine().tokenizer.pad_token_id
+                with RunMonitor(plan, out_dir, getattr(backend, "actors", tuple)) as monitor:
+                    train(plan, backend, task, transport, out_dir, pad_id, start_step, progress, monitor)
+            finally:
+                transport.close()
+                backend.shutdown()
+    except SpecError:
+        if not set_up and not resume:  # bad input the backend found: leave nothing behind
+            remove_created(created, [out_dir / "plan.json", out_dir / RUN_LOG])
+        raise
     return out_dir

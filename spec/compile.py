@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import require
+from .files import check_file
 from .schema import Spec
 
 
@@ -212,5 +213,4 @@ def _check_files(spec: Spec) -> None:
                 "save the model there with save_pretrained")
     data = spec.rollout.task.data_path
     if data is not None:
-        require(Path(data).is_file(), "rollout.task.data_path", f"{data} does not exist",
-                "give a local .jsonl or .parquet file (paths are relative to the current directory)")
+        check_file(Path(data), "rollout.task.data_path", "a local .jsonl or .parquet file")

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import SpecError
+from .files import read_text
 from .schema import Spec
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -38,10 +39,10 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), backend: str | No
     `backend`, when given, replaces the spec's `backend` key (the CLI's `--backend`).
     """
     path = Path(path)
-    _check_yaml_file(path)
+    data = _check_yaml_file(path)
     if backend is not None:
         overrides = [*overrides, f"backend={backend}"]
-    cfg = _compose(path, list(overrides), _declared_groups(path))
+    cfg = _compose(path, list(overrides), _declared_groups(data))
     try:
         # Through a plain container: Hydra's result keeps keys added with `+key=...` past the schema.
         merged = OmegaConf.merge(OmegaConf.structured(Spec), OmegaConf.to_container(cfg))
@@ -50,25 +51,31 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), backend: str | No
         raise _from_omegaconf(err, str(path)) from None
 
 
-def _check_yaml_file(path: Path) -> None:
-    if not path.is_file():
+def _check_yaml_file(path: Path) -> dict:
+    """The file's top-level mapping; refuses a missing, unreadable, binary, malformed or empty file."""
+    if not path.exists() and not path.is_dir():
         raise SpecError(str(path), "spec file not found", "check the path (it is relative to the current directory)")
+    text = read_text(path, str(path), "a YAML spec file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(text)
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise SpecError(where, f"YAML syntax error: {err.problem}", "fix the YAML at that line") from None
     except yaml.YAMLError as err:
         raise SpecError(str(path), f"YAML error: {err}", "fix the YAML") from None
-    if data is not None and not isinstance(data, dict):
+    if data is None:
+        # Nothing but defaults is almost always a wrong file; `{}` says "all defaults" on purpose.
+        raise SpecError(str(path), "the spec file is empty (only whitespace or comments)",
+                        "write the sections to set (see examples/tiny.yaml), or `{}` to run every default on purpose")
+    if not isinstance(data, dict):
         raise SpecError(str(path), f"top level is a {type(data).__name__}, not a mapping",
                         "a spec is a mapping with sections algorithm, model, rollout, sync, hardware")
+    return data
 
 
-def _declared_groups(path: Path) -> set[str]:
+def _declared_groups(data: dict) -> set[str]:
     """Config groups the file's own `defaults:` list already chooses."""
-    data = yaml.safe_load(path.read_text()) or {}
     groups = set()
     for entry in data.get("defaults", None) or []:
         if isinstance(entry, dict):

@@ -22,6 +22,8 @@ ENGINES = ("hf", "vllm")
 SYNC_METHODS = ("auto", "shared", "nccl", "ray", "cuda_ipc", "checkpoint", "lora")
 DEVICES = ("cpu", "cuda")
 PLACEMENTS = ("colocated", "separate")
+STALL_ACTIONS = ("fail", "warn")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class _Section:
@@ -272,8 +274,14 @@ class HardwareSpec(_Section):
     """Keep optimizer state in host memory."""
     ray_address: Optional[str] = None
     """Ray cluster to join; null starts a local one."""
+    placement_strategy: str = "PACK"
+    """Ray placement of the ranks' bundles: PACK (fewest nodes) | SPREAD (across nodes) | STRICT_PACK | STRICT_SPREAD."""
     num_threads: int = 0
     """torch intra-op threads per process on CPU; 0 leaves torch's default."""
+    stall_timeout_s: float = 900.0
+    """No step done for this long: dump every process's stacks to OUT/stall/ (0: off); under the 30-min collective timeout."""
+    stall_action: str = "fail"
+    """What a stall does after the dump: fail (exit 1) | warn (keep waiting, dump again after another timeout)."""
 
     def __post_init__(self) -> None:
         p = "hardware"
@@ -281,7 +289,11 @@ class HardwareSpec(_Section):
         _positive(self.num_trainer_ranks, f"{p}.num_trainer_ranks")
         _positive(self.num_rollout_engines, f"{p}.num_rollout_engines")
         one_of(self.rollout, PLACEMENTS, f"{p}.rollout")
+        one_of(self.placement_strategy, PLACEMENT_STRATEGIES, f"{p}.placement_strategy")
         _non_negative(self.num_threads, f"{p}.num_threads")
+        _non_negative(self.stall_timeout_s, f"{p}.stall_timeout_s")
+        _finite(self.stall_timeout_s, f"{p}.stall_timeout_s")
+        one_of(self.stall_action, STALL_ACTIONS, f"{p}.stall_action")
 
 
 @dataclass

@@ -81,12 +81,13 @@ def test_resume_continues_from_the_latest_checkpoint(short_run, tmp_path):
     assert mismatch.returncode == 2 and "spec differs" in mismatch.stderr
 
 
-def test_run_failure_exits_1_with_traceback(tmp_path):
-    proc = run_cli("run", "examples/tiny.yaml", "hardware.device=cuda", "--out", str(tmp_path / "o"), "--no-progress")
+def test_cuda_without_cuda_is_bad_input(tmp_path):
+    """The plan cannot see the machine, but `run` can: no CUDA is bad input (exit 2), not a run failure."""
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    assert proc.returncode == 1
-    assert "no CUDA device" in proc.stderr
+    proc = run_cli("run", "examples/tiny.yaml", "hardware.device=cuda", "--out", str(tmp_path / "o"), "--no-progress")
+    assert proc.returncode == 2 and "hardware.device" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_cli_surface_is_frozen():

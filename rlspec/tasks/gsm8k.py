@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from ..spec import SpecError
+from ..spec.files import check_file, read_text
 from .base import Prompt
 
 PROMPT_TEMPLATE = "Question: {question}\nLet's think step by step and output the final answer after \"####\".\nAnswer:"
@@ -24,16 +25,21 @@ _NUMBER = r"-?[\d,]*\.?\d+"
 
 def load_records(path: str) -> list[dict]:
     """Records of a .jsonl or .parquet file (columns `question`, `answer`)."""
-    file = Path(path)
+    file, key = Path(path), "rollout.task.data_path"
     if file.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise SpecError("rollout.task.data_path", "reading parquet needs pyarrow", "pip install 'rlspec[data]' or use .jsonl") from None
-        records = pq.read_table(file).to_pylist()
+            raise SpecError(key, "reading parquet needs pyarrow", "pip install 'rlspec[data]' or use .jsonl") from None
+        check_file(file, key, "a local .parquet file")
+        try:
+            records = pq.read_table(file).to_pylist()
+        except Exception as err:  # noqa: BLE001 - pyarrow raises its own types for corrupt files
+            raise SpecError(key, f"{path} is not a readable parquet file ({type(err).__name__}: {str(err)[:200]})",
+                            "give a parquet file with columns question and answer, or a .jsonl") from None
     else:
         records = []
-        for lineno, line in enumerate(file.read_text().splitlines(), 1):
+        for lineno, line in enumerate(read_text(file, key, "a JSONL file (one JSON object per line)").splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -41,8 +47,9 @@ def load_records(path: str) -> list[dict]:
             except json.JSONDecodeError as err:
                 raise SpecError(f"{path}:{lineno}", f"not valid JSON ({err.msg})", "one JSON object per line") from None
     for i, rec in enumerate(records):
-        if "question" not in rec or "answer" not in rec:
-            raise SpecError(f"{path}: record {i + 1}", "missing 'question' or 'answer'", "each record needs both fields")
+        if not isinstance(rec, dict) or "question" not in rec or "answer" not in rec:
+            raise SpecError(f"{path}: record {i + 1}", "is not a JSON object with 'question' and 'answer'",
+                            "each record needs both fields")
     if not records:
         raise SpecError("rollout.task.data_path", f"{path} holds no records", "give a file with at least one record")
     return records

@@ -1,0 +1,161 @@
+"""What watches a run while the loop runs: SIGTERM, non-finite numbers, stalls, and the run's own log.
+
+- SIGTERM (a scheduler's preemption notice): the current step finishes, a checkpoint of it is written,
+  and the run ends with `Stopped` (exit 143 = 128 + SIGTERM, the usual "terminated" status, so scripts
+  do not take it for a finished run); `rlspec run ... --resume` continues from that checkpoint. A second
+  SIGTERM stops at once, without a checkpoint.
+- A non-finite loss, grad norm or KL stops the run at that step with `RunError` naming the step, before
+  its weights are checkpointed: the previous checkpoint stays the latest.
+- A stall (`rlspec.stall`): after the dump, `stall_action=fail` interrupts the main thread (SIGUSR1) so
+  the run unwinds as for any failure (actors killed, exit 1); a main thread stuck inside C code cannot
+  take the signal, so the process then exits 1 on its own after `HARD_EXIT_AFTER_S`.
+- `RunLog`: OUT/run.log receives everything the driver prints, including the actors' stdout/stderr that
+  Ray forwards to the driver (exceptions in worker threads, crash dumps: otherwise only in Ray's session
+  logs), and the account of the failure that ended the run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .errors import RunError, Stopped
+from .spec import RunPlan
+from .stall import StallWatchdog
+
+HARD_EXIT_AFTER_S = 60.0
+"""After a fatal stall, how long the main thread has to unwind before the process exits 1 by itself."""
+CHECKED_METRICS = ("loss", "grad_norm", "kl")
+RUN_LOG = "run.log"
+
+
+def check_finite(step: int, row: dict) -> None:
+    """Refuse a step whose loss, grad norm or KL is NaN or infinite."""
+    bad = [f"{key}={row[key]}" for key in CHECKED_METRICS
+           if isinstance(row.get(key), float) and not math.isfinite(row[key])]
+    if bad:
+        raise RunError(f"step {row.get('step', step)}: non-finite {', '.join(bad)}; stopped before checkpointing "
+                       "these weights (the previous checkpoint stays the latest) — lower algorithm.lr or set "
+                       "algorithm.max_grad_norm, and check the rewards")
+
+
+class RunMonitor:
+    """Context manager around `rlspec.loop.train`; the loop calls `step_done` after each step's metrics."""
+
+    def __init__(self, plan: RunPlan, out_dir: Path, actors: Callable[[], Sequence[tuple[str, Any]]] = lambda: ()) -> None:
+        hw = plan.spec.hardware
+        self.stop_signal: int | None = None
+        self._main = threading.current_thread() is threading.main_thread()
+        self._previous: dict[int, Any] = {}
+        self._stall_error: RunError | None = None
+        self._hard_exit: threading.Timer | None = None
+        self.watchdog = None
+        if hw.stall_timeout_s > 0:
+            self.watchdog = StallWatchdog(hw.stall_timeout_s, out_dir, actors, self._on_stall,
+                                          keep_watching=hw.stall_action == "warn", cuda=plan.placement.device == "cuda")
+
+    def __enter__(self) -> "RunMonitor":
+        if self._main:  # Python delivers signals to the main thread only; elsewhere, no signal handling
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._raise_stall)
+        if self.watchdog is not None:
+            self.watchdog.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self._hard_exit is not None:
+            self._hard_exit.cancel()
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def step_done(self, step: int, row: dict) -> bool:
+        """Step `step` finished with metrics `row`: raise on non-finite numbers; return whether to stop now."""
+        check_finite(step, row)
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
+        return self.stop_signal is not None
+
+    def stopped(self, step: int, checkpoint: Path | None) -> Stopped:
+        return Stopped(self.stop_signal or signal.SIGTERM, step, checkpoint)
+
+    # --- signals -----------------------------------------------------------------------------------------
+
+    def _on_sigterm(self, signum: int, frame) -> None:
+        if self.stop_signal is not None:
+            raise Stopped(signum, None, None)
+        self.stop_signal = signum
+        print(f"rlspec: {signal.Signals(signum).name} received: stopping after this step's checkpoint "
+              "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def _on_stall(self, message: str) -> None:
+        print(f"rlspec: {message}", file=sys.stderr, flush=True)
+        if self.watchdog is not None and self.watchdog.keep_watching:
+            return
+        self._stall_error = RunError(message)
+        if self._main:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+        self._hard_exit = threading.Timer(HARD_EXIT_AFTER_S, _hard_exit, (message,))
+        self._hard_exit.daemon = True
+        self._hard_exit.start()
+
+    def _raise_stall(self, signum: int, frame) -> None:
+        if self._stall_error is not None:
+            error, self._stall_error = self._stall_error, None
+            raise error
+
+
+def _hard_exit(message: str) -> None:
+    print(f"rlspec: run failed: {message}\nrlspec: the main thread did not unwind within {HARD_EXIT_AFTER_S:.0f} s "
+          "(blocked inside C code); exiting", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+class _Tee:
+    """A text stream that also appends to the run log (Ray's forwarding thread writes here too)."""
+
+    def __init__(self, stream, log, lock: threading.Lock) -> None:
+        self._stream, self._log, self._lock = stream, log, lock
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            if not self._log.closed:
+                self._log.write(text)
+                self._log.flush()
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+class RunLog:
+    """Copy the driver's stdout/stderr into `path` while the run is on; record how it ended."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> "RunLog":
+        self._file = self.path.open("a", buffering=1)
+        lock = threading.Lock()
+        self._saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self._file, lock), _Tee(sys.stderr, self._file, lock)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        sys.stdout, sys.stderr = self._saved
+        if exc is not None:
+            if isinstance(exc, (RunError, Stopped)):
+                self._file.write(f"rlspec: {'stopped' if isinstance(exc, Stopped) else 'run failed'}: {exc}\n")
+            else:
+                self._file.write("".join(traceback.format_exception(exc_type, exc, tb)))
+        self._file.close()

@@ -1,0 +1,197 @@
+"""The stall detector: when no step completes within `hardware.stall_timeout_s`, look before calling it a deadlock.
+
+A hung distributed step usually shows on the driver only as a call that never returns, while one rank
+is stuck somewhere and its peers wait for it in a collective. The watchdog thread here writes, into
+`OUT/stall/<n>/`, the Python stacks of every driver thread (`driver.txt`), of every Ray actor
+(`<actor label>.txt`, e.g. `trainer_rank_1.txt`) and, on CUDA, `nvidia-smi` (`gpu.txt`; each actor also
+reports its own CUDA memory), says where on stderr, and then stops the run with exit 1 — or, with
+`hardware.stall_action=warn`, keeps waiting and dumps again after another timeout.
+
+What a Ray actor class needs for its stacks to be dumped (the actor's own thread is the one blocked, so
+the dump must not need it):
+  1. inherit `StackReporter` (one method, `stacks()`, that formats `sys._current_frames()` of all its
+     threads), and
+  2. be made remote with `remote_class(cls)` instead of `ray.remote(cls)`: that adds a one-thread
+     concurrency group `STACKS_GROUP`, so `stacks()` runs on its own thread while the actor's methods
+     keep their usual one-at-a-time thread.
+The backend then lists its actors for the dump with a method `actors() -> [(label, handle), ...]`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+STACKS_GROUP = "rlspec_stacks"
+"""The Ray concurrency group that runs `StackReporter.stacks` beside an actor's blocked thread."""
+ACTOR_ANSWER_S = 15.0
+"""How long the dump waits for an actor's stacks (a process frozen while holding the GIL never answers)."""
+
+
+def format_stacks(title: str = "") -> str:
+    """Every thread's Python stack in this process, the way a traceback reads (innermost call last)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    lines = [f"{title or 'process'}: pid {os.getpid()} on {socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M:%S')}"]
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue  # the thread writing this dump
+        lines.append(f"\n--- thread {names.get(ident, '?')} ({ident}) ---")
+        lines.extend(line.rstrip("\n") for line in traceback.format_stack(frame))
+    return "\n".join(lines) + "\n"
+
+
+def cuda_report() -> str:
+    """This process's CUDA memory (and utilisation where pynvml is installed); empty without CUDA."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return ""
+        device = torch.cuda.current_device()
+        text = (f"cuda:{device} {torch.cuda.get_device_name(device)}: allocated "
+                f"{torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, reserved {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB")
+        try:
+            text += f", utilisation {torch.cuda.utilization(device)} %"
+        except Exception:  # noqa: BLE001 - needs pynvml
+            pass
+        return text + "\n"
+    except Exception as err:  # noqa: BLE001 - a report, never a new failure
+        return f"(CUDA state unavailable: {err!r})\n"
+
+
+def nvidia_smi() -> str:
+    """`nvidia-smi` on this node: utilisation, memory and the processes on each GPU."""
+    try:
+        query = subprocess.run(["nvidia-smi", "--query-gpu=index,name,utilization.gpu,memory.used,memory.total",
+                                "--format=csv"], capture_output=True, text=True, timeout=20)
+        procs = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory", "--format=csv"],
+                               capture_output=True, text=True, timeout=20)
+        return query.stdout + query.stderr + "\n" + procs.stdout + procs.stderr
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"nvidia-smi unavailable: {err!r}\n"
+
+
+class StackReporter:
+    """Mixin for Ray actor classes: `stacks()` answers from its own thread (see the module docstring)."""
+
+    def stacks(self) -> str:
+        return format_stacks(type(self).__name__) + cuda_report()
+
+
+def remote_class(cls: type, **ray_options: Any):
+    """`ray.remote(cls)` with the extra one-thread concurrency group that `StackReporter.stacks` runs in."""
+    import ray
+
+    return ray.remote(concurrency_groups={STACKS_GROUP: 1}, **ray_options)(cls)
+
+
+def actor_stacks(actors: Sequence[tuple[str, Any]], timeout_s: float = ACTOR_ANSWER_S) -> dict[str, str]:
+    """`stacks()` of every actor by label, all asked at once; a silent or dead actor is said to be so."""
+    import ray
+
+    refs = {}
+    for label, handle in actors:
+        try:
+            refs[label] = handle.stacks.options(concurrency_group=STACKS_GROUP).remote()
+        except Exception as err:  # noqa: BLE001 - e.g. an actor class without StackReporter
+            refs[label] = err
+    asked = [r for r in refs.values() if not isinstance(r, Exception)]
+    if asked:
+        ray.wait(asked, num_returns=len(asked), timeout=timeout_s)
+    out = {}
+    for label, ref in refs.items():
+        if isinstance(ref, Exception):
+            out[label] = f"cannot ask {label} for its stacks: {ref!r}\n"
+            continue
+        try:
+            out[label] = ray.get(ref, timeout=0.1)
+        except ray.exceptions.GetTimeoutError:
+            out[label] = (f"{label} did not answer within {timeout_s:.0f} s: its process is frozen while holding the "
+                          "GIL (a C extension that does not release it) or it is gone\n")
+        except Exception as err:  # noqa: BLE001 - a dead actor: say how it died
+            out[label] = f"{label} could not report: {err}\n"
+    return out
+
+
+def _file_name(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") + ".txt"
+
+
+class StallWatchdog:
+    """A daemon thread that fires when `beat` is not called for `timeout_s` seconds.
+
+    On firing it writes the dump (see the module docstring) and calls `on_stall(message)`; with
+    `keep_watching` it re-arms and fires again after another `timeout_s` without a beat.
+    """
+
+    def __init__(self, timeout_s: float, out_dir: Path, actors: Callable[[], Sequence[tuple[str, Any]]],
+                 on_stall: Callable[[str], None], keep_watching: bool = False, cuda: bool = False) -> None:
+        self.timeout_s = timeout_s
+        self.out_dir = out_dir
+        self.actors = actors
+        self.on_stall = on_stall
+        self.keep_watching = keep_watching
+        self.cuda = cuda
+        self.last_step: int | None = None
+        self.dumps: list[Path] = []
+        self._last_beat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rlspec-stall-watchdog", daemon=True)
+
+    def start(self) -> "StallWatchdog":
+        self._last_beat = time.monotonic()
+        self._thread.start()
+        return self
+
+    def beat(self, step: int) -> None:
+        """Step `step` completed."""
+        self.last_step = step
+        self._last_beat = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            left = self._last_beat + self.timeout_s - time.monotonic()
+            if left > 0:
+                self._stop.wait(min(left, 1.0))
+                continue
+            waited = time.monotonic() - self._last_beat
+            where = self.dump(waited)
+            after = "the start of the loop" if self.last_step is None else f"step {self.last_step}"
+            self.on_stall(f"stalled: no step completed for {waited:.0f} s after {after} "
+                          f"(hardware.stall_timeout_s={self.timeout_s:g}); stacks of the driver and every actor"
+                          f"{' and GPU state' if self.cuda else ''} in {where}")
+            if not self.keep_watching:
+                return
+            self._last_beat = time.monotonic()
+
+    def dump(self, waited_s: float) -> Path:
+        """Write the stacks (and GPU state) into a new `OUT/stall/<n>/`; return that directory."""
+        folder = self.out_dir / "stall" / str(len(self.dumps) + 1)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.dumps.append(folder)
+        after = "loop start" if self.last_step is None else f"step {self.last_step}"
+        (folder / "driver.txt").write_text(format_stacks(f"driver, {waited_s:.0f} s since {after}"))
+        try:
+            actors = list(self.actors())
+        except Exception as err:  # noqa: BLE001 - the dump must not fail on a half-torn-down backend
+            actors = []
+            (folder / "actors_error.txt").write_text(f"could not list the backend's actors: {err!r}\n")
+        for label, text in actor_stacks(actors).items() if actors else ():
+            (folder / _file_name(label)).write_text(text)
+        if self.cuda:
+            (folder / "gpu.txt").write_text(nvidia_smi())
+        return folder
