@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -53,7 +54,9 @@ class RunMonitor:
         self.stop_signal: int | None = None
         self._main = threading.current_thread() is threading.main_thread()
         self._previous: dict[int, Any] = {}
-        self._stall_error: RunError | None = None
+        self.stall: RunError | None = None
+        """The stall that ended the run (stall_action=fail), once the watchdog fired."""
+        self._stall_raised = False
         self._hard_exit: threading.Timer | None = None
         self.watchdog = None
         if hw.stall_timeout_s > 0:
@@ -68,13 +71,17 @@ class RunMonitor:
             self.watchdog.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
         if self._hard_exit is not None:
             self._hard_exit.cancel()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        if self.stall is not None and exc is not None and exc is not self.stall:
+            # The interrupt can land inside a C extension, which reports it as its own error (Ray's
+            # `wait` raises SystemError): the run still ended because of the stall.
+            raise self.stall from exc
 
     def step_done(self, step: int, row: dict) -> bool:
         """Step `step` finished with metrics `row`: raise on non-finite numbers; return whether to stop now."""
@@ -99,7 +106,7 @@ class RunMonitor:
         print(f"rlspec: {message}", file=sys.stderr, flush=True)
         if self.watchdog is not None and self.watchdog.keep_watching:
             return
-        self._stall_error = RunError(message)
+        self.stall = RunError(message)
         if self._main:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
         self._hard_exit = threading.Timer(HARD_EXIT_AFTER_S, _hard_exit, (message,))
@@ -107,15 +114,19 @@ class RunMonitor:
         self._hard_exit.start()
 
     def _raise_stall(self, signum: int, frame) -> None:
-        if self._stall_error is not None:
-            error, self._stall_error = self._stall_error, None
-            raise error
+        if self.stall is not None and not self._stall_raised:
+            self._stall_raised = True
+            raise self.stall
 
 
 def _hard_exit(message: str) -> None:
     print(f"rlspec: run failed: {message}\nrlspec: the main thread did not unwind within {HARD_EXIT_AFTER_S:.0f} s "
           "(blocked inside C code); exiting", file=sys.stderr, flush=True)
     os._exit(1)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+"""Terminal colour codes (Ray colours its actor prefixes): kept on the terminal, dropped from the file."""
 
 
 class _Tee:
@@ -127,7 +138,7 @@ class _Tee:
     def write(self, text: str) -> int:
         with self._lock:
             if not self._log.closed:
-                self._log.write(text)
+                self._log.write(_ANSI.sub("", text))
                 self._log.flush()
         return self._stream.write(text)
 

@@ -52,6 +52,7 @@ class DeepSpeedBackend:
 
         from ...ray_utils import start_ray, wait_all
         from ...rollout.remote import start_engines
+        from ...stall import remote_class
         from .worker import FAULT_ENV, DeepSpeedWorker
 
         self.plan = plan
@@ -74,13 +75,13 @@ class DeepSpeedBackend:
                 bundles[i % world]["CPU"] += CPUS_PER_ACTOR
         else:
             bundles += [{"CPU": CPUS_PER_ACTOR} | ({"GPU": tp} if cuda else {}) for _ in range(num_engines)]
-        self.placement_group = placement_group(bundles, strategy="PACK")
+        self.placement_group = placement_group(bundles, strategy=hw.placement_strategy)
         try:
             wait_all([self.placement_group.ready()], ["placement group"], timeout_s=120)
         except RunError as err:
             raise RunError(f"could not reserve {bundles} on the Ray cluster: {err}") from None
         gpu_share = (0.5 if share_gpus else 1.0) if cuda else 0
-        worker_cls = ray.remote(DeepSpeedWorker)
+        worker_cls = remote_class(DeepSpeedWorker)
         fault = os.environ.get(FAULT_ENV)
         self.labels = [f"trainer rank {r}" for r in range(world)]
         self.ranks = [
@@ -158,6 +159,11 @@ class DeepSpeedBackend:
 
     def load(self, path: Path) -> None:
         self._call("load", [(str(path),)] * len(self.ranks))
+
+    def actors(self) -> list[tuple[str, Any]]:
+        """(label, handle) of every actor, for the stall detector's stack dump."""
+        engines = self.engines
+        return list(zip(self.labels, self.ranks)) + (list(zip(engines.labels, engines.actors)) if engines else [])
 
     def pids(self) -> dict[str, int]:
         """Process ids of every actor (for operators and the watchdog test)."""

@@ -22,13 +22,15 @@ from ...grpo import LossConfig, LossNorm, token_logprobs
 from ...models import load_model, load_tokenizer, read_safetensors_dir, save_hf
 from ...policy import accumulate, forward_logits
 from ...spec import RunPlan
+from ...stall import StackReporter
 from ...trainer import build_optimizer
 
 ZERO_DIR = "optimizer_zero3"
 """DeepSpeed's own checkpoint (per-rank ZeRO partitions of weights and optimizer state) inside a save."""
 ZERO_TAG = "state"
 FAULT_ENV = "RLSPEC_FAULT_INJECT"
-"""Test hook, `rank=R,step=S,mode=raise|exit`: rank R fails in its S-th forward_backward (0-based)."""
+"""Test hook, `rank=R,step=S,mode=raise|exit|hang`: rank R fails in its S-th forward_backward (0-based);
+`hang` first lets a side thread die with an exception (the kind Ray only writes to the worker's log), then blocks."""
 
 
 def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
@@ -77,7 +79,7 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
     return config
 
 
-class DeepSpeedWorker:
+class DeepSpeedWorker(StackReporter):
     """Trainer rank `rank` of `world_size`."""
 
     def __init__(self, plan: RunPlan, rank: int, world_size: int, fault: str | None = None) -> None:
@@ -230,6 +232,16 @@ class DeepSpeedWorker:
         if self.fault and self.fault["rank"] == self.rank and self.fault["step"] == call:
             if self.fault["mode"] == "exit":
                 os._exit(3)
+            if self.fault["mode"] == "hang":
+                import threading
+                import time
+
+                def lost_thread() -> None:
+                    raise RuntimeError(f"injected fault ({FAULT_ENV}): a side thread of trainer rank {self.rank} died")
+
+                threading.Thread(target=lost_thread, name="rlspec-fault").start()
+                while True:
+                    time.sleep(3600)
             raise RuntimeError(f"injected fault ({FAULT_ENV}) on trainer rank {self.rank} at call {call}")
 
 

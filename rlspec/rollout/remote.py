@@ -16,10 +16,11 @@ from torch import Tensor
 from ..batch import TrainBatch
 from ..models import load_model, load_tokenizer
 from ..spec import RunPlan
+from ..stall import StackReporter
 from .base import Rollout
 
 
-class EngineWorker:
+class EngineWorker(StackReporter):
     """One rollout engine in a Ray actor; starts from the same weights as the trainer (same seed)."""
 
     def __init__(self, plan: RunPlan, index: int) -> None:
@@ -102,12 +103,12 @@ class RemoteEngines:
 
 def start_engines(plan: RunPlan, bundles: Sequence[tuple[Any, int]], num_cpus: float, num_gpus: float) -> RemoteEngines:
     """One `EngineWorker` per (placement group, bundle index) in `bundles`."""
-    import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from ..ray_utils import wait_all
+    from ..stall import remote_class
 
-    remote_cls = ray.remote(EngineWorker)
+    remote_cls = remote_class(EngineWorker)
     actors = [remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b))
               .remote(plan, i) for i, (pg, b) in enumerate(bundles)]

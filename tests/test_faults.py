@@ -1,0 +1,147 @@
+"""Faults during a run (standalone backend): a stall, non-finite numbers, a full disk while checkpointing,
+SIGTERM. Each test prints the error the user sees and how long the fault took to stop the run."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import itertools
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlspec.cli import main
+from rlspec.metrics import read_metrics
+from rlspec.tasks import copy_char
+from tests.conftest import REPO, rlspec_cmd
+
+TINY = str(REPO / "examples" / "tiny.yaml")
+SMALL = ["rollout.prompts_per_step=2", "algorithm.group_size=2", "algorithm.micro_batch_size=4", "rollout.max_new_tokens=4"]
+
+
+def cli(capsys, out: Path, *args: str) -> tuple[int, str, float]:
+    start = time.monotonic()
+    code = main(["run", TINY, *args, "--out", str(out), "--no-progress"])
+    return code, capsys.readouterr().err, time.monotonic() - start
+
+
+def hang_reward_at(monkeypatch, call: int, seconds: float) -> None:
+    """The copy_char reward sleeps `seconds` on its `call`-th call (the build-time dry run is call 0)."""
+    calls = itertools.count()
+    real = copy_char.reward
+
+    @functools.wraps(real)
+    def reward(completion, prompt, **kwargs):
+        if next(calls) == call:
+            time.sleep(seconds)
+        return real(completion, prompt, **kwargs)
+
+    monkeypatch.setattr(copy_char, "reward", reward)
+
+
+def test_stall_dumps_stacks_and_fails(monkeypatch, tmp_path, capsys):
+    """Step 2 blocks (in the reward); after hardware.stall_timeout_s the driver's stacks are in OUT/stall/1 and
+    the run exits 1 naming the last completed step."""
+    hang_reward_at(monkeypatch, call=1 + 2 * 4, seconds=600)  # 4 rewards per step: the first of step 2
+    out = tmp_path / "o"
+    code, err, took = cli(capsys, out, *SMALL, "algorithm.steps=5", "hardware.stall_timeout_s=5")
+    print(f"\nstall: exit {code} after {took:.1f} s; {err.strip().splitlines()[-1]}")
+    assert code == 1, err
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    assert steps == list(range(len(steps))) and len(steps) <= 2  # a slow machine may stall on an earlier step
+    assert "stalled: no step completed" in err and f"after step {steps[-1]}" in err and str(out / "stall" / "1") in err
+    driver = (out / "stall" / "1" / "driver.txt").read_text()
+    if steps == [0, 1]:
+        assert "in reward" in driver and "time.sleep(seconds)" in driver and "rollout_batch" in driver
+    assert "stalled" in (out / "run.log").read_text()
+    assert took < 60
+
+
+def test_stall_warn_dumps_and_keeps_going(monkeypatch, tmp_path, capsys):
+    hang_reward_at(monkeypatch, call=1 + 4, seconds=5)
+    out = tmp_path / "o"
+    code, err, _ = cli(capsys, out, *SMALL, "algorithm.steps=3", "hardware.stall_timeout_s=2",
+                       "hardware.stall_action=warn")
+    print(f"\nstall (warn): exit {code}; {[line for line in err.splitlines() if 'stalled' in line][:1]}")
+    assert code == 0, err
+    assert (out / "stall" / "1" / "driver.txt").is_file() and (out / "stall" / "2" / "driver.txt").is_file()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_non_finite_loss_stops_before_checkpoint(tmp_path, capsys):
+    """An absurd learning rate blows the weights up after step 0; step 1's loss is NaN: exit 1 naming step 1,
+    and no checkpoint of those weights (the engine keeps its own copy: sync only every 1000 steps)."""
+    out = tmp_path / "o"
+    code, err, took = cli(capsys, out, "algorithm.steps=4", "checkpoint.every_n_steps=1", "sync.method=checkpoint",
+                          "sync.every_n_steps=1000", "algorithm.optimizer=sgd", "algorithm.lr=1e30",
+                          "algorithm.max_grad_norm=0")
+    print(f"\nnon-finite: exit {code} after {took:.1f} s; {err.strip().splitlines()[-1]}")
+    assert code == 1 and "step 1: non-finite loss=nan" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000"]
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(t).all() for t in load_file(out / "checkpoints" / "step_000000" / "model.safetensors").values())
+
+
+def test_disk_full_during_checkpoint_keeps_the_previous_one(monkeypatch, tmp_path, capsys):
+    """ENOSPC while writing step 3's optimizer state (after its weights): exit 1 saying so; step 1's checkpoint
+    stays the latest, the partial one is gone, and --resume continues from step 1 to the end."""
+    real_save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if "step_000003" in str(path):
+            Path(path).write_bytes(b"\0" * 1000)  # the part that fit
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    out = tmp_path / "o"
+    args = [*SMALL, "algorithm.steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep_last=1"]
+    code, err, took = cli(capsys, out, *args)
+    print(f"\ndisk full: exit {code} after {took:.1f} s; {err.strip().splitlines()[-1]}")
+    assert code == 1 and "writing checkpoint step_000003 failed: no space left on device" in err, err
+    assert "step_000001" in err and "--resume" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
+
+    monkeypatch.setattr(torch, "save", real_save)
+    code, err, _ = cli(capsys, out, *args, "--resume")
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(6))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000005"]
+
+
+def test_sigterm_checkpoints_then_exits_143_and_resume_continues(tmp_path):
+    """SIGTERM to `rlspec run` (the real entry point): the current step finishes, a checkpoint of it is written,
+    exit 143; `--resume` continues from the step after it."""
+    out = tmp_path / "o"
+    args = ["run", TINY, *SMALL, "algorithm.steps=30", "checkpoint.every_n_steps=0", "--out", str(out), "--no-progress"]
+    proc = subprocess.Popen(rlspec_cmd(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"\nSIGTERM: exit {proc.returncode} {took:.2f} s after the signal; {err.strip().splitlines()[-1]}")
+    assert proc.returncode == 143, err[-3000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    last = rows[-1]["step"]
+    assert 1 <= last < 29
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{last:06d}"]
+    assert f"stopped after step {last}" in err and "--resume" in err
+
+    proc = subprocess.run(rlspec_cmd(*args, "--resume"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(30))
