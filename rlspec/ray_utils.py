@@ -13,7 +13,7 @@ import socket
 import time
 from typing import Any, Sequence
 
-from .errors import RunError
+from .errors import RunError, SpecError
 
 POLL_S = 0.2
 """How often the watchdog looks at pending futures; an actor death is reported within about this."""
@@ -38,6 +38,21 @@ def start_ray(address: str | None) -> bool:
     ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), object_store_memory=1 << 30,
              include_dashboard=False, log_to_driver=True)
     return True
+
+
+def check_cluster_fits(bundles: Sequence[dict[str, float]], address: str | None) -> None:
+    """Refuse (bad input, exit 2) a plan whose bundles need more CPUs or GPUs than the whole Ray cluster has;
+    Ray would otherwise wait for them until the placement timeout."""
+    import ray
+
+    total = ray.cluster_resources()
+    where = f"the Ray cluster at {address}" if address else "the local Ray cluster"
+    for resource, key in (("GPU", "hardware.num_trainer_ranks"), ("CPU", "hardware.num_trainer_ranks")):
+        need = sum(b.get(resource, 0) for b in bundles)
+        have = total.get(resource, 0)
+        if need > have:
+            raise SpecError(key, f"the plan's ranks and engines need {need:g} {resource}s, {where} has {have:g} in all",
+                            "lower hardware.num_trainer_ranks / num_rollout_engines, or add nodes to the cluster")
 
 
 def node_address() -> tuple[str, int]:

@@ -50,7 +50,7 @@ class DeepSpeedBackend:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from ...ray_utils import start_ray, wait_all
+        from ...ray_utils import check_cluster_fits, start_ray, wait_all
         from ...rollout.remote import start_engines
         from ...stall import remote_class
         from .worker import FAULT_ENV, DeepSpeedWorker
@@ -75,6 +75,7 @@ class DeepSpeedBackend:
                 bundles[i % world]["CPU"] += CPUS_PER_ACTOR
         else:
             bundles += [{"CPU": CPUS_PER_ACTOR} | ({"GPU": tp} if cuda else {}) for _ in range(num_engines)]
+        check_cluster_fits(bundles, hw.ray_address)
         self.placement_group = placement_group(bundles, strategy=hw.placement_strategy)
         try:
             wait_all([self.placement_group.ready()], ["placement group"], timeout_s=120)

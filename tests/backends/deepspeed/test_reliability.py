@@ -28,7 +28,7 @@ SMALL = ["rollout.prompts_per_step=2", "algorithm.group_size=2", "algorithm.micr
 
 def rlspec_run(out: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rlspec.cli", "run", str(TINY), "--backend", "deepspeed", "--out", str(out),
-           "--no-progress", "hardware.num_trainer_ranks=2", *overrides]
+           "--no-progress", "hardware.num_trainer_ranks=2", *overrides]  # a later ranks override wins
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})})
 
@@ -125,3 +125,15 @@ def test_two_nodes_learn_as_one(two_nodes, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=1e-7)
         assert a["sync/bytes"] == b["sync/bytes"] > 0
+
+
+def test_more_ranks_than_the_cluster_holds_is_bad_input(tmp_path):
+    """4.5 CPUs of bundles on a 2-CPU local cluster: exit 2 naming the key, at once, not after the placement timeout."""
+    if (os.cpu_count() or 2) > 2:
+        pytest.skip("the local cluster has more than 2 CPUs here")
+    out = tmp_path / "big"
+    proc = rlspec_run(out, "hardware.num_trainer_ranks=8", "algorithm.micro_batch_size=8")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    assert "hardware.num_trainer_ranks: the plan's ranks and engines need 4.5 CPUs" in err and "Traceback" not in err
+    assert not out.exists()
