@@ -36,10 +36,13 @@ CHECKED_METRICS = ("loss", "grad_norm", "kl")
 RUN_LOG = "run.log"
 
 
-def check_finite(step: int, row: dict) -> None:
-    """Refuse a step whose loss, grad norm or KL is NaN or infinite."""
-    bad = [f"{key}={row[key]}" for key in CHECKED_METRICS
-           if isinstance(row.get(key), float) and not math.isfinite(row[key])]
+def check_finite(step: int, row: dict, loss_scaled: bool = False) -> None:
+    """Refuse a step whose loss, grad norm or KL is NaN or infinite.
+
+    With fp16 loss scaling (`loss_scaled`) an infinite grad norm is the scaler's overflow signal: the
+    update was skipped and the scale lowered, so only the loss and KL count there."""
+    keys = [k for k in CHECKED_METRICS if not (loss_scaled and k == "grad_norm")]
+    bad = [f"{key}={row[key]}" for key in keys if isinstance(row.get(key), float) and not math.isfinite(row[key])]
     if bad:
         raise RunError(f"step {row.get('step', step)}: non-finite {', '.join(bad)}; stopped before checkpointing "
                        "these weights (the previous checkpoint stays the latest) — lower algorithm.lr or set "
@@ -52,6 +55,7 @@ class RunMonitor:
     def __init__(self, plan: RunPlan, out_dir: Path, actors: Callable[[], Sequence[tuple[str, Any]]] = lambda: ()) -> None:
         hw = plan.spec.hardware
         self.stop_signal: int | None = None
+        self._loss_scaled = plan.spec.model.dtype == "float16"
         self._main = threading.current_thread() is threading.main_thread()
         self._previous: dict[int, Any] = {}
         self.stall: RunError | None = None
@@ -85,7 +89,7 @@ class RunMonitor:
 
     def step_done(self, step: int, row: dict) -> bool:
         """Step `step` finished with metrics `row`: raise on non-finite numbers; return whether to stop now."""
-        check_finite(step, row)
+        check_finite(step, row, self._loss_scaled)
         if self.watchdog is not None:
             self.watchdog.beat(step)
         return self.stop_signal is not None

@@ -23,8 +23,8 @@ from .tasks import Task, build_task
 def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | None = None) -> tuple[RunPlan, Task]:
     """Compose, validate and compile; also build the task so its data file and reward kwargs are checked."""
     spec = load_spec(spec_path, overrides, backend)
-    check_model_spec(spec.model)
     plan = compile_plan(spec, all_caps())
+    check_model_spec(plan.spec.model)  # after the compiler has checked that model.path is a directory
     task = build_task(plan.spec.rollout.task, plan.spec.algorithm.seed)
     return plan, task
 

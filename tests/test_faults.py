@@ -145,3 +145,15 @@ def test_sigterm_checkpoints_then_exits_143_and_resume_continues(tmp_path):
     proc = subprocess.run(rlspec_cmd(*args, "--resume"), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(30))
+
+
+def test_check_finite_unit():
+    from rlspec.errors import RunError
+    from rlspec.monitor import check_finite
+
+    check_finite(3, {"step": 3, "loss": 0.5, "grad_norm": 1.0, "kl": None})
+    with pytest.raises(RunError, match=r"step 3: non-finite grad_norm=inf"):
+        check_finite(3, {"step": 3, "loss": 0.5, "grad_norm": float("inf"), "kl": None})
+    check_finite(3, {"step": 3, "loss": 0.5, "grad_norm": float("inf")}, loss_scaled=True)  # fp16: a skipped step
+    with pytest.raises(RunError, match=r"non-finite loss=nan"):
+        check_finite(3, {"step": 3, "loss": float("nan"), "grad_norm": float("inf")}, loss_scaled=True)
