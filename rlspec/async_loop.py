@@ -87,6 +87,7 @@ class Pool:
         with self._cond:
             self._cond.wait_for(lambda: self._items or self._error is not None or self._closed)
             if self._items:
+                self._cond.notify_all()  # room for a waiting put
                 return self._items.popleft()
             if self._error is not None:
                 err, trace = self._error

@@ -273,7 +273,8 @@ class TaskSpec(_Section):
             require(len(self.judge.models) > 0, f"{p}.judge.models", "is empty but rollout.task.reward=llm_judge",
                     "list at least one model; later ones are fallbacks")
             require(not self.reward_kwargs, f"{p}.reward_kwargs", "are for the task's own reward, but rollout.task.reward=llm_judge",
-                    "configure the judge under rollout.task.judge and remove reward_kwargs")
+                    "configure the judge under rollout.task.judge and remove them (on the command line: "
+                    + " ".join(f"~{p}.reward_kwargs.{k}" for k in self.reward_kwargs) + ")")
 
 
 @dataclass

@@ -39,7 +39,11 @@ TRANSIENT_STATUS = frozenset({408, 409, 425, 429})
 
 
 class JudgeError(RuntimeError):
-    """No model of the chain returned a score for a sample."""
+    """No model of the chain returned a score for a sample; `counts` are its requests, retries, fallbacks."""
+
+    def __init__(self, message: str, counts: dict[str, float]) -> None:
+        super().__init__(message)
+        self.counts = counts
 
 
 class _Transient(Exception):
@@ -112,7 +116,7 @@ class JudgeClient:
                         failures.append(f"{model}: {err} (after {retry} retries)")
                         break
                     self._sleep(self._delay_s(retry, err.retry_after_s))
-        raise JudgeError("the judge gave no score; " + "; ".join(failures))
+        raise JudgeError("the judge gave no score; " + "; ".join(failures), counts)
 
     def _delay_s(self, retry: int, retry_after_s: float | None) -> float:
         if retry_after_s is not None:
@@ -182,7 +186,7 @@ class JudgeTask:
             try:
                 return self.client.score(pair[1], pair[0])
             except JudgeError as err:
-                return err, {}
+                return err, err.counts
 
         with ThreadPoolExecutor(max_workers=self.client.spec.max_concurrency, thread_name_prefix="rlspec-judge") as pool:
             outcomes = list(pool.map(one, zip(completions, prompts)))
