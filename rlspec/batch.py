@@ -31,6 +31,8 @@ class TrainBatch:
     """[N, L] log-probs of the policy that sampled the batch, as recomputed by the trainer."""
     ref_logprobs: Tensor | None = None
     """[N, L] reference-policy log-probs (only when algorithm.kl_coef > 0)."""
+    engine_logprobs: Tensor | None = None
+    """[N, L] the rollout engine's log-probs of the sampled tokens, zero outside completions (for TIS)."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

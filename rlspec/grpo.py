@@ -10,11 +10,16 @@ Advantage (one scalar per sequence, broadcast to its tokens)::
 
 verl uses the same unbiased std with eps 1e-6; TRL uses eps 1e-4 (set `algorithm.adv_eps`).
 
+Dropped samples (a reward that could not be obtained): mean and std run over the group's kept members
+K_g only, and a dropped sample gets A_i = 0 and no loss tokens. A group left with |K_g| < 2 members is
+dropped whole, since one member has no baseline (see `kept_samples`).
+
 Per-token policy loss, with ratio rho = exp(logp - logp_old)::
 
     l_t = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))          (PPO clip; DAPO's clip-higher
                                                                           when eps_high > eps_low)
     if dual_clip_c and A < 0:  l_t = min(l_t, -A c)                      (dual-clip, Ye et al. 2020)
+    if tis_cap:  l_t = w_t l_t,  w_t = min(exp(logp_old - logp_engine), tis_cap)    (no gradient through w_t)
     l_t += beta * KL_t   with  k1: KL_t = logp - logp_ref
                                k3: KL_t = exp(logp_ref - logp) - (logp_ref - logp) - 1
 
@@ -24,6 +29,14 @@ Aggregation over the batch B behind one optimizer step (`algorithm.loss_agg`)::
     seq-mean-token-mean        L = (1/|B|) sum_i (1/|T_i|) sum_{t in T_i} l_t     (the GRPO paper)
     seq-mean-token-sum-norm    L = (1/|B|) sum_i sum_{t in T_i} l_t / L_max        (Dr. GRPO; L_max =
                                                                                     rollout.max_new_tokens)
+
+Truncated importance sampling (TIS, as in verl; Yao et al. 2025): the engine sampled from its own
+policy mu — older weights in `rollout.mode=async`, or different numerics (bf16, another kernel) — while
+the clipped term corrects only from pi_old (the trainer's policy at the start of the update, which is
+pi_theta detached with one update per batch). Weighting each token by the capped ratio pi_old / mu
+makes the gradient an estimate under mu's samples; the cap bounds its variance. The KL term is not
+weighted. The ratio is measured whenever the engine's log-probs are present, and applied only when
+`algorithm.tis_cap` is set.
 
 Deviations and choices, stated: the default aggregation is token-mean (verl's and TRL's default, not the
 paper's seq-mean-token-mean); the KL term is added to the loss (as in the paper and TRL), not to the
@@ -53,13 +66,13 @@ class LossNorm:
     num_tokens: int
     """Completion tokens in the whole step's batch (all ranks, all micro-batches)."""
     num_sequences: int
-    """Sequences in the whole step's batch."""
+    """Sequences with completion tokens in the whole step's batch (a dropped sample has none)."""
     max_new_tokens: int
     """Dr. GRPO's constant L_max."""
 
     @staticmethod
     def of(loss_mask: Tensor, max_new_tokens: int) -> "LossNorm":
-        return LossNorm(int(loss_mask.sum().item()), int(loss_mask.shape[0]), max_new_tokens)
+        return LossNorm(int(loss_mask.sum().item()), int((loss_mask.sum(-1) > 0).sum().item()), max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -72,23 +85,49 @@ class LossConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     loss_agg: str = "token-mean"
+    tis_cap: float | None = None
 
     @staticmethod
     def from_algorithm(algo) -> "LossConfig":
         return LossConfig(algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c, algo.kl_coef,
-                          algo.kl_estimator, algo.loss_agg)
+                          algo.kl_estimator, algo.loss_agg, algo.tis_cap)
 
 
-def group_advantages(rewards: Tensor, group_size: int, norm: str = "group_std", eps: float = 1e-6) -> Tensor:
-    """Per-sequence advantages for rewards laid out group after group (shape [P * G])."""
+def kept_samples(valid: Tensor, group_size: int) -> Tensor:
+    """[P * G] bool: samples whose reward was obtained, in groups that still hold at least two of them."""
+    grouped = valid.bool().view(-1, group_size)
+    return (grouped & (grouped.sum(dim=1, keepdim=True) >= 2)).view(-1)
+
+
+def group_advantages(rewards: Tensor, group_size: int, norm: str = "group_std", eps: float = 1e-6,
+                     kept: Tensor | None = None) -> Tensor:
+    """Per-sequence advantages for rewards laid out group after group (shape [P * G]).
+
+    `kept` ([P * G] bool, see `kept_samples`) restricts each group's mean and std to its kept members;
+    the others get 0 (their rewards may be NaN).
+    """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size}")
+    if norm not in ("group_std", "none"):
+        raise ValueError(f"unknown advantage normalisation {norm!r}")
+    if kept is not None and not bool(kept.all()):
+        return _masked_group_advantages(rewards, group_size, norm, eps, kept)
     grouped = rewards.float().view(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if norm == "group_std":
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    elif norm != "none":
-        raise ValueError(f"unknown advantage normalisation {norm!r}")
+    return centred.view(-1)
+
+
+def _masked_group_advantages(rewards: Tensor, group_size: int, norm: str, eps: float, kept: Tensor) -> Tensor:
+    mask = kept.bool().view(-1, group_size)
+    grouped = torch.where(mask, rewards.float().view(-1, group_size), 0.0)
+    count = mask.sum(dim=1, keepdim=True)
+    mean = grouped.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centred = torch.where(mask, grouped - mean, 0.0)
+    if norm == "group_std":
+        std = ((centred ** 2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        centred = centred / (std + eps)
     return centred.view(-1)
 
 
@@ -116,11 +155,14 @@ def aggregate(per_token: Tensor, loss_mask: Tensor, mode: str, norm: LossNorm) -
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor, norm: LossNorm,
-                cfg: LossConfig, ref_logp: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                cfg: LossConfig, ref_logp: Tensor | None = None,
+                engine_logp: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """Clipped GRPO loss of one shard (tensors [N, L] token-aligned; `advantages` [N]).
 
-    Returns the loss share (see `aggregate`) and *sums* over this shard's completion tokens, so that
-    statistics add up across micro-batches and ranks: `clipped_tokens`, `kl_sum`, `tokens`.
+    `engine_logp` are the rollout engine's log-probs of the sampled tokens (for TIS). Returns the loss
+    share (see `aggregate`) and *sums* over this shard's completion tokens, so that statistics add up
+    across micro-batches and ranks: `clipped_tokens`, `kl_sum`, `tokens`, `is_ratio_sum` (pi_old / mu),
+    `is_clipped_tokens` (ratio above `tis_cap`).
     """
     adv = advantages.unsqueeze(-1).to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
@@ -129,6 +171,12 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
     per_token = torch.maximum(unclipped, clipped)
     if cfg.dual_clip_c is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * cfg.dual_clip_c), per_token)
+    is_ratio = None
+    if engine_logp is not None:
+        # outside completions the engine has no log-prob; the masked log-ratio 0 keeps exp() finite there
+        is_ratio = torch.exp(((old_logp - engine_logp) * loss_mask).detach())
+        if cfg.tis_cap is not None:
+            per_token = per_token * torch.clamp(is_ratio, max=cfg.tis_cap)
     kl = None
     if cfg.kl_coef > 0:
         if ref_logp is None:
@@ -142,6 +190,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
             "clipped_tokens": float(((clipped > unclipped) & mask).sum().item()),
             "kl_sum": float((kl * loss_mask).sum().item()) if kl is not None else 0.0,
             "tokens": float(mask.sum().item()),
+            "is_ratio_sum": float((is_ratio * loss_mask).sum().item()) if is_ratio is not None else 0.0,
+            "is_clipped_tokens": (float(((is_ratio > cfg.tis_cap) & mask).sum().item())
+                                  if is_ratio is not None and cfg.tis_cap is not None else 0.0),
         }
     return loss, stats
 

@@ -4,26 +4,38 @@
       -> [old log-probs if several updates] -> [reference log-probs if KL]
       -> per mini-batch: backend.forward_backward + backend.optimizer_step
       -> sync weights to the engine (every N steps) -> metrics, checkpoint
+
+`rollout.mode=async` runs the first line in a rollout loop of its own (`rlspec.async_loop`), built
+from the same pieces (`rollout_batch`, `update`, `metrics_row`).
+
+A reward that raises (or is not a finite number) is counted in `reward/errors` and its sample is
+dropped — kept in the tensors so the batch still splits as planned, but with no loss tokens; its
+group's advantages are renormalised over the members left (`rlspec.grpo.kept_samples`). Past
+`rollout.task.max_reward_error_rate` of a step's samples the run fails.
 """
 
 from __future__ import annotations
 
+import math
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from .backend import Backend, weight_source_of
 from .batch import TrainBatch
 from .checkpoints import Checkpoints
-from .grpo import LossNorm, group_advantages
+from .errors import RunError
+from .grpo import LossNorm, group_advantages, kept_samples
 from .metrics import MetricsLog, peak_memory_gb
 from .monitor import RunMonitor
-from .rollout.base import collate
+from .rollout.base import collate, engine_logprobs_tensor
 from .spec import RunPlan
-from .tasks import Task
+from .tasks import Scores, Task, score
 
 
 @dataclass
@@ -41,17 +53,38 @@ class _Timer(dict):
         self[name] = self.get(name, 0.0) + time.perf_counter() - start
 
 
-def rollout_batch(plan: RunPlan, engine, task: Task, step: int, pad_id: int, timer: _Timer) -> TrainBatch:
-    """Sample, score and collate one step's batch (prompts x group_size sequences)."""
+def rollout_batch(plan: RunPlan, engine, task: Task, step: int, pad_id: int,
+                  timer: _Timer) -> tuple[TrainBatch, dict[str, float]]:
+    """Sample, score and collate one step's batch (prompts x group_size sequences); also the reward counters."""
     spec = plan.spec
+    group_size = spec.algorithm.group_size
     prompts = task.sample(step, plan.batch.prompts_per_step)
     with timer("gen"):
-        rollout = engine.generate([p.text for p in prompts], spec.algorithm.group_size, seed=spec.algorithm.seed + step)
+        rollout = engine.generate([p.text for p in prompts], group_size, seed=spec.algorithm.seed + step)
     with timer("reward"):
-        grouped = [p for p in prompts for _ in range(spec.algorithm.group_size)]
-        rewards = torch.tensor([task.reward(text, p) for text, p in zip(rollout.texts, grouped)], dtype=torch.float32)
-    advantages = group_advantages(rewards, spec.algorithm.group_size, spec.algorithm.adv_norm, spec.algorithm.adv_eps)
-    return collate(rollout, advantages, rewards, pad_id)
+        scores = score(task, rollout.texts, [p for p in prompts for _ in range(group_size)])
+    check_reward_errors(scores, spec.rollout.task.max_reward_error_rate, step)
+    kept = kept_samples(scores.valid, group_size)
+    advantages = group_advantages(scores.rewards, group_size, spec.algorithm.adv_norm, spec.algorithm.adv_eps, kept)
+    batch = collate(rollout, advantages, scores.rewards, pad_id)
+    batch.loss_mask[~kept] = 0.0
+    batch.engine_logprobs = engine_logprobs_tensor(rollout, batch)
+    counters = {**scores.metrics, "reward/errors": float(len(scores.errors)), "reward/dropped": float((~kept).sum())}
+    return batch, counters
+
+
+def check_reward_errors(scores: Scores, max_rate: float, step: int) -> None:
+    """Raise `RunError` when more than `max_rate` of the samples have no reward (naming the spec key)."""
+    if not scores.errors:
+        return
+    total = len(scores.rewards)
+    rate = len(scores.errors) / total
+    if rate > max_rate:
+        index, first = scores.errors[0]
+        raise RunError(f"the reward failed for {len(scores.errors)} of {total} samples at step {step} ({rate:.1%}), "
+                       f"more than rollout.task.max_reward_error_rate={max_rate} allows; first failure (sample {index}): "
+                       f"{type(first).__name__}: {first}",
+                       "".join(traceback.format_exception(type(first), first, first.__traceback__)))
 
 
 def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
@@ -73,21 +106,25 @@ def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
     return StepResult(batch, totals, grad_norms)
 
 
-def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, sync_bytes: int) -> dict:
+def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, sync_bytes: int,
+                counters: dict[str, float] | None = None) -> dict:
     stats, batch = result.stats, result.batch
     tokens = max(stats["tokens"], 1.0)
     updates = len(result.grad_norms)
     step_time = timer["step"]
+    obtained = batch.rewards[torch.isfinite(batch.rewards)]  # a dropped sample has no reward, not 0
+    trained = batch.loss_mask.sum(-1)
+    trained = trained[trained > 0]
     return {
         "step": step,
-        "reward/mean": float(batch.rewards.mean()),
-        "reward/std": float(batch.rewards.std()) if len(batch) > 1 else 0.0,
+        "reward/mean": float(obtained.mean()) if len(obtained) else math.nan,
+        "reward/std": float(obtained.std()) if len(obtained) > 1 else 0.0,
         "loss": stats["loss"] / updates,
         "kl": stats["kl_sum"] / tokens if plan.needs_reference_model else None,
         "grad_norm": sum(result.grad_norms) / updates,
         "clip_frac": stats["clipped_tokens"] / tokens,
         "entropy": stats["entropy_sum"] / tokens,
-        "response_len/mean": float(batch.loss_mask.sum(-1).mean()),
+        "response_len/mean": float(trained.mean()) if len(trained) else 0.0,
         "timing_s/gen": timer.get("gen", 0.0),
         "timing_s/reward": timer.get("reward", 0.0),
         "timing_s/train": timer.get("train", 0.0),
@@ -96,6 +133,10 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, syn
         "perf/tokens_per_s": float(batch.attention_mask.sum()) / step_time if step_time > 0 else 0.0,
         "sync/bytes": sync_bytes,
         "mem/peak_gb": stats.get("peak_mem_gb") or peak_memory_gb(plan.placement.device),
+        "tis/ratio_mean": stats["is_ratio_sum"] / tokens if batch.engine_logprobs is not None else None,
+        "tis/clipped_frac": (stats["is_clipped_tokens"] / tokens
+                             if batch.engine_logprobs is not None and plan.spec.algorithm.tis_cap is not None else None),
+        **(counters or {}),
     }
 
 
@@ -113,19 +154,16 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
         transport.push(weights, engine)
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
     log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress)
+    if spec.rollout.mode == "async":
+        from .async_loop import async_steps
+
+        rows = async_steps(plan, backend, engine, task, transport, weights, pad_id, start_step)
+    else:
+        rows = sync_steps(plan, backend, engine, task, transport, weights, pad_id, start_step)
     try:
-        for step in range(start_step, spec.algorithm.steps):
-            timer = _Timer()
-            with timer("step"):
-                batch = rollout_batch(plan, engine, task, step, pad_id, timer)
-                with timer("train"):
-                    result = update(plan, backend, batch)
-                sync_bytes = 0
-                if (step + 1) % spec.sync.every_n_steps == 0:
-                    with timer("sync"):
-                        sync_bytes = transport.push(weights, engine)
-            row = metrics_row(plan, step, result, timer, sync_bytes)
+        for row in rows:
             log.log(row)
+            step = row["step"]
             stop = monitor is not None and monitor.step_done(step, row)
             last = step == spec.algorithm.steps - 1
             every = spec.checkpoint.every_n_steps
@@ -134,4 +172,22 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
                 if stop and not last:
                     raise monitor.stopped(step, saved)
     finally:
+        rows.close()  # async: closes the pool and ends the rollout loop
         log.close()
+
+
+def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, weights, pad_id: int,
+               start_step: int) -> Iterator[dict]:
+    """One metrics row per step, each step in turn: generate, train, sync."""
+    spec = plan.spec
+    for step in range(start_step, spec.algorithm.steps):
+        timer = _Timer()
+        with timer("step"):
+            batch, counters = rollout_batch(plan, engine, task, step, pad_id, timer)
+            with timer("train"):
+                result = update(plan, backend, batch)
+            sync_bytes = 0
+            if (step + 1) % spec.sync.every_n_steps == 0:
+                with timer("sync"):
+                    sync_bytes = transport.push(weights, engine)
+        yield metrics_row(plan, step, result, timer, sync_bytes, counters)

@@ -14,7 +14,7 @@ from torch import Tensor
 from .batch import TrainBatch, position_ids
 from .grpo import LossConfig, LossNorm, policy_loss, token_entropy, token_logprobs
 
-STAT_KEYS = ("loss", "clipped_tokens", "kl_sum", "tokens", "entropy_sum")
+STAT_KEYS = ("loss", "clipped_tokens", "kl_sum", "tokens", "entropy_sum", "is_ratio_sum", "is_clipped_tokens")
 
 
 def forward_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -43,7 +43,8 @@ def micro_batch_loss(model: torch.nn.Module, mb: TrainBatch, norm: LossNorm, cfg
     logp = token_logprobs(logits, mb.input_ids, temperature)
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
     loss, stats = policy_loss(logp, old.to(logp.dtype), mb.advantages, mb.loss_mask.to(logp.dtype), norm, cfg,
-                              None if mb.ref_logprobs is None else mb.ref_logprobs.to(logp.dtype))
+                              None if mb.ref_logprobs is None else mb.ref_logprobs.to(logp.dtype),
+                              None if mb.engine_logprobs is None else mb.engine_logprobs.to(logp.dtype))
     with torch.no_grad():
         stats["entropy_sum"] = float((token_entropy(logits, temperature) * mb.loss_mask).sum().item())
         stats["loss"] = float(loss.item())

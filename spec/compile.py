@@ -94,6 +94,7 @@ def compile_plan(spec: Spec, backends: Mapping[str, BackendCaps]) -> RunPlan:
     batch = _batch_plan(spec)
     placement = _placement(spec)
     sync_method = _resolve_sync(spec, caps)
+    _check_async(spec, sync_method)
     _check_files(spec)
     spec.freeze()
     return RunPlan(backend=spec.backend, spec=spec, batch=batch, placement=placement,
@@ -202,6 +203,23 @@ def _resolve_sync(spec: Spec, caps: BackendCaps) -> str:
     require(method != "lora" or spec.model.lora.r > 0, "sync.method",
             "sync.method=lora moves only adapters, but model.lora.r=0", "set model.lora.r > 0 or use sync.method=auto")
     return method
+
+
+def _check_async(spec: Spec, sync_method: str) -> None:
+    """What may overlap in `rollout.mode=async`: generation runs while the trainer updates its weights."""
+    rollout, every = spec.rollout, spec.sync.every_n_steps
+    if rollout.mode != "async":
+        return
+    require(rollout.max_staleness == 0 or sync_method != "shared", "rollout.max_staleness",
+            f"rollout.mode=async with rollout.max_staleness={rollout.max_staleness} would generate while the trainer "
+            "updates the weights, but sync.method=shared makes the engine and the trainer one module (generation would "
+            "read half-updated weights)",
+            "give the engine its own weights: sync.method=checkpoint (standalone), or a backend whose engines run in "
+            "their own processes (backend=deepspeed); or set rollout.max_staleness=0")
+    require(rollout.max_staleness >= every - 1, "rollout.max_staleness",
+            f"the engine receives weights only every sync.every_n_steps={every} steps, so batches lag up to {every - 1} "
+            f"policy versions, more than rollout.max_staleness={rollout.max_staleness} allows (the rollout loop would wait forever)",
+            f"set rollout.max_staleness >= {every - 1} or lower sync.every_n_steps")
 
 
 def _check_files(spec: Spec) -> None:

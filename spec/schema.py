@@ -19,6 +19,8 @@ ADV_NORMS = ("group_std", "none")
 MODEL_KINDS = ("causal_lm", "vla")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("hf", "vllm")
+ROLLOUT_MODES = ("sync", "async")
+TASK_REWARDS = ("task", "llm_judge")
 SYNC_METHODS = ("auto", "shared", "nccl", "ray", "cuda_ipc", "checkpoint", "lora")
 DEVICES = ("cpu", "cuda")
 PLACEMENTS = ("colocated", "separate")
@@ -80,6 +82,8 @@ class AlgorithmSpec(_Section):
     """PPO ratio clip above: ratio <= 1 + clip_eps_high (DAPO's clip-higher uses 0.28)."""
     dual_clip_c: Optional[float] = None
     """Dual-clip bound c > 1 for negative advantages (verl uses 3.0); null disables it."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling: weight each token's policy loss by min(pi_old / pi_engine, tis_cap) (stale or mismatched engine); null disables."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy; 0 builds no reference model."""
     kl_estimator: str = "k3"
@@ -121,6 +125,9 @@ class AlgorithmSpec(_Section):
         if self.dual_clip_c is not None:
             require(self.dual_clip_c > 1, f"{p}.dual_clip_c", f"must be > 1, got {self.dual_clip_c}",
                     "use 3.0 (verl's value) or null to disable dual-clip")
+        if self.tis_cap is not None:
+            require(math.isfinite(self.tis_cap) and self.tis_cap >= 1, f"{p}.tis_cap", f"must be a finite number >= 1, got {self.tis_cap}",
+                    "a cap below 1 would down-weight on-policy tokens too; use 2.0 (a common value) or null to disable")
         _non_negative(self.kl_coef, f"{p}.kl_coef")
         one_of(self.kl_estimator, KL_ESTIMATORS, f"{p}.kl_estimator")
         one_of(self.loss_agg, LOSS_AGGS, f"{p}.loss_agg")
@@ -183,6 +190,61 @@ class ModelSpec(_Section):
                 "neither model.preset nor model.path is set", "name a preset (e.g. tiny_qwen2) or a local directory")
 
 
+DEFAULT_JUDGE_PROMPT = (
+    "You grade an answer. Task:\n{prompt}\n\nAnswer:\n{completion}\n\n"
+    "Rate how well the answer solves the task, from 0 (wrong) to 1 (fully correct). "
+    "Reply with one line: SCORE: <number>"
+)
+
+
+@dataclass
+class JudgeSpec(_Section):
+    """A hosted LLM that scores completions (`rollout.task.reward: llm_judge`), over an OpenAI-compatible API."""
+
+    base_url: Optional[str] = None
+    """API root, e.g. https://api.openai.com/v1; requests go to {base_url}/chat/completions."""
+    models: List[str] = field(default_factory=list)
+    """Model fallback chain: the first is asked; the next when a model is not found or keeps failing."""
+    api_key_env: Optional[str] = "OPENAI_API_KEY"
+    """Environment variable holding the API key (sent as a bearer token; never logged or saved); null sends none."""
+    prompt_template: str = DEFAULT_JUDGE_PROMPT
+    """Judge prompt; {prompt}, {completion} and the task prompt's metadata fields (e.g. {answer}) are filled in."""
+    score_regex: str = r"SCORE:\s*([-+]?\d*\.?\d+)"
+    """Regular expression whose first group is the score in the judge's reply (the last match counts)."""
+    max_tokens: int = 64
+    """Reply length budget of the judge (sampled at temperature 0)."""
+    timeout_s: float = 30.0
+    """Per-request timeout (connect and read)."""
+    max_retries: int = 3
+    """Retries per model after a transient failure (5xx, 429, timeout, connection error, malformed reply)."""
+    backoff_s: float = 0.5
+    """Delay before the first retry; it doubles with each retry, up to backoff_max_s."""
+    backoff_max_s: float = 8.0
+    """Largest delay between retries."""
+    jitter: float = 0.5
+    """Each delay is multiplied by a uniform draw from [1 - jitter, 1] (1.0 is full jitter), so clients spread out."""
+    max_concurrency: int = 8
+    """Requests in flight at once while a batch is scored."""
+
+    def __post_init__(self) -> None:
+        p = "rollout.task.judge"
+        if self.base_url is not None:
+            require(self.base_url.startswith(("http://", "https://")), f"{p}.base_url",
+                    f"{self.base_url!r} is not an http(s) URL", "e.g. https://api.openai.com/v1")
+        require(all(isinstance(m, str) and m for m in self.models), f"{p}.models", "holds an empty model name",
+                "list model names, e.g. [gpt-4o-mini, gpt-4.1-mini]")
+        if self.api_key_env is not None:
+            require(bool(self.api_key_env), f"{p}.api_key_env", "is empty", "name an environment variable, or null for no key")
+        _positive(self.max_tokens, f"{p}.max_tokens")
+        _positive(self.timeout_s, f"{p}.timeout_s")
+        _non_negative(self.max_retries, f"{p}.max_retries")
+        _non_negative(self.backoff_s, f"{p}.backoff_s")
+        require(self.backoff_max_s >= self.backoff_s, f"{p}.backoff_max_s",
+                f"{self.backoff_max_s} is below judge.backoff_s={self.backoff_s}", "set it to at least backoff_s")
+        require(0 <= self.jitter <= 1, f"{p}.jitter", f"must be in [0, 1], got {self.jitter}", "0.5 is a common value")
+        _positive(self.max_concurrency, f"{p}.max_concurrency")
+
+
 @dataclass
 class TaskSpec(_Section):
     """Dataset + reward function + the kwargs passed to the reward function."""
@@ -191,10 +253,30 @@ class TaskSpec(_Section):
     """Registered task name (copy_char | gsm8k)."""
     data_path: Optional[str] = None
     """Local JSONL/parquet file for dataset-backed tasks (gsm8k)."""
+    reward: str = "task"
+    """Who scores completions: task (the task's own reward function) | llm_judge (a remote judge, see `judge`)."""
     reward_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the task's reward function, checked against its signature."""
     dataset_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the task's prompt source (e.g. the synthetic task's alphabet)."""
+    judge: JudgeSpec = field(default_factory=JudgeSpec)
+    """The remote judge (only read when reward is llm_judge)."""
+    max_reward_error_rate: float = 0.0
+    """Fraction of a step's samples whose reward may fail (raise, or not a finite number) before the run fails; failed samples are dropped."""
+
+    def __post_init__(self) -> None:
+        p = "rollout.task"
+        one_of(self.reward, TASK_REWARDS, f"{p}.reward")
+        require(0 <= self.max_reward_error_rate <= 1, f"{p}.max_reward_error_rate",
+                f"must be in [0, 1], got {self.max_reward_error_rate}", "e.g. 0.05 to tolerate a few failed judge calls")
+        if self.reward == "llm_judge":
+            require(self.judge.base_url is not None, f"{p}.judge.base_url", "is not set but rollout.task.reward=llm_judge",
+                    "set it to the judge's OpenAI-compatible API root, e.g. https://api.openai.com/v1")
+            require(len(self.judge.models) > 0, f"{p}.judge.models", "is empty but rollout.task.reward=llm_judge",
+                    "list at least one model; later ones are fallbacks")
+            require(not self.reward_kwargs, f"{p}.reward_kwargs", "are for the task's own reward, but rollout.task.reward=llm_judge",
+                    "configure the judge under rollout.task.judge and remove them (on the command line: "
+                    + " ".join(f"~{p}.reward_kwargs.{k}" for k in self.reward_kwargs) + ")")
 
 
 @dataclass
@@ -219,6 +301,10 @@ class RolloutSpec(_Section):
     """vllm: fraction of GPU memory the engine may take."""
     tensor_parallel_size: int = 1
     """vllm: tensor-parallel degree of one engine."""
+    mode: str = "sync"
+    """sync (generate, then train, then sync) | async (a rollout loop fills a bounded pool while the trainer consumes)."""
+    max_staleness: int = 1
+    """async: policy versions (trainer steps) a batch may lag the policy that trains on it; 0 reproduces sync."""
 
     def __post_init__(self) -> None:
         p = "rollout"
@@ -231,6 +317,8 @@ class RolloutSpec(_Section):
         require(0 < self.gpu_memory_fraction <= 1, f"{p}.gpu_memory_fraction",
                 f"must be in (0, 1], got {self.gpu_memory_fraction}", "e.g. 0.5")
         _positive(self.tensor_parallel_size, f"{p}.tensor_parallel_size")
+        one_of(self.mode, ROLLOUT_MODES, f"{p}.mode")
+        _non_negative(self.max_staleness, f"{p}.max_staleness")
 
 
 @dataclass

@@ -8,21 +8,29 @@ import math
 import pytest
 import torch
 
-from rlspec.grpo import LossConfig, LossNorm, group_advantages, kl_penalty, policy_loss, token_logprobs
+from rlspec.grpo import (LossConfig, LossNorm, group_advantages, kept_samples, kl_penalty, policy_loss,
+                         token_logprobs)
 
 
-def loop_advantages(rewards: list[float], group_size: int, norm: str, eps: float) -> list[float]:
+def loop_advantages(rewards: list[float], group_size: int, norm: str, eps: float,
+                    kept: list[bool] | None = None) -> list[float]:
     out = []
     for g in range(0, len(rewards), group_size):
-        group = rewards[g:g + group_size]
-        mean = sum(group) / len(group)
-        var = sum((r - mean) ** 2 for r in group) / (len(group) - 1)
-        for r in group:
+        members = range(g, g + group_size)
+        keep = [i for i in members if kept is None or kept[i]]
+        group = [rewards[i] for i in keep]
+        mean = sum(group) / max(len(group), 1)
+        var = sum((r - mean) ** 2 for r in group) / max(len(group) - 1, 1)
+        for i in members:
+            if i not in keep:
+                out.append(0.0)
+                continue
+            r = rewards[i]
             out.append((r - mean) / (math.sqrt(var) + eps) if norm == "group_std" else r - mean)
     return out
 
 
-def loop_loss(logp, old, ref, adv, mask, cfg: LossConfig, max_new_tokens: int) -> float:
+def loop_loss(logp, old, ref, adv, mask, cfg: LossConfig, max_new_tokens: int, engine=None) -> float:
     """The formulas of rlspec.grpo's docstring, one token at a time in plain Python floats."""
     per_seq_sums, per_seq_counts = [], []
     for i in range(len(logp)):
@@ -36,6 +44,8 @@ def loop_loss(logp, old, ref, adv, mask, cfg: LossConfig, max_new_tokens: int) -
             loss = max(-a * ratio, -a * clipped_ratio)
             if cfg.dual_clip_c is not None and a < 0:
                 loss = min(loss, -a * cfg.dual_clip_c)
+            if engine is not None and cfg.tis_cap is not None:
+                loss *= min(math.exp(old[i][t] - engine[i][t]), cfg.tis_cap)
             if cfg.kl_coef > 0:
                 d = ref[i][t] - logp[i][t]
                 kl = (logp[i][t] - ref[i][t]) if cfg.kl_estimator == "k1" else math.exp(d) - d - 1
@@ -44,7 +54,7 @@ def loop_loss(logp, old, ref, adv, mask, cfg: LossConfig, max_new_tokens: int) -
             count += 1
         per_seq_sums.append(total)
         per_seq_counts.append(count)
-    n = len(logp)
+    n = sum(1 for c in per_seq_counts if c)  # sequences with completion tokens
     if cfg.loss_agg == "token-mean":
         return sum(per_seq_sums) / sum(per_seq_counts)
     if cfg.loss_agg == "seq-mean-token-mean":
@@ -150,3 +160,58 @@ def test_token_logprobs_alignment():
         for t in range(1, 5):
             want = torch.log_softmax(logits[b, t - 1] / 0.7, -1)[ids[b, t]]
             assert got[b, t].item() == pytest.approx(want.item(), rel=1e-12)
+
+
+TIS_CONFIGS = [LossConfig(loss_agg=agg, kl_coef=kl, dual_clip_c=dual, tis_cap=cap)
+               for agg, kl, dual, cap in itertools.product(
+                   ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"), (0.0, 0.1), (None, 3.0), (None, 1.5))]
+
+
+@pytest.mark.parametrize("cfg", TIS_CONFIGS, ids=lambda c: f"{c.loss_agg}-kl{c.kl_coef}-dual{c.dual_clip_c}-tis{c.tis_cap}")
+def test_tis_loss_equals_per_token_loop(cfg):
+    """Truncated importance sampling against the engine's log-probs, and a dropped (all-masked) row."""
+    logp, old, ref, adv, mask = random_case(seed=11)
+    g = torch.Generator().manual_seed(5)
+    engine = old + (torch.rand(old.shape, generator=g, dtype=torch.float64) - 0.5) * 1.5  # ratios on both sides of the cap
+    engine = engine * mask  # the engine has log-probs only on completion tokens
+    mask[2] = 0  # a dropped sample: no loss tokens, and not counted as a sequence
+    norm = LossNorm.of(mask, max_new_tokens=12)
+    assert norm.num_sequences == len(mask) - 1
+    loss, stats = policy_loss(logp, old, adv, mask, norm, cfg, ref, engine)
+    expected = loop_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), cfg, 12, engine.tolist())
+    assert loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-14)
+    ratios = [math.exp(old[i, t] - engine[i, t]) for i in range(len(mask)) for t in range(mask.shape[1]) if mask[i, t]]
+    assert stats["is_ratio_sum"] == pytest.approx(sum(ratios), rel=1e-12)
+    clipped = sum(r > cfg.tis_cap for r in ratios) if cfg.tis_cap is not None else 0
+    assert stats["is_clipped_tokens"] == clipped
+    if cfg.tis_cap is not None:
+        assert 0 < clipped < len(ratios)  # the case exercises the cap
+
+
+def test_tis_weight_carries_no_gradient_and_is_inert_on_policy():
+    logp, old, _, adv, mask = random_case(seed=2)
+    cfg = LossConfig(tis_cap=2.0)
+    norm = LossNorm.of(mask, 12)
+    plain_logp, tis_logp = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    plain, _ = policy_loss(plain_logp, old, adv, mask, norm, LossConfig())
+    on_policy, stats = policy_loss(tis_logp, old, adv, mask, norm, cfg, engine_logp=old)  # engine == pi_old: w = 1
+    plain.backward()
+    on_policy.backward()
+    assert on_policy.item() == plain.item() and stats["is_clipped_tokens"] == 0
+    assert torch.equal(tis_logp.grad, plain_logp.grad)
+
+
+def test_advantages_with_dropped_samples_equal_loop():
+    rewards = torch.tensor([1.0, float("nan"), 0.0, 0.5, 0.2, 0.9, float("nan"), float("nan"), 0.3, 0.3, 0.1, 0.7])
+    valid = torch.isfinite(rewards)
+    kept = kept_samples(valid, 4)
+    # group 2 keeps one member only: no baseline, dropped whole
+    assert kept.tolist() == [True, False, True, True, True, True, False, False, True, True, True, True]
+    for norm in ("group_std", "none"):
+        got = group_advantages(rewards, 4, norm, 1e-6, kept)
+        want = loop_advantages(rewards.tolist(), 4, norm, 1e-6, kept.tolist())
+        assert got.tolist() == pytest.approx(want, rel=1e-6, abs=1e-7)
+        assert torch.isfinite(got).all()
+    # all kept: exactly the unmasked computation
+    full = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.2, 0.9])
+    assert torch.equal(group_advantages(full, 4, kept=torch.ones(8, dtype=torch.bool)), group_advantages(full, 4))

@@ -1,16 +1,29 @@
-"""Tasks by name: prompts + reward function. `build_task(spec.rollout.task, seed)` returns a `Task`."""
+"""Tasks by name: prompts + reward function. `build_task(spec.rollout.task, seed)` returns a `Task`.
+
+With `rollout.task.reward: llm_judge` the task's prompts are kept and a remote judge scores them
+(`rlspec.tasks.llm_judge`).
+"""
 
 from __future__ import annotations
 
 from ..spec import SpecError, TaskSpec
 from . import copy_char, gsm8k
-from .base import Prompt, RewardTask, Task, check_kwargs
+from .base import Prompt, RewardTask, Scores, Task, check_kwargs, score
 
 TASK_NAMES = ("copy_char", "gsm8k")
 
 
 def build_task(spec: TaskSpec, seed: int) -> Task:
-    """The task named by `spec`, with its dataset and reward kwargs checked."""
+    """The task named by `spec`, with its dataset and reward kwargs (or its judge settings) checked."""
+    task = _named_task(spec, seed)
+    if spec.reward == "llm_judge":
+        from .llm_judge import build_judge_task
+
+        return build_judge_task(task, spec.judge, seed)
+    return task
+
+
+def _named_task(spec: TaskSpec, seed: int) -> RewardTask:
     key = "rollout.task"
     if spec.name == "copy_char":
         check_kwargs(copy_char.make_prompt_source, spec.dataset_kwargs, f"{key}.dataset_kwargs", skip=0)
@@ -40,4 +53,4 @@ def _dry_run(task: RewardTask, key: str) -> RewardTask:
     return task
 
 
-__all__ = ["Prompt", "Task", "TASK_NAMES", "build_task"]
+__all__ = ["Prompt", "Scores", "Task", "TASK_NAMES", "build_task", "score"]

@@ -7,9 +7,13 @@ is a spec error (exit 2) rather than a silently ignored setting.
 from __future__ import annotations
 
 import inspect
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
+
+import torch
+from torch import Tensor
 
 from ..spec import SpecError
 
@@ -33,6 +37,53 @@ class Task(Protocol):
 
 
 RewardFn = Callable[..., float]
+
+
+@dataclass
+class Scores:
+    """The rewards of one batch of completions, with the failures kept apart (never scored 0)."""
+
+    rewards: Tensor
+    """[N] float32; NaN where the reward could not be obtained."""
+    errors: list[tuple[int, BaseException]]
+    """(sample index, what went wrong) for each failed sample."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Counters the reward function reports for this batch (e.g. a judge's retries and fallbacks)."""
+
+    @property
+    def valid(self) -> Tensor:
+        """[N] bool: samples whose reward was obtained."""
+        return torch.isfinite(self.rewards)
+
+
+def score(task: Task, completions: list[str], prompts: list[Prompt]) -> Scores:
+    """Score every completion; a reward that raises or is not a finite number is recorded as an error.
+
+    A task may score a whole batch at once (`score_batch(completions, prompts)` returning, per sample,
+    a float or the exception that prevented it, plus counters), e.g. to send requests concurrently.
+    """
+    batch_fn = getattr(task, "score_batch", None)
+    if batch_fn is not None:
+        results, metrics = batch_fn(completions, prompts)
+    else:
+        results, metrics = [_safe(task.reward, c, p) for c, p in zip(completions, prompts)], {}
+    rewards, errors = [], []
+    for i, result in enumerate(results):
+        if not isinstance(result, BaseException) and not math.isfinite(result):
+            result = ValueError(f"the reward is {result}, not a finite number")
+        if isinstance(result, BaseException):
+            errors.append((i, result))
+            rewards.append(math.nan)
+        else:
+            rewards.append(float(result))
+    return Scores(torch.tensor(rewards, dtype=torch.float32), errors, dict(metrics))
+
+
+def _safe(fn: Callable[..., float], *args) -> float | Exception:
+    try:
+        return float(fn(*args))
+    except Exception as err:  # noqa: BLE001 - a failed reward is counted and its sample dropped, by the caller
+        return err
 
 
 class RewardTask:
