@@ -160,6 +160,40 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return torch.nn.functional.pad(entropy, (1, 0))
 
 
+def token_logprobs_and_entropy(logits: Tensor, input_ids: Tensor, temperature: float = 1.0,
+                               chunk_elems: int = 1 << 28) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` and `token_entropy` (entropy detached), the same values computed over sequence chunks.
+
+    The fp32 log-softmax exists for one chunk of at most `chunk_elems` floats at a time (a batch of 64 x 270
+    tokens at a 152k vocabulary is 10 GB in fp32, once per intermediate); under autograd each chunk is
+    recomputed in backward instead of kept. The log-softmax is row-wise, so chunking changes no value.
+    """
+    shifted, targets = logits[:, :-1], input_ids[:, 1:]
+    rows, length, vocab = shifted.shape
+    chunk = max(1, chunk_elems // max(rows * vocab, 1))
+    if length <= chunk:
+        picked, entropy = _chunk_logprobs(shifted, targets, temperature)
+    else:
+        parts = [(_checkpointed if torch.is_grad_enabled() else _chunk_logprobs)(piece, target, temperature)
+                 for piece, target in zip(shifted.split(chunk, dim=1), targets.split(chunk, dim=1))]
+        picked, entropy = torch.cat([p for p, _ in parts], dim=1), torch.cat([e for _, e in parts], dim=1)
+    return torch.nn.functional.pad(picked, (1, 0)), torch.nn.functional.pad(entropy, (1, 0))
+
+
+def _chunk_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    logp = torch.log_softmax(_at_least_fp32(logits) / temperature, dim=-1)
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return picked, entropy
+
+
+def _checkpointed(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(_chunk_logprobs, logits, targets, temperature, use_reentrant=False)
+
+
 def _at_least_fp32(t: Tensor) -> Tensor:
     """bf16/fp16 logits are upcast before log_softmax (as verl and TRL do); fp64 stays fp64."""
     return t.to(torch.promote_types(t.dtype, torch.float32))

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .batch import TrainBatch, position_ids
-from .grpo import LossConfig, LossNorm, policy_loss, token_entropy, token_logprobs
+from .grpo import LossConfig, LossNorm, policy_loss, token_logprobs_and_entropy
 
 STAT_KEYS = ("loss", "clipped_tokens", "kl_sum", "tokens", "entropy_sum")
 
@@ -32,7 +32,8 @@ def batch_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float
     for start in range(0, len(batch), micro_batch_size):
         mb = batch.select(start, start + micro_batch_size).trimmed().to(device)
         logits = forward_logits(model, mb.input_ids, mb.attention_mask)
-        out[start:start + len(mb), :mb.input_ids.shape[1]] = token_logprobs(logits, mb.input_ids, temperature).float().cpu()
+        logp, _ = token_logprobs_and_entropy(logits, mb.input_ids, temperature)
+        out[start:start + len(mb), :mb.input_ids.shape[1]] = logp.float().cpu()
     return out
 
 
@@ -40,12 +41,12 @@ def micro_batch_loss(model: torch.nn.Module, mb: TrainBatch, norm: LossNorm, cfg
                      temperature: float) -> tuple[Tensor, dict[str, float]]:
     """Forward one micro-batch and return its GRPO loss share and statistic sums."""
     logits = forward_logits(model, mb.input_ids, mb.attention_mask)
-    logp = token_logprobs(logits, mb.input_ids, temperature)
+    logp, entropy = token_logprobs_and_entropy(logits, mb.input_ids, temperature)
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
     loss, stats = policy_loss(logp, old.to(logp.dtype), mb.advantages, mb.loss_mask.to(logp.dtype), norm, cfg,
                               None if mb.ref_logprobs is None else mb.ref_logprobs.to(logp.dtype))
     with torch.no_grad():
-        stats["entropy_sum"] = float((token_entropy(logits, temperature) * mb.loss_mask).sum().item())
+        stats["entropy_sum"] = float((entropy * mb.loss_mask).sum().item())
         stats["loss"] = float(loss.item())
     return loss, stats
 

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from rlspec.grpo import LossConfig, LossNorm, group_advantages, kl_penalty, policy_loss, token_logprobs
+from rlspec.grpo import (LossConfig, LossNorm, group_advantages, kl_penalty, policy_loss, token_entropy,
+                         token_logprobs, token_logprobs_and_entropy)
 
 
 def loop_advantages(rewards: list[float], group_size: int, norm: str, eps: float) -> list[float]:
@@ -150,3 +151,17 @@ def test_token_logprobs_alignment():
         for t in range(1, 5):
             want = torch.log_softmax(logits[b, t - 1] / 0.7, -1)[ids[b, t]]
             assert got[b, t].item() == pytest.approx(want.item(), rel=1e-12)
+
+
+def test_chunked_logprobs_and_entropy_equal_the_plain_ones_with_gradients():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 11, requires_grad=True)
+    ids = torch.randint(0, 11, (3, 7))
+    weights = torch.randn(3, 7)
+    plain = token_logprobs(logits, ids, temperature=0.7)
+    (grad_plain,) = torch.autograd.grad((plain * weights).sum(), logits)
+    for chunk_elems in (1 << 28, 3 * 11 * 2, 1):  # one chunk, chunks of 2 positions, one position each
+        logp, entropy = token_logprobs_and_entropy(logits, ids, 0.7, chunk_elems=chunk_elems)
+        (grad,) = torch.autograd.grad((logp * weights).sum(), logits)
+        assert torch.equal(logp, plain) and torch.equal(entropy, token_entropy(logits, 0.7))
+        assert torch.allclose(grad, grad_plain, atol=1e-7, rtol=0)
