@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .metrics import peak_memory_gb
 from .models import load_model, load_tokenizer
 from .run import build_plan
 
@@ -71,19 +72,19 @@ def run_trl(spec_path: str, out: Path, overrides: list[str]) -> None:
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
+            _sync()
             timing.reset()
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
+            _sync()
             step_s = time.perf_counter() - self.start
             rows.append({
                 "step": len(rows), "timing_s/step": step_s, "timing_s/gen": timing.seconds,
                 "timing_s/train": step_s - timing.seconds, "timing_s/sync": 0.0, "sync/bytes": 0,
                 "perf/tokens_per_s": (timing.prompt_tokens + timing.completion_tokens) / step_s,
                 "perf/completion_tokens_per_s": timing.completion_tokens / step_s,
-                "mem/peak_gb": torch.cuda.max_memory_allocated() / 2**30,
+                "mem/peak_gb": peak_memory_gb(plan.placement.device),
             })
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
@@ -95,6 +96,11 @@ def run_trl(spec_path: str, out: Path, overrides: list[str]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class _GenerateTimer:
     """Wraps `model.generate` (what TRL's HF-generate mode calls): seconds and tokens per optimizer step."""
 
@@ -104,10 +110,10 @@ class _GenerateTimer:
         inner = model.generate
 
         def generate(*args, **kwargs):
-            torch.cuda.synchronize()
+            _sync()
             start = time.perf_counter()
             out = inner(*args, **kwargs)
-            torch.cuda.synchronize()
+            _sync()
             self.seconds += time.perf_counter() - start
             prompt = kwargs["input_ids"]
             self.prompt_tokens += int(kwargs["attention_mask"].sum())

@@ -25,6 +25,7 @@ the same step function runs eagerly, which is how the CPU tests check its logic.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +38,7 @@ from .hf import top_p_filter
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 BATCH_BUCKETS = tuple(2 ** i for i in range(11))  # 1 .. 1024 rows per graph
 CACHE_STEP = 128
-PREFILL_ROWS = 32
-MAX_GRAPHS = 4
+PREFILL_ROWS = 64
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -75,6 +75,7 @@ class StaticDecoder:
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
         self.rotary = model.model.rotary_emb
+        self._compiled = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -123,29 +124,56 @@ class StaticDecoder:
         out = torch.matmul(probs.view(b, self.num_kv_heads, groups * t, -1), values)
         return out.view(b, self.num_heads, t, d)
 
+    def _qkv(self, x: Tensor, norm: Tensor, wq: Tensor, bq: Tensor | None, wk: Tensor, bk: Tensor | None,
+             wv: Tensor, bv: Tensor | None, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, t, _ = x.shape
+        h = self._rms_norm(x, norm)
+        q = F.linear(h, wq, bq).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = F.linear(h, wk, bk).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = F.linear(h, wv, bv).view(b, t, -1, self.head_dim).transpose(1, 2)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+
+    def _attention_block(self, x: Tensor, q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, wo: Tensor,
+                         bo: Tensor | None) -> Tensor:
+        b, t, _ = x.shape
+        out = self._attend(q, keys, values, allowed)
+        return x + F.linear(out.transpose(1, 2).reshape(b, t, -1), wo, bo)
+
+    def _mlp_block(self, x: Tensor, norm: Tensor, wg: Tensor, wu: Tensor, wd: Tensor) -> Tensor:
+        h = self._rms_norm(x, norm)
+        return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+
+    def compile_blocks(self) -> None:
+        """Fuse each block's elementwise work (norms, RoPE, softmax, SiLU) with torch.compile; shapes are static."""
+        self._compiled = tuple(torch.compile(f, dynamic=False) for f in self._blocks())
+
+    def uncompile_blocks(self) -> None:
+        self._compiled = None
+
+    def _blocks(self):
+        return self._qkv, self._attention_block, self._mlp_block
+
     def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
-                keys: list[Tensor], values: list[Tensor]) -> Tensor:
-        """Logits [b, V] of the last of `ids` [b, T]; K/V of all T tokens go to cache `slots` [T]."""
+                keys: list[Tensor], values: list[Tensor], compiled: bool = False) -> Tensor:
+        """Logits [b, V] of the last of `ids` [b, T]; K/V of all T tokens go to cache `slots` [T].
+
+        `compiled` uses the torch.compile'd blocks (decode steps: one shape per graph); prefill shapes
+        vary with the prompt width, so prefill runs the plain blocks.
+        """
+        qkv, attention, mlp = self._compiled if compiled else self._blocks()
         body = self.model.model
         x = body.embed_tokens(ids)
         cos, sin = self._rope(positions, x.dtype)
         cos, sin = cos[:, None], sin[:, None]
-        b, t = ids.shape
         for layer, k_cache, v_cache in zip(body.layers, keys, values):
-            attn = layer.self_attn
-            h = self._rms_norm(x, layer.input_layernorm.weight)
-            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(b, t, -1, self.head_dim).transpose(1, 2)
-            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(b, t, -1, self.head_dim).transpose(1, 2)
-            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(b, t, -1, self.head_dim).transpose(1, 2)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            attn, ffn = layer.self_attn, layer.mlp
+            q, k, v = qkv(x, layer.input_layernorm.weight, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight,
+                          attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias, cos, sin)
             k_cache.index_copy_(2, slots, k)
             v_cache.index_copy_(2, slots, v)
-            out = self._attend(q, k_cache, v_cache, allowed)
-            x = x + F.linear(out.transpose(1, 2).reshape(b, t, -1), attn.o_proj.weight, attn.o_proj.bias)
-            h = self._rms_norm(x, layer.post_attention_layernorm.weight)
-            mlp = layer.mlp
-            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
-                             mlp.down_proj.weight)
+            x = attention(x, q, k_cache, v_cache, allowed, attn.o_proj.weight, attn.o_proj.bias)
+            x = mlp(x, layer.post_attention_layernorm.weight, ffn.gate_proj.weight, ffn.up_proj.weight,
+                    ffn.down_proj.weight)
         x = self._rms_norm(x[:, -1], body.norm.weight)
         return F.linear(x, self.model.get_output_embeddings().weight)
 
@@ -183,15 +211,21 @@ class GraphSampler:
     """Samples a rollout batch with a `StaticDecoder`, one CUDA graph replay per token."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, use_graphs: bool | None = None,
-                 check_every: int = 8) -> None:
+                 compile_blocks: bool | None = None, check_every: int = 8, keep_graphs: bool = False) -> None:
         self.decoder = StaticDecoder(model)
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.compiled = self.use_graphs if compile_blocks is None else compile_blocks
+        if self.compiled:
+            self.decoder.compile_blocks()
         self.check_every = check_every
+        # Dropping the graphs (their KV cache and memory pool) after each batch gives that memory back to a
+        # colocated trainer; a later capture of a seen shape skips warm-up and costs a few milliseconds.
+        self.keep_graphs = keep_graphs
         self.generator = torch.Generator(device=self.device)
         self._states: dict[tuple, _State] = {}
         self._pointers: tuple[int, ...] = ()
-        self._pool = None
+        self._warmed: set[tuple] = set()
 
     @torch.no_grad()
     def sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
@@ -204,6 +238,8 @@ class GraphSampler:
         width = max(t.shape[1] for t, _ in parts)
         tokens = torch.cat([F.pad(t, (0, width - t.shape[1]), value=eos) for t, _ in parts])
         logps = torch.cat([F.pad(lp, (0, width - lp.shape[1])) for _, lp in parts])
+        if not self.keep_graphs:
+            self._states.clear()
         return tokens, logps
 
     def _sample_rows(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
@@ -232,8 +268,6 @@ class GraphSampler:
             self._pointers = pointers
         if key in self._states:
             return self._states[key]
-        if len(self._states) >= MAX_GRAPHS:
-            self._states.pop(next(iter(self._states)))
         bucket, length, max_new_tokens, temperature, top_p, eos = key
         dev = self.device
         keys, values = self.decoder.new_cache(bucket, length, dev)
@@ -247,25 +281,38 @@ class GraphSampler:
                        out_tokens=torch.zeros(bucket, max_new_tokens, dtype=torch.long, device=dev),
                        out_logps=torch.zeros(bucket, max_new_tokens, dtype=torch.float32, device=dev))
         if self.use_graphs:
-            state.graph = self._capture(state, temperature, top_p, eos)
+            state.graph = self._capture(state, temperature, top_p, eos, warm_up=key not in self._warmed)
+            self._warmed.add(key)
         self._states[key] = state
         return state
 
-    def _capture(self, state: _State, temperature: float, top_p: float, eos: int):
-        """Warm up on a side stream (allocator, cuBLAS workspaces), then capture one decode step."""
+    def _capture(self, state: _State, temperature: float, top_p: float, eos: int, warm_up: bool):
+        """Capture one decode step; the first time for a shape, warm up on a side stream before (compilation,
+        cuBLAS workspaces)."""
+        if warm_up:
+            self._warm_up(state, temperature, top_p, eos)
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(self.generator)
+        with torch.cuda.graph(graph):
+            self._step(state, temperature, top_p, eos)
+        return graph
+
+    def _warm_up(self, state: _State, temperature: float, top_p: float, eos: int) -> None:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
+            try:
+                self._step(state, temperature, top_p, eos)
+            except Exception as err:  # noqa: BLE001 - e.g. no working compiler for Triton kernels
+                if not self.compiled:
+                    raise
+                warnings.warn(f"rlspec: torch.compile of the decode blocks failed ({type(err).__name__}: {err}); "
+                              "decoding with the plain blocks")
+                self.compiled = False
+                self.decoder.uncompile_blocks()
             for _ in range(2):
                 self._step(state, temperature, top_p, eos)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        graph.register_generator_state(self.generator)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._step(state, temperature, top_p, eos)
-        return graph
 
     def _prefill(self, state: _State, input_ids: Tensor, attention_mask: Tensor, rows: int) -> None:
         """Prompts into the cache (slots 0..width-1) and the first logits; resets the step counters."""
@@ -300,7 +347,7 @@ class GraphSampler:
         state.valid.index_fill_(1, state.slot, True)
         allowed = state.valid[:, None, :]
         state.logits.copy_(self.decoder.forward(token[:, None], state.position[:, None], state.slot, allowed,
-                                                state.keys, state.values))
+                                                state.keys, state.values, compiled=self.compiled))
         state.position.add_(1)
         state.slot.add_(1)
         state.step.add_(1)
