@@ -4,10 +4,27 @@ Each backend runs the full `rlspec run` in its own process (so one backend's cac
 peak-memory counter cannot leak into the next one's numbers) into OUT/<backend>/; the bench reads back
 `metrics.jsonl` and reports medians over the steps after the first (`warmup_steps`), since the first
 step pays for compilation, allocator growth and connection set-up.
+
+Columns: `perf/completion_tokens_per_s` (sampled tokens per second of the whole step: the headline),
+`perf/tokens_per_s` (prompt + completion tokens per step second), the step's time split, peak memory,
+and `perf/train_mfu`, the train phase's model FLOPs utilisation:
+
+    train FLOPs = (passes_with_grad * 3 + passes_no_grad) * tokens * (2 * N + 2 * n_layers * s * d_attn)
+
+N = parameters of the matmuls (every Linear, the LM head included; the embedding lookup is no matmul),
+tokens = prompt + completion tokens of the step (padding not counted), s = their mean length per sequence,
+d_attn = heads * head_dim; 2 * n_layers * s * d_attn is causal attention's QK^T and AV per token
+(context s/2 on average). One pass with gradient per update; forward + backward = 3 forwards (activation
+recomputation under gradient checkpointing is not counted). No-grad passes: old log-probs when
+updates_per_batch > 1, reference log-probs when kl_coef > 0. MFU = train FLOPs / (timing_s/train x the
+device's dense bf16 peak); reported for 16-bit models on a known GPU only.
+
+`--reference trl` adds TRL's GRPOTrainer on the same spec (`rlspec.bench_trl` says what is matched).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -15,35 +32,99 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from .metrics import read_metrics
-from .errors import RunError
+from .errors import RunError, SpecError
 from .run import build_plan
 
-COLUMNS = ("perf/tokens_per_s", "timing_s/step", "timing_s/gen", "timing_s/train", "timing_s/sync", "sync/bytes",
+REFERENCES = ("trl",)
+# Dense bf16 peak of known GPUs, TFLOP/s (the vendors' datasheet numbers without sparsity).
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0}
+
+COLUMNS = ("perf/completion_tokens_per_s", "perf/tokens_per_s", "perf/train_mfu", "timing_s/step", "timing_s/gen", "timing_s/train", "timing_s/sync", "sync/bytes",
            "mem/peak_gb")
 
 
-def summarise(rows: list[dict], warmup_steps: int) -> dict:
+def summarise(rows: list[dict], warmup_steps: int, flops: "TrainFlops | None" = None) -> dict:
     """Median of each column over the steps after warm-up (all steps if the run is that short)."""
     measured = rows[warmup_steps:] or rows
-    return {key: statistics.median(r[key] for r in measured) for key in COLUMNS} | {"steps_measured": len(measured)}
+    for row in measured:
+        row["perf/train_mfu"] = flops.mfu(row) if flops else None
+    medians = {key: _median([r.get(key) for r in measured]) for key in COLUMNS}
+    return medians | {"steps_measured": len(measured)}
 
 
-def bench(spec_path: str, overrides: Sequence[str], backends: Sequence[str], out: Path, warmup_steps: int = 1) -> dict:
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+class TrainFlops:
+    """The train-phase FLOP count of the module docstring, for one plan on this machine's GPU."""
+
+    def __init__(self, plan, peak_tflops: float) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from .models import preset_config
+
+        spec = plan.spec
+        if spec.model.path is None:
+            config = preset_config(spec.model.preset)
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(spec.model.path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        self.matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.attn_width = config.num_hidden_layers * config.num_attention_heads * head_dim
+        self.sequences = plan.batch.sequences_per_step
+        self.passes = 3 * plan.batch.updates_per_batch + int(plan.batch.updates_per_batch > 1) + int(plan.needs_reference_model)
+        self.peak = peak_tflops * 1e12
+
+    def flops(self, tokens: float) -> float:
+        mean_len = tokens / self.sequences
+        return self.passes * tokens * (2 * self.matmul_params + 2 * mean_len * self.attn_width)
+
+    def mfu(self, row: dict) -> float | None:
+        tokens = row["perf/tokens_per_s"] * row["timing_s/step"]
+        return self.flops(tokens) / (row["timing_s/train"] * self.peak) if row["timing_s/train"] > 0 else None
+
+
+def _train_flops(plan) -> TrainFlops | None:
+    """None where MFU is not defined here: no CUDA, an unknown GPU, or a 32-bit model."""
+    if plan.placement.device != "cuda" or plan.spec.model.dtype == "float32" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    peak = next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+    return TrainFlops(plan, peak) if peak else None
+
+
+def bench(spec_path: str, overrides: Sequence[str], backends: Sequence[str], out: Path, warmup_steps: int = 1,
+          references: Sequence[str] = ()) -> dict:
     """Run `spec_path` on each backend (all plans are compiled first, so a bad spec fails before any run)."""
-    for name in backends:
-        build_plan(spec_path, overrides, name)
+    plans = [build_plan(spec_path, overrides, name)[0] for name in backends]
+    for ref in references:
+        if ref not in REFERENCES:
+            raise SpecError("--reference", f"unknown reference {ref!r}", f"use one of: {', '.join(REFERENCES)}")
+        if importlib.util.find_spec(ref) is None:
+            raise SpecError("--reference", f"--reference {ref} needs the {ref} package", f"pip install 'rlspec[{ref}]'")
+    flops = _train_flops(plans[0]) if plans else None
+    commands = {name: [sys.executable, "-m", "rlspec.cli", "run", spec_path, *overrides, "--backend", name,
+                       "--out", str(out / name), "--no-progress"] for name in backends}
+    commands |= {ref: [sys.executable, "-m", f"rlspec.bench_{ref}", spec_path, str(out / ref), *overrides]
+                 for ref in references}
     results, failures = {}, {}
-    for name in backends:
-        run_dir = out / name
-        proc = subprocess.run([sys.executable, "-m", "rlspec.cli", "run", spec_path, *overrides, "--backend", name,
-                               "--out", str(run_dir), "--no-progress"], capture_output=True, text=True)
+    for name, command in commands.items():
+        proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
             failures[name] = proc.stderr.strip().splitlines()[-20:]
             continue
-        results[name] = summarise(read_metrics(run_dir / "metrics.jsonl"), warmup_steps)
+        results[name] = summarise(read_metrics(out / name / "metrics.jsonl"), warmup_steps, flops)
     report = {"spec": spec_path, "overrides": list(overrides), "warmup_steps": warmup_steps, "backends": results,
-              "failed": failures}
+              "failed": failures, "device": torch.cuda.get_device_name(0) if flops else None}
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     if results:
@@ -57,15 +138,27 @@ def bench(spec_path: str, overrides: Sequence[str], backends: Sequence[str], out
 
 def table(report: dict) -> str:
     names = list(report["backends"])
-    head = f"{'metric (median)':<20}" + "".join(f"{n:>14}" for n in names)
+    head = f"{'metric (median)':<30}" + "".join(f"{n:>14}" for n in names)
     lines = [head, "-" * len(head)]
     for key in COLUMNS:
-        lines.append(f"{key:<20}" + "".join(f"{report['backends'][n][key]:>14.4g}" for n in names))
+        lines.append(f"{key:<30}" + "".join(_cell(report["backends"][n][key]) for n in names))
     if len(names) > 1:
-        base = report["backends"][names[0]]["perf/tokens_per_s"]
-        lines.append(f"{'tokens/s ratio':<20}" + "".join(
-            f"{report['backends'][n]['perf/tokens_per_s'] / base:>14.3f}" for n in names))
+        base = report["backends"][names[-1]]
+        for key in ("perf/completion_tokens_per_s", "timing_s/step"):
+            lines.append(f"{'x ' + names[-1] + ' (' + key.split('/')[1] + ')':<30}" + "".join(
+                _cell(_ratio(report["backends"][n][key], base[key], key.startswith("timing"))) for n in names))
     return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    return f"{'-':>14}" if value is None else f"{value:>14.4g}"
+
+
+def _ratio(value, base, inverse: bool):
+    """How many times better than the last column (faster for a time, higher for a rate)."""
+    if not value or not base:
+        return None
+    return base / value if inverse else value / base
 
 
 def _plot(results: dict, path: Path) -> None:
@@ -85,8 +178,8 @@ def _plot(results: dict, path: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, values)]
     split.set_ylabel("median seconds per step")
     split.legend()
-    speed.bar(names, [results[n]["perf/tokens_per_s"] for n in names])
-    speed.set_ylabel("median tokens/s")
+    speed.bar(names, [results[n]["perf/completion_tokens_per_s"] for n in names])
+    speed.set_ylabel("median completion tokens/s")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -33,11 +33,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--backend")
 
     bench = sub.add_parser("bench", help="run one spec on several backends and compare throughput",
-                           usage="rlspec bench SPEC [key=value ...] [--backends a,b] [--out DIR]")
+                           usage="rlspec bench SPEC [key=value ...] [--backends a,b] [--out DIR] [--reference trl]")
     bench.add_argument("spec")
     bench.add_argument("--backends", help="comma-separated backend names (default: the spec's backend)")
     bench.add_argument("--out", help="output directory (default outputs/bench/<spec>/<time>)")
     bench.add_argument("--warmup-steps", type=int, default=1, help="steps left out of the medians")
+    bench.add_argument("--reference", action="append", default=[],
+                       help="also run a reference trainer outside rlspec on the same spec: trl (needs rlspec[trl])")
 
     conf = sub.add_parser("conformance", help="check that backends compute the same GRPO step as the reference")
     conf.add_argument("--backends", help="comma-separated backend names (default: all registered)")
@@ -97,7 +99,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         names = args.backends.split(",") if args.backends else [load_spec(args.spec, args.overrides).backend]
         out = Path(args.out) if args.out else default_out_dir(args.spec, root="outputs/bench")
-        print(table(bench(args.spec, args.overrides, names, out, args.warmup_steps)))
+        print(table(bench(args.spec, args.overrides, names, out, args.warmup_steps, args.reference)))
         print(f"rlspec: bench written to {out}/bench.json", file=sys.stderr)
         return EXIT_OK
     if args.command == "conformance":

@@ -211,6 +211,50 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return torch.nn.functional.pad(entropy, (1, 0))
 
 
+def token_logprobs_and_entropy(states: Tensor, input_ids: Tensor, temperature: float = 1.0,
+                               head: torch.nn.Module | None = None,
+                               chunk_elems: int = 1 << 25) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` and `token_entropy` (entropy detached), computed over sequence chunks.
+
+    `states` are the logits [N, L, V], or with `head` the final hidden states [N, L, H] and `head(h)` the
+    logits, so the full logits never exist: at a 152k vocabulary a batch of 64 x 270 tokens is 5 GB of bf16
+    logits and 10 GB per fp32 intermediate. Each chunk holds at most `chunk_elems` logits; under autograd a
+    chunk is recomputed in backward (checkpoint) rather than kept. The log-softmax is row-wise, and an input
+    that fits one chunk takes exactly the unchunked ops, so results on small inputs are bit-identical.
+    """
+    targets = input_ids[:, 1:]
+    rows, length = targets.shape
+    vocab = head.weight.shape[0] if head is not None else states.shape[-1]
+    chunk = max(1, chunk_elems // max(rows * vocab, 1))
+    if length <= chunk:
+        logits = states if head is None else head(states)
+        picked, entropy = _chunk_logprobs(logits[:, :-1], targets, temperature)
+    else:
+        run = _checkpointed if torch.is_grad_enabled() else _chunk_logprobs
+        parts = [run(piece, target, temperature, head)
+                 for piece, target in zip(states[:, :-1].split(chunk, dim=1), targets.split(chunk, dim=1))]
+        picked, entropy = torch.cat([p for p, _ in parts], dim=1), torch.cat([e for _, e in parts], dim=1)
+    return torch.nn.functional.pad(picked, (1, 0)), torch.nn.functional.pad(entropy, (1, 0))
+
+
+def _chunk_logprobs(states: Tensor, targets: Tensor, temperature: float,
+                    head: torch.nn.Module | None = None) -> tuple[Tensor, Tensor]:
+    logits = states if head is None else head(states)
+    logits = _at_least_fp32(logits)
+    logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # x / 1.0 == x
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return picked, entropy
+
+
+def _checkpointed(states: Tensor, targets: Tensor, temperature: float,
+                  head: torch.nn.Module | None) -> tuple[Tensor, Tensor]:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(_chunk_logprobs, states, targets, temperature, head, use_reentrant=False)
+
+
 def _at_least_fp32(t: Tensor) -> Tensor:
     """bf16/fp16 logits are upcast before log_softmax (as verl and TRL do); fp64 stays fp64."""
     return t.to(torch.promote_types(t.dtype, torch.float32))

@@ -130,7 +130,9 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, syn
         "timing_s/train": timer.get("train", 0.0),
         "timing_s/sync": timer.get("sync", 0.0),
         "timing_s/step": step_time,
+        # All tokens the step processed (prompts + completions); the headline rate counts sampled tokens only.
         "perf/tokens_per_s": float(batch.attention_mask.sum()) / step_time if step_time > 0 else 0.0,
+        "perf/completion_tokens_per_s": float(batch.loss_mask.sum()) / step_time if step_time > 0 else 0.0,
         "sync/bytes": sync_bytes,
         "mem/peak_gb": stats.get("peak_mem_gb") or peak_memory_gb(plan.placement.device),
         "tis/ratio_mean": stats["is_ratio_sum"] / tokens if batch.engine_logprobs is not None else None,

@@ -12,9 +12,49 @@ import torch
 from torch import Tensor
 
 from .batch import TrainBatch, position_ids
-from .grpo import LossConfig, LossNorm, policy_loss, token_entropy, token_logprobs
+from .grpo import LossConfig, LossNorm, policy_loss, token_logprobs_and_entropy
 
 STAT_KEYS = ("loss", "clipped_tokens", "kl_sum", "tokens", "entropy_sum", "is_ratio_sum", "is_clipped_tokens")
+
+
+# Causal LMs whose logits are exactly `lm_head(final hidden states)` (no soft-capping or logit scale).
+PLAIN_HEAD_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+
+def forward_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                     temperature: float) -> tuple[Tensor, Tensor]:
+    """Token log-probs and (detached) entropies, as `token_logprobs` / `token_entropy` define them.
+
+    A plain transformers model (or its PEFT wrapper) runs its decoder here and the LM head chunk by chunk
+    inside `token_logprobs_and_entropy`, so the batch's full logits are never materialised; a model
+    wrapped by a backend (ZeRO-3 engine, FSDP2) goes through its own forward.
+    """
+    split = _decoder_and_head(model)
+    if split is None:
+        return token_logprobs_and_entropy(forward_logits(model, input_ids, attention_mask), input_ids, temperature)
+    decoder, head = split
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                     use_cache=False).last_hidden_state
+    return token_logprobs_and_entropy(hidden, input_ids, temperature, head=head)
+
+
+def _decoder_and_head(model: torch.nn.Module):
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        base = model
+    elif type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+        base = model.get_base_model()
+    else:
+        return None  # a backend's wrapper (e.g. a ZeRO-3 engine) runs its own forward
+    if not isinstance(base, PreTrainedModel) or getattr(base.config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    if any(cls.__name__ == "FSDPModule" for cls in type(base).__mro__):
+        return None  # FSDP2 gathers the root's weights in the root's forward only
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:  # e.g. a LoRA-wrapped head
+        return None
+    return base.get_decoder(), head
 
 
 def forward_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -31,22 +71,21 @@ def batch_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     for start in range(0, len(batch), micro_batch_size):
         mb = batch.select(start, start + micro_batch_size).trimmed().to(device)
-        logits = forward_logits(model, mb.input_ids, mb.attention_mask)
-        out[start:start + len(mb), :mb.input_ids.shape[1]] = token_logprobs(logits, mb.input_ids, temperature).float().cpu()
+        logp, _ = forward_logprobs(model, mb.input_ids, mb.attention_mask, temperature)
+        out[start:start + len(mb), :mb.input_ids.shape[1]] = logp.float().cpu()
     return out
 
 
 def micro_batch_loss(model: torch.nn.Module, mb: TrainBatch, norm: LossNorm, cfg: LossConfig,
                      temperature: float) -> tuple[Tensor, dict[str, float]]:
     """Forward one micro-batch and return its GRPO loss share and statistic sums."""
-    logits = forward_logits(model, mb.input_ids, mb.attention_mask)
-    logp = token_logprobs(logits, mb.input_ids, temperature)
+    logp, entropy = forward_logprobs(model, mb.input_ids, mb.attention_mask, temperature)
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
     loss, stats = policy_loss(logp, old.to(logp.dtype), mb.advantages, mb.loss_mask.to(logp.dtype), norm, cfg,
                               None if mb.ref_logprobs is None else mb.ref_logprobs.to(logp.dtype),
                               None if mb.engine_logprobs is None else mb.engine_logprobs.to(logp.dtype))
     with torch.no_grad():
-        stats["entropy_sum"] = float((token_entropy(logits, temperature) * mb.loss_mask).sum().item())
+        stats["entropy_sum"] = float((entropy * mb.loss_mask).sum().item())
         stats["loss"] = float(loss.item())
     return loss, stats
 

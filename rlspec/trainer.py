@@ -29,14 +29,20 @@ def build_optimizer(params, algo: AlgorithmSpec) -> torch.optim.Optimizer:
     if algo.optimizer == "sgd":
         return torch.optim.SGD(params, lr=algo.lr, weight_decay=algo.weight_decay)
     return torch.optim.AdamW(params, lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2), eps=algo.adam_eps,
-                             weight_decay=algo.weight_decay, foreach=False)
+                             weight_decay=algo.weight_decay, foreach=_on_cuda(params))
+
+
+def _on_cuda(params) -> bool:
+    """Multi-tensor (foreach) kernels on CUDA, where a loop over tensors launches thousands of small kernels
+    per step; the per-tensor loop on CPU, which the conformance tolerances were measured with."""
+    return bool(params) and all(p.is_cuda for p in params)
 
 
 def grad_norm_and_clip(params, max_grad_norm: float) -> float:
     """Global L2 norm of the gradients (before clipping); clip in place when `max_grad_norm` > 0."""
     params = [p for p in params if p.grad is not None]
     limit = max_grad_norm if max_grad_norm > 0 else math.inf
-    return float(torch.nn.utils.clip_grad_norm_(params, limit, foreach=False).item())
+    return float(torch.nn.utils.clip_grad_norm_(params, limit, foreach=_on_cuda(params)).item())
 
 
 class LocalTrainer:

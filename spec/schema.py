@@ -297,6 +297,8 @@ class RolloutSpec(_Section):
     """Sampling temperature; trainer logprobs use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
+    cuda_graph: bool = True
+    """hf engine on CUDA: static KV cache + CUDA-graph decode (Llama-style models without LoRA); false = plain loop."""
     gpu_memory_fraction: float = 0.5
     """vllm: fraction of GPU memory the engine may take."""
     tensor_parallel_size: int = 1

@@ -98,7 +98,7 @@ def test_cli_surface_is_frozen():
     assert flags == {
         "run": ["--backend", "--no-progress", "--out", "--resume"],
         "plan": ["--backend"],
-        "bench": ["--backends", "--out", "--warmup-steps"],
+        "bench": ["--backends", "--out", "--reference", "--warmup-steps"],
         "conformance": ["--backends", "--dump", "--json"],
     }
 

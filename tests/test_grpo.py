@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlspec.grpo import (LossConfig, LossNorm, group_advantages, kept_samples, kl_penalty, policy_loss,
-                         token_logprobs)
+                         token_entropy, token_logprobs, token_logprobs_and_entropy)
 
 
 def loop_advantages(rewards: list[float], group_size: int, norm: str, eps: float,
@@ -215,3 +215,15 @@ def test_advantages_with_dropped_samples_equal_loop():
     # all kept: exactly the unmasked computation
     full = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.2, 0.9])
     assert torch.equal(group_advantages(full, 4, kept=torch.ones(8, dtype=torch.bool)), group_advantages(full, 4))
+def test_chunked_logprobs_and_entropy_equal_the_plain_ones_with_gradients():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 11, requires_grad=True)
+    ids = torch.randint(0, 11, (3, 7))
+    weights = torch.randn(3, 7)
+    plain = token_logprobs(logits, ids, temperature=0.7)
+    (grad_plain,) = torch.autograd.grad((plain * weights).sum(), logits)
+    for chunk_elems in (1 << 28, 3 * 11 * 2, 1):  # one chunk, chunks of 2 positions, one position each
+        logp, entropy = token_logprobs_and_entropy(logits, ids, 0.7, chunk_elems=chunk_elems)
+        (grad,) = torch.autograd.grad((logp * weights).sum(), logits)
+        assert torch.equal(logp, plain) and torch.equal(entropy, token_entropy(logits, 0.7))
+        assert torch.allclose(grad, grad_plain, atol=1e-7, rtol=0)

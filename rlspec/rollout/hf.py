@@ -5,6 +5,10 @@ at each step (returning all logits, as `generate(output_logits=True)` does, cost
 vocabulary floats — 30 GB for 128 x 256 tokens of a 152k vocabulary), and it defines the engine's
 log-probs exactly as the trainer's: log_softmax(logits / temperature) of the sampled token, before
 top-p truncation.
+
+On CUDA (with `rollout.cuda_graph`, for Llama-style decoders without LoRA) sampling runs through
+`rlspec.rollout.static.GraphSampler`: a static KV cache and the decode step captured in CUDA graphs.
+Elsewhere, and for any other model, the plain loop below runs.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class HFEngine:
         self.spec = rollout
         self.device = torch.device(device)
         self.micro_batch_size = micro_batch_size
+        self._graph_sampler = None
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
@@ -57,7 +62,12 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            tokens, logps = self._sample(input_ids, attention_mask, seed)
+            sampler = self._fast_sampler()
+            if sampler is None:
+                tokens, logps = self._sample(input_ids, attention_mask, seed)
+            else:
+                tokens, logps = sampler.sample(input_ids, attention_mask, seed, self.spec.max_new_tokens,
+                                               self.spec.temperature, self.spec.top_p, self.tokenizer.eos_token_id)
         finally:
             self.model.train(was_training)
         completions, completion_logprobs, texts = [], [], []
@@ -68,6 +78,16 @@ class HFEngine:
             completion_logprobs.append(row_logp[:end])
             texts.append(self.tokenizer.decode([t for t in row[:end] if t < vocab], skip_special_tokens=True))
         return Rollout(prompt_ids, completions, completion_logprobs, texts)
+
+    def _fast_sampler(self):
+        """The CUDA-graph sampler when it can run this model here, else None (the plain loop)."""
+        if self.device.type != "cuda" or not self.spec.cuda_graph:
+            return None
+        from .static import GraphSampler, unsupported_reason
+
+        if self._graph_sampler is None and unsupported_reason(self.model) is None:
+            self._graph_sampler = GraphSampler(self.model, self.device)
+        return self._graph_sampler
 
     def _sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int) -> tuple[Tensor, Tensor]:
         """[B, T] sampled tokens and their log-probs; rows that ended carry the end token onward (cut later)."""

@@ -1,0 +1,353 @@
+"""The `hf` engine's CUDA path: a static KV cache and a decode step captured in CUDA graphs.
+
+`StaticDecoder` is a small forward pass for Llama-style decoders (Qwen2, Llama, Mistral without a
+sliding window) that reads the transformers module's own weight tensors — weights still arrive by HF
+name through `HFEngine.load_weights`, and a colocated trainer's in-place optimizer steps are seen
+directly. Its numerics follow transformers' eager attention (scores in the model dtype, softmax in
+fp32) so the engine's log-probs agree with the trainer's within bf16 rounding.
+
+`GraphSampler` runs one rollout batch:
+
+    prefill (row chunks, eager) -> logits
+    repeat max_new_tokens times:  [one CUDA graph replay]
+        logp = log_softmax(logits / T); p = top_p(exp(logp)); token = argmax(p / Exp(1) noise)
+        finished rows emit the end token; record token and logp[token]
+        write K/V of `token` into the next cache slot; logits = forward(token)
+    every `check_every` steps: stop if every row has finished (the only host sync)
+
+`argmax(p_i / E_i)` with `E_i ~ Exp(1)` samples i with probability p_i / sum(p) (the exponential race),
+which needs no data-dependent shapes, so sampling lives inside the graph. One graph is captured per
+(batch bucket, cache length bucket): a batch is padded up to the next power of two with finished dummy
+rows, and the cache length is rounded up to a multiple of `CACHE_STEP`. Without CUDA (`use_graphs=False`)
+the same step function runs eagerly, which is how the CPU tests check its logic.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..batch import position_ids
+from .hf import top_p_filter
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
+BATCH_BUCKETS = tuple(2 ** i for i in range(11))  # 1 .. 1024 rows per graph
+CACHE_STEP = 128
+PREFILL_ROWS = 64
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why `StaticDecoder` cannot run `model` (None when it can)."""
+    if hasattr(model, "peft_config"):
+        return "the model carries LoRA adapters"
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {getattr(config, 'model_type', None)!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "the model uses sliding-window layers"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} is not silu"
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", "default") != "default":
+        return "the model's RoPE is not the default kind"
+    return None
+
+
+class StaticDecoder:
+    """Forward pass over the HF module's weights, writing K/V into caller-owned static caches."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(f"StaticDecoder cannot run this model: {reason}")
+        config = model.config
+        self.model = model
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
+        self.num_layers = config.num_hidden_layers
+        self.vocab_size = config.vocab_size
+        self.rotary = model.model.rotary_emb
+        self._compiled = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    def weight_pointers(self) -> tuple[int, ...]:
+        """Storage addresses a captured graph baked in; they change only if a weight is re-allocated."""
+        return tuple(p.data_ptr() for p in self.model.parameters())
+
+    def new_cache(self, batch: int, length: int, device) -> tuple[list[Tensor], list[Tensor]]:
+        shape = (batch, self.num_kv_heads, length, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        return keys, values
+
+    def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x.to(dtype)
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions[..., None].float() * self.rotary.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = self.rotary.attention_scaling
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor) -> Tensor:
+        """q [b, H, T, D] against the whole cache [b, Hkv, S, D]; `allowed` [b, T, S] (bool).
+
+        Query heads are grouped onto their shared K/V head with a reshape, not a copy of the cache.
+        """
+        b, _, t, d = q.shape
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(b, self.num_kv_heads, groups * t, d)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling
+        scores = scores.view(b, self.num_kv_heads, groups, t, -1)
+        scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs.view(b, self.num_kv_heads, groups * t, -1), values)
+        return out.view(b, self.num_heads, t, d)
+
+    def _qkv(self, x: Tensor, norm: Tensor, wq: Tensor, bq: Tensor | None, wk: Tensor, bk: Tensor | None,
+             wv: Tensor, bv: Tensor | None, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, t, _ = x.shape
+        h = self._rms_norm(x, norm)
+        q = F.linear(h, wq, bq).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = F.linear(h, wk, bk).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = F.linear(h, wv, bv).view(b, t, -1, self.head_dim).transpose(1, 2)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+
+    def _attention_block(self, x: Tensor, q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, wo: Tensor,
+                         bo: Tensor | None) -> Tensor:
+        b, t, _ = x.shape
+        out = self._attend(q, keys, values, allowed)
+        return x + F.linear(out.transpose(1, 2).reshape(b, t, -1), wo, bo)
+
+    def _mlp_block(self, x: Tensor, norm: Tensor, wg: Tensor, wu: Tensor, wd: Tensor) -> Tensor:
+        h = self._rms_norm(x, norm)
+        return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+
+    def compile_blocks(self) -> None:
+        """Fuse each block's elementwise work (norms, RoPE, softmax, SiLU) with torch.compile; shapes are static."""
+        self._compiled = tuple(torch.compile(f, dynamic=False) for f in self._blocks())
+
+    def uncompile_blocks(self) -> None:
+        self._compiled = None
+
+    def _blocks(self):
+        return self._qkv, self._attention_block, self._mlp_block
+
+    def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
+                keys: list[Tensor], values: list[Tensor], compiled: bool = False) -> Tensor:
+        """Logits [b, V] of the last of `ids` [b, T]; K/V of all T tokens go to cache `slots` [T].
+
+        `compiled` uses the torch.compile'd blocks (decode steps: one shape per graph); prefill shapes
+        vary with the prompt width, so prefill runs the plain blocks.
+        """
+        qkv, attention, mlp = self._compiled if compiled else self._blocks()
+        body = self.model.model
+        x = body.embed_tokens(ids)
+        cos, sin = self._rope(positions, x.dtype)
+        cos, sin = cos[:, None], sin[:, None]
+        for layer, k_cache, v_cache in zip(body.layers, keys, values):
+            attn, ffn = layer.self_attn, layer.mlp
+            q, k, v = qkv(x, layer.input_layernorm.weight, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight,
+                          attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias, cos, sin)
+            k_cache.index_copy_(2, slots, k)
+            v_cache.index_copy_(2, slots, v)
+            x = attention(x, q, k_cache, v_cache, allowed, attn.o_proj.weight, attn.o_proj.bias)
+            x = mlp(x, layer.post_attention_layernorm.weight, ffn.gate_proj.weight, ffn.up_proj.weight,
+                    ffn.down_proj.weight)
+        x = self._rms_norm(x[:, -1], body.norm.weight)
+        return F.linear(x, self.model.get_output_embeddings().weight)
+
+
+def sample_from_logits(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """One token per row and the full log-softmax at `temperature` (the trainer's definition, before top-p).
+
+    The exponential race `argmax(p / E)`, `E ~ Exp(1)` i.i.d., picks i with probability p_i / sum(p): a
+    categorical sample with static shapes and no host sync.
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    probs = top_p_filter(logp.exp(), top_p)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.argmax(probs / noise, dim=-1), logp
+
+
+@dataclass
+class _State:
+    """Static buffers of one (batch bucket, cache length) graph; replays read and write only these."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    logits: Tensor       # [B, V] next-token logits
+    position: Tensor     # [B] RoPE position of the next token
+    slot: Tensor         # [1] cache slot of the next token (shared by all rows)
+    step: Tensor         # [1] output column of the next sample
+    valid: Tensor        # [B, S] cache slots holding a real token
+    done: Tensor         # [B] row has emitted the end token (or is a dummy row)
+    out_tokens: Tensor   # [B, N]
+    out_logps: Tensor    # [B, N]
+    graph: object = None
+
+
+class GraphSampler:
+    """Samples a rollout batch with a `StaticDecoder`, one CUDA graph replay per token."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, use_graphs: bool | None = None,
+                 compile_blocks: bool | None = None, check_every: int = 8, keep_graphs: bool = False) -> None:
+        self.decoder = StaticDecoder(model)
+        self.device = torch.device(device)
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.compiled = self.use_graphs if compile_blocks is None else compile_blocks
+        if self.compiled:
+            self.decoder.compile_blocks()
+        self.check_every = check_every
+        # Dropping the graphs (their KV cache and memory pool) after each batch gives that memory back to a
+        # colocated trainer; a later capture of a seen shape skips warm-up and costs a few milliseconds.
+        self.keep_graphs = keep_graphs
+        self.generator = torch.Generator(device=self.device)
+        self._states: dict[tuple, _State] = {}
+        self._pointers: tuple[int, ...] = ()
+        self._warmed: set[tuple] = set()
+
+    @torch.no_grad()
+    def sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
+               temperature: float, top_p: float, eos: int) -> tuple[Tensor, Tensor]:
+        """[B, T] tokens and log-probs on CPU, T <= max_new_tokens; ended rows carry `eos` onward (as `HFEngine`)."""
+        rows = input_ids.shape[0]
+        limit = BATCH_BUCKETS[-1]
+        parts = [self._sample_rows(input_ids[s:s + limit], attention_mask[s:s + limit], seed + s, max_new_tokens,
+                                   temperature, top_p, eos) for s in range(0, rows, limit)]
+        width = max(t.shape[1] for t, _ in parts)
+        tokens = torch.cat([F.pad(t, (0, width - t.shape[1]), value=eos) for t, _ in parts])
+        logps = torch.cat([F.pad(lp, (0, width - lp.shape[1])) for _, lp in parts])
+        if not self.keep_graphs:
+            self._states.clear()
+        return tokens, logps
+
+    def _sample_rows(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
+                     temperature: float, top_p: float, eos: int) -> tuple[Tensor, Tensor]:
+        rows, width = input_ids.shape
+        bucket = next(b for b in BATCH_BUCKETS if b >= rows)
+        length = math.ceil((width + max_new_tokens) / CACHE_STEP) * CACHE_STEP
+        key = (bucket, length, max_new_tokens, temperature, top_p, eos)
+        state = self._state(key)
+        self.generator.manual_seed(seed)  # after a capture, whose warm-up steps draw from the generator
+        self._prefill(state, input_ids, attention_mask, rows)
+        steps = 0
+        for steps in range(1, max_new_tokens + 1):
+            if state.graph is not None:
+                state.graph.replay()
+            else:
+                self._step(state, temperature, top_p, eos)
+            if steps % self.check_every == 0 and bool(state.done.all()):
+                break
+        return state.out_tokens[:rows, :steps].cpu(), state.out_logps[:rows, :steps].float().cpu()
+
+    def _state(self, key: tuple) -> _State:
+        pointers = self.decoder.weight_pointers()
+        if pointers != self._pointers:  # a weight was re-allocated: captured graphs read stale memory
+            self._states.clear()
+            self._pointers = pointers
+        if key in self._states:
+            return self._states[key]
+        bucket, length, max_new_tokens, temperature, top_p, eos = key
+        dev = self.device
+        keys, values = self.decoder.new_cache(bucket, length, dev)
+        state = _State(keys=keys, values=values,
+                       logits=torch.zeros(bucket, self.decoder.vocab_size, dtype=self.decoder.dtype, device=dev),
+                       position=torch.zeros(bucket, dtype=torch.long, device=dev),
+                       slot=torch.zeros(1, dtype=torch.long, device=dev),
+                       step=torch.zeros(1, dtype=torch.long, device=dev),
+                       valid=torch.zeros(bucket, length, dtype=torch.bool, device=dev),
+                       done=torch.ones(bucket, dtype=torch.bool, device=dev),
+                       out_tokens=torch.zeros(bucket, max_new_tokens, dtype=torch.long, device=dev),
+                       out_logps=torch.zeros(bucket, max_new_tokens, dtype=torch.float32, device=dev))
+        if self.use_graphs:
+            state.graph = self._capture(state, temperature, top_p, eos, warm_up=key not in self._warmed)
+            self._warmed.add(key)
+        self._states[key] = state
+        return state
+
+    def _capture(self, state: _State, temperature: float, top_p: float, eos: int, warm_up: bool):
+        """Capture one decode step; the first time for a shape, warm up on a side stream before (compilation,
+        cuBLAS workspaces)."""
+        if warm_up:
+            self._warm_up(state, temperature, top_p, eos)
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(self.generator)
+        with torch.cuda.graph(graph):
+            self._step(state, temperature, top_p, eos)
+        return graph
+
+    def _warm_up(self, state: _State, temperature: float, top_p: float, eos: int) -> None:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            try:
+                self._step(state, temperature, top_p, eos)
+            except Exception as err:  # noqa: BLE001 - e.g. no working compiler for Triton kernels
+                if not self.compiled:
+                    raise
+                warnings.warn(f"rlspec: torch.compile of the decode blocks failed ({type(err).__name__}: {err}); "
+                              "decoding with the plain blocks")
+                self.compiled = False
+                self.decoder.uncompile_blocks()
+            for _ in range(2):
+                self._step(state, temperature, top_p, eos)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _prefill(self, state: _State, input_ids: Tensor, attention_mask: Tensor, rows: int) -> None:
+        """Prompts into the cache (slots 0..width-1) and the first logits; resets the step counters."""
+        width = input_ids.shape[1]
+        bucket, length = state.valid.shape
+        ids = torch.zeros(bucket, width, dtype=torch.long, device=self.device)
+        mask = torch.zeros(bucket, width, dtype=torch.long, device=self.device)
+        ids[:rows], mask[:rows] = input_ids, attention_mask
+        positions = position_ids(mask)
+        state.valid.zero_()
+        state.valid[:, :width] = mask.bool()
+        causal = torch.ones(width, length, dtype=torch.bool, device=self.device).tril()
+        slots = torch.arange(width, device=self.device)
+        for start in range(0, bucket, PREFILL_ROWS):
+            part = slice(start, min(start + PREFILL_ROWS, bucket))
+            allowed = causal & state.valid[part, None, :]
+            state.logits[part] = self.decoder.forward(
+                ids[part], positions[part], slots, allowed,
+                [k[part] for k in state.keys], [v[part] for v in state.values])
+        state.position.copy_(positions[:, -1] + 1)
+        state.slot.fill_(width)
+        state.step.zero_()
+        state.done.copy_(torch.arange(bucket, device=self.device) >= rows)
+
+    def _step(self, state: _State, temperature: float, top_p: float, eos: int) -> None:
+        """Sample from `state.logits`, record, then run the decoder on the sampled token (graph body)."""
+        token, logp = sample_from_logits(state.logits, temperature, top_p, self.generator)
+        token = torch.where(state.done, torch.full_like(token, eos), token)
+        state.out_tokens.index_copy_(1, state.step, token[:, None])
+        state.out_logps.index_copy_(1, state.step, logp.gather(-1, token[:, None]))
+        state.done.logical_or_(token == eos)
+        state.valid.index_fill_(1, state.slot, True)
+        allowed = state.valid[:, None, :]
+        state.logits.copy_(self.decoder.forward(token[:, None], state.position[:, None], state.slot, allowed,
+                                                state.keys, state.values, compiled=self.compiled))
+        state.position.add_(1)
+        state.slot.add_(1)
+        state.step.add_(1)

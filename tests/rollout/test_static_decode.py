@@ -1,0 +1,74 @@
+"""The CUDA-graph engine path's logic, run eagerly on CPU: its forward, cache, sampling and log-probs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlspec.models import byte_tokenizer, load_model
+from rlspec.policy import batch_logprobs
+from rlspec.rollout.base import collate, engine_logprobs_tensor
+from rlspec.rollout.hf import HFEngine
+from rlspec.rollout.static import GraphSampler, StaticDecoder, sample_from_logits, unsupported_reason
+from rlspec.spec import ModelSpec, RolloutSpec
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(ModelSpec(), seed=0).eval()
+
+
+def _engine(model, **rollout) -> HFEngine:
+    engine = HFEngine(model, byte_tokenizer(), RolloutSpec(**rollout), "cpu")
+    sampler = GraphSampler(model, "cpu", use_graphs=False, check_every=4)
+    engine._fast_sampler = lambda: sampler  # the CUDA path's code, without graphs, on CPU
+    return engine
+
+
+def test_decoder_matches_hf_forward_with_left_padding(model):
+    decoder = StaticDecoder(model)
+    ids = torch.tensor([[0, 0, 101, 65, 70], [102, 103, 104, 65, 71]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    positions = mask.cumsum(-1).sub(1).clamp(min=0)
+    keys, values = decoder.new_cache(2, 8, "cpu")
+    valid = torch.zeros(2, 8, dtype=torch.bool)
+    valid[:, :4] = mask[:, :4].bool()
+    allowed = torch.ones(4, 8, dtype=torch.bool).tril() & valid[:, None, :]
+    with torch.no_grad():
+        decoder.forward(ids[:, :4], positions[:, :4], torch.arange(4), allowed, keys, values)
+        valid[:, 4] = True  # one decode step on top of the cached prefix
+        last = decoder.forward(ids[:, 4:], positions[:, 4:], torch.tensor([4]), valid[:, None, :], keys, values)
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+    assert (last - expected).abs().max().item() < 1e-5
+
+
+def test_graph_path_logprobs_match_trainer_and_are_reproducible(model):
+    engine = _engine(model, max_new_tokens=12, temperature=0.7, top_p=0.9)
+    rollout = engine.generate(["a=", "bcd=", "hello="], n=3, seed=1)
+    batch = collate(rollout, torch.zeros(9), torch.zeros(9), engine.tokenizer.pad_token_id)
+    trainer = batch_logprobs(model, batch, temperature=0.7, micro_batch_size=4, device="cpu")
+    diff = ((trainer - engine_logprobs_tensor(rollout, batch)) * batch.loss_mask).abs().max().item()
+    assert diff < 1e-5, diff
+    eos = engine.tokenizer.eos_token_id
+    for ids in rollout.completion_ids:
+        assert 1 <= len(ids) <= 12 and eos not in ids[:-1]
+    assert engine.generate(["a=", "bcd=", "hello="], n=3, seed=1).completion_ids == rollout.completion_ids
+    assert engine.generate(["a=", "bcd=", "hello="], n=3, seed=2).completion_ids != rollout.completion_ids
+
+
+def test_sampling_follows_a_known_categorical():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    draws = 20000
+    logits = probs.log().expand(draws, -1)
+    token, logp = sample_from_logits(logits, 1.0, 1.0, torch.Generator().manual_seed(0))
+    assert torch.allclose(logp[0].exp(), probs, atol=1e-6)
+    counts = torch.bincount(token, minlength=5).float()
+    chi2 = (((counts - draws * probs) ** 2) / (draws * probs)).sum().item()
+    assert chi2 < 20.5, chi2  # chi-square, 4 degrees of freedom: P(> 20.5) < 4e-4
+    top, _ = sample_from_logits(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
+    assert set(top.tolist()) <= {0, 1}, "top-p 0.7 keeps the tokens whose mass reaches 0.7"
+
+
+def test_unsupported_models_are_named():
+    assert unsupported_reason(load_model(ModelSpec(), seed=0)) is None
+    assert "model_type" in unsupported_reason(torch.nn.Linear(2, 2))
