@@ -53,13 +53,14 @@ class LossNorm:
     num_tokens: int
     """Completion tokens in the whole step's batch (all ranks, all micro-batches)."""
     num_sequences: int
-    """Sequences in the whole step's batch."""
+    """Sequences with at least one completion token in the whole step's batch (rows that only pad a batch to
+    an even split over ranks do not count)."""
     max_new_tokens: int
     """Dr. GRPO's constant L_max."""
 
     @staticmethod
     def of(loss_mask: Tensor, max_new_tokens: int) -> "LossNorm":
-        return LossNorm(int(loss_mask.sum().item()), int(loss_mask.shape[0]), max_new_tokens)
+        return LossNorm(int(loss_mask.sum().item()), int((loss_mask.sum(-1) > 0).sum().item()), max_new_tokens)
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
         batch.old_logprobs = backend.logprobs(batch)
     if plan.needs_reference_model:
         batch.ref_logprobs = backend.logprobs(batch, reference=True)
-    size = plan.batch.sequences_per_update
+    size = len(batch) // plan.batch.updates_per_batch  # env rollouts: rows vary per step (a multiple of this split)
     totals: dict[str, float] = {}
     grad_norms = []
     for start in range(0, len(batch), size):
@@ -91,11 +91,21 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, syn
         "timing_s/reward": timer.get("reward", 0.0),
         "timing_s/train": timer.get("train", 0.0),
         "timing_s/sync": timer.get("sync", 0.0),
+        **({"timing_s/env": timer.get("env", 0.0)} if "env" in timer else {}),
         "timing_s/step": step_time,
         "perf/tokens_per_s": float(batch.attention_mask.sum()) / step_time if step_time > 0 else 0.0,
         "sync/bytes": sync_bytes,
         "mem/peak_gb": stats.get("peak_mem_gb") or peak_memory_gb(plan.placement.device),
     }
+
+
+def env_rollouts(plan: RunPlan, engine):
+    """The environment runner when the spec names an environment (`model.kind: vla`), else None."""
+    if plan.spec.rollout.env.name is None:
+        return None
+    from .envs.rollout import EnvRollouts
+
+    return EnvRollouts(plan, engine)
 
 
 def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path, pad_id: int,
@@ -109,21 +119,28 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
         transport.push(weights, engine)
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
     log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress)
+    envs = env_rollouts(plan, engine)
     try:
         for step in range(start_step, spec.algorithm.steps):
             timer = _Timer()
+            env_row = {}
             with timer("step"):
-                batch = rollout_batch(plan, engine, task, step, pad_id, timer)
+                if envs is None:
+                    batch = rollout_batch(plan, engine, task, step, pad_id, timer)
+                else:
+                    batch, env_row = envs.rollout_batch(step, timer)
                 with timer("train"):
                     result = update(plan, backend, batch)
                 sync_bytes = 0
                 if (step + 1) % spec.sync.every_n_steps == 0:
                     with timer("sync"):
                         sync_bytes = transport.push(weights, engine)
-            log.log(metrics_row(plan, step, result, timer, sync_bytes))
+            log.log({**metrics_row(plan, step, result, timer, sync_bytes), **env_row})
             last = step == spec.algorithm.steps - 1
             every = spec.checkpoint.every_n_steps
             if last or (every and (step + 1) % every == 0):
                 checkpoints.save(step, backend, {"backend": plan.backend})
     finally:
         log.close()
+        if envs is not None:
+            envs.close()

@@ -17,11 +17,37 @@ from .grpo import LossConfig, LossNorm, policy_loss, token_entropy, token_logpro
 STAT_KEYS = ("loss", "clipped_tokens", "kl_sum", "tokens", "entropy_sum")
 
 
-def forward_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """Logits of a causal LM on right- or left-padded sequences (positions count real tokens only)."""
+def forward_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                   pixel_values: Tensor | None = None) -> Tensor:
+    """Logits of a causal LM (or, with `pixel_values`, an image-text-to-text model) on right- or left-padded
+    sequences (positions count real tokens only)."""
+    images = {} if pixel_values is None else {"pixel_values": pixel_values.to(getattr(model, "dtype", pixel_values.dtype))}
     out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids(attention_mask), use_cache=False)
+                position_ids=position_ids(attention_mask), use_cache=False, **images)
     return out.logits
+
+
+def restrict_vocab(logits: Tensor, input_ids: Tensor, vocab: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Logits over each sequence's own token subset `vocab` [N, A]: returns the [N, L, A] logits, the ids of
+    `input_ids` as indices into `vocab`, and where a token is in `vocab` at all ([N, L] bool)."""
+    n, length = input_ids.shape
+    sub = logits.gather(-1, vocab[:, None, :].expand(n, length, vocab.shape[-1]))
+    match = input_ids[..., None] == vocab[:, None, :]
+    return sub, match.long().argmax(-1), match.any(-1)
+
+
+def sequence_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> tuple[Tensor, Tensor]:
+    """[N, L] log-probs of `batch`'s tokens and the logits of the distribution they come from (for entropy).
+
+    With `batch.action_vocab` the distribution is the softmax over those ids only; a token outside them
+    (a prompt token) gets log-prob 0.
+    """
+    logits = forward_logits(model, batch.input_ids, batch.attention_mask, batch.pixel_values)
+    if batch.action_vocab is None:
+        return token_logprobs(logits, batch.input_ids, temperature), logits
+    logits, ids, member = restrict_vocab(logits, batch.input_ids, batch.action_vocab)
+    logp = token_logprobs(logits, ids, temperature)
+    return logp * member.to(logp.dtype), logits
 
 
 @torch.no_grad()
@@ -31,16 +57,15 @@ def batch_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     for start in range(0, len(batch), micro_batch_size):
         mb = batch.select(start, start + micro_batch_size).trimmed().to(device)
-        logits = forward_logits(model, mb.input_ids, mb.attention_mask)
-        out[start:start + len(mb), :mb.input_ids.shape[1]] = token_logprobs(logits, mb.input_ids, temperature).float().cpu()
+        logp, _ = sequence_logprobs(model, mb, temperature)
+        out[start:start + len(mb), :mb.input_ids.shape[1]] = logp.float().cpu()
     return out
 
 
 def micro_batch_loss(model: torch.nn.Module, mb: TrainBatch, norm: LossNorm, cfg: LossConfig,
                      temperature: float) -> tuple[Tensor, dict[str, float]]:
     """Forward one micro-batch and return its GRPO loss share and statistic sums."""
-    logits = forward_logits(model, mb.input_ids, mb.attention_mask)
-    logp = token_logprobs(logits, mb.input_ids, temperature)
+    logp, logits = sequence_logprobs(model, mb, temperature)
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
     loss, stats = policy_loss(logp, old.to(logp.dtype), mb.advantages, mb.loss_mask.to(logp.dtype), norm, cfg,
                               None if mb.ref_logprobs is None else mb.ref_logprobs.to(logp.dtype))

@@ -14,7 +14,7 @@ from .checkpoints import Checkpoints, step_of
 from .errors import SpecError
 from .loop import train
 from .metrics import read_metrics
-from .models import check_model_spec
+from .models import check_model_spec, pad_token_id
 from .spec import RunPlan, compile_plan, load_spec
 from .tasks import Task, build_task
 
@@ -25,6 +25,10 @@ def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | Non
     check_model_spec(spec.model)
     plan = compile_plan(spec, all_caps())
     task = build_task(plan.spec.rollout.task, plan.spec.algorithm.seed)
+    if plan.spec.rollout.env.name is not None:
+        from .envs import check_env
+
+        check_env(plan.spec.rollout.env)
     return plan, task
 
 
@@ -87,7 +91,7 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
         backend.setup(plan)
         if start_step:
             backend.load(Checkpoints(out_dir / "checkpoints", 0, True).latest())
-        pad_id = backend.rollout_engine().tokenizer.pad_token_id
+        pad_id = pad_token_id(backend.rollout_engine().tokenizer)
         train(plan, backend, task, transport, out_dir, pad_id, start_step, progress)
     finally:
         transport.close()
