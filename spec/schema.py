@@ -209,6 +209,8 @@ class EnvSpec(_Section):
     """Steps before an episode is truncated (counted as `env/truncated`, reward 0); 0 keeps the level's own limit."""
     reward: str = "success"
     """success: 1 on success else 0 | minigrid: the level's 1 - 0.9 * steps / max_steps on success else 0."""
+    num_actions: int = 0
+    """Use only the level's first N actions (3: MiniGrid's left, right, forward, all a navigation level needs); 0 keeps all."""
     tile_size: int = 8
     """Pixels per grid cell of the egocentric 7x7-cell RGB view (8 gives 56x56 images)."""
     prompt_template: str = "{image}{instruction}\n"
@@ -223,6 +225,7 @@ class EnvSpec(_Section):
         require(bool(self.level), f"{p}.level", "is empty", "name a level, e.g. BabyAI-GoToRedBallNoDists-v0")
         _non_negative(self.max_steps, f"{p}.max_steps")
         one_of(self.reward, ENV_REWARDS, f"{p}.reward")
+        _non_negative(self.num_actions, f"{p}.num_actions")
         _positive(self.tile_size, f"{p}.tile_size")
         for key in ("{image}", "{instruction}"):
             require(key in self.prompt_template, f"{p}.prompt_template", f"has no {key}",

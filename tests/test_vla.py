@@ -123,6 +123,7 @@ def _plan(*overrides: str):
     (["model.preset=tiny_qwen2"], "model.preset"),
     (["rollout.env.level=BabyAI-NoSuchLevel-v0"], "rollout.env.level"),
     (["+rollout.env.kwargs.colour=red"], "rollout.env.kwargs"),
+    (["rollout.env.num_actions=9"], "rollout.env.num_actions"),
     (["rollout.env.prompt_template=no-image"], "rollout.env.prompt_template"),
     (["backend=deepspeed"], "model.kind"),
 ])

@@ -3,7 +3,8 @@
 
 The observation is MiniGrid's 7x7-cell egocentric partial view rendered to RGB (`RGBImgPartialObsWrapper`,
 `tile_size` pixels per cell: 56x56 at the default 8); the instruction is the level's mission. Actions are
-MiniGrid's Discrete(7): left, right, forward, pickup, drop, toggle, done.
+MiniGrid's Discrete(7): left, right, forward, pickup, drop, toggle, done — or only the first
+`rollout.env.num_actions` of them (3 for navigation levels, where the other four change nothing).
 
 Reward (`rollout.env.reward`): `success` gives 1.0 when the episode ends in success, else 0.0; `minigrid`
 keeps the level's own shaping, 1 - 0.9 * steps / max_steps on success, else 0.0. An episode that reaches
@@ -54,10 +55,15 @@ def check_env(spec: EnvSpec) -> None:
         raise SpecError("rollout.env.level", f"{spec.level!r} is not a registered MiniGrid/BabyAI level",
                         f"use one of the {len(known)} registered, e.g. {', '.join(known[:4])}")
     try:
-        make_env(spec).close()
+        env = make_env(spec)
     except TypeError as err:
         raise SpecError("rollout.env.kwargs", f"{spec.level} refused its keyword arguments: {err}",
                         "remove or rename them") from None
+    available = int(env.action_space.n)
+    env.close()
+    if spec.num_actions > available:
+        raise SpecError("rollout.env.num_actions", f"{spec.level} has {available} actions, asked for {spec.num_actions}",
+                        f"set rollout.env.num_actions to at most {available} (0 keeps all)")
 
 
 class MiniGridGroup:
@@ -70,7 +76,7 @@ class MiniGridGroup:
         self.spec = spec
         self.num_envs = num_envs
         self.vector = gym.vector.SyncVectorEnv([partial(make_env, spec) for _ in range(num_envs)])
-        self.num_actions = int(self.vector.single_action_space.n)
+        self.num_actions = spec.num_actions or int(self.vector.single_action_space.n)
 
     def reset(self, seed: int) -> list[Observation]:
         with _quiet():
