@@ -47,6 +47,8 @@ class EnvGroup(Protocol):
     num_actions: int
     """Discrete actions 0 .. num_actions - 1."""
     action_names: tuple[str, ...]
+    max_steps: int
+    """Steps after which an episode is truncated."""
 
     def reset(self, seed: int) -> list[Observation]:
         """Every copy from `seed` (so every copy starts identical); deterministic per seed."""

@@ -77,6 +77,7 @@ class MiniGridGroup:
         self.num_envs = num_envs
         self.vector = gym.vector.SyncVectorEnv([partial(make_env, spec) for _ in range(num_envs)])
         self.num_actions = spec.num_actions or int(self.vector.single_action_space.n)
+        self.max_steps = int(self.vector.envs[0].unwrapped.max_steps)
 
     def reset(self, seed: int) -> list[Observation]:
         with _quiet():

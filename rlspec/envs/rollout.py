@@ -7,9 +7,10 @@ from the softmax over the action ids at the rollout temperature — the same dis
 log-probs use (`rlspec.policy.sequence_logprobs` with `TrainBatch.action_vocab`).
 
 Training rows are per step (OpenVLA-RL / vlarl style): one row = prompt (image tokens + instruction) +
-the action token, carrying its episode's advantage. Per-step rows keep every row as short as a single
+the action token, carrying its episode's advantage (scaled so that `algorithm.loss_agg` treats an episode as the sequence, see
+`episode_weights`). Per-step rows keep every row as short as a single
 observation (one image each), where one multi-turn row per episode would hold up to `max_steps` images
-and grow attention with the episode. With `loss_agg=token-mean` each action of the step weighs the same.
+and grow attention with the episode.
 
 Rows are padded with empty rows (no loss token, advantage 0) to a multiple of
 `updates_per_batch * num_trainer_ranks`, so a step's rows split evenly into mini-batches and ranks; empty
@@ -164,8 +165,9 @@ class EnvRollouts:
         rewards = torch.tensor([[ep.reward for ep in episodes[g]] for g in kept], dtype=torch.float32).view(-1)
         advantages = group_advantages(rewards, spec.algorithm.group_size, spec.algorithm.adv_norm, spec.algorithm.adv_eps)
         flat = [ep for g in kept for ep in episodes[g]]
-        rows = [(prompt, pixels, int(self.action_ids[a]), float(adv), float(ep.reward))
-                for ep, adv in zip(flat, advantages.tolist())
+        weights = episode_weights([len(ep.actions) for ep in flat], spec.algorithm.loss_agg, self.groups[0].max_steps)
+        rows = [(prompt, pixels, int(self.action_ids[a]), float(adv * w), float(ep.reward))
+                for ep, adv, w in zip(flat, advantages.tolist(), weights)
                 for prompt, pixels, a in zip(ep.prompts, ep.pixel_values, ep.actions)]
         batch = collate_rows(rows, self.action_ids, self.pad_id,
                              multiple=spec.algorithm.updates_per_batch * spec.hardware.num_trainer_ranks)
@@ -181,6 +183,27 @@ class EnvRollouts:
             "env/rows": len(rows),
         }
         return batch, metrics
+
+
+def episode_weights(lengths: list[int], loss_agg: str, max_steps: int) -> list[float]:
+    """Per-episode factor on its rows' advantages so that `algorithm.loss_agg` treats an *episode* as the sequence.
+
+    Every row holds one action token, so over rows each aggregation is a plain mean over the R rows of the
+    step. Scaling an episode's advantage by w scales its per-token PPO loss by w exactly (the clip is
+    invariant to a positive factor), so with E episodes of lengths T_e::
+
+        token-mean                w = 1                    every action weighs the same
+        seq-mean-token-mean       w = R / (E * T_e)        L = (1/E) sum_e (1/T_e) sum_t l_t
+        seq-mean-token-sum-norm   w = R / (E * max_steps)  L = (1/E) sum_e sum_t l_t / max_steps
+
+    (the KL term, when on, stays per action).
+    """
+    rows, episodes = sum(lengths), len(lengths)
+    if loss_agg == "seq-mean-token-mean":
+        return [rows / (episodes * max(n, 1)) for n in lengths]
+    if loss_agg == "seq-mean-token-sum-norm":
+        return [rows / (episodes * max_steps)] * episodes
+    return [1.0] * episodes
 
 
 def collate_rows(rows: list[tuple[list[int], Tensor, int, float, float]], action_ids: Tensor, pad_id: int,

@@ -113,3 +113,24 @@ def test_env_errors_are_counted_and_the_group_dropped(runner_parts, monkeypatch,
     assert metrics["env/errors"] == 2 and metrics["env/episodes"] == 2
     assert "simulator crashed" in caplog.text
     assert metrics["env/rows"] == int(batch.loss_mask.sum())
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_episode_weights_make_the_episode_the_sequence(loss_agg):
+    """Per-step rows with weighted advantages give the aggregation's formula with episodes as sequences."""
+    from rlspec.envs.rollout import episode_weights
+    from rlspec.grpo import LossConfig, LossNorm, policy_loss
+
+    lengths, advantages, max_steps = [3, 1, 2], [0.5, -1.0, 0.25], 4
+    weights = episode_weights(lengths, loss_agg, max_steps)
+    rows = torch.tensor([a * w for a, w, n in zip(advantages, weights, lengths) for _ in range(n)])
+    mask = torch.ones(len(rows), 1)
+    zeros = torch.zeros(len(rows), 1)
+    loss, _ = policy_loss(zeros, zeros, rows, mask, LossNorm.of(mask, 1), LossConfig(loss_agg=loss_agg))
+    per_token = [[-a] * n for a, n in zip(advantages, lengths)]  # ratio 1: l_t = -A
+    want = {
+        "token-mean": sum(map(sum, per_token)) / sum(lengths),
+        "seq-mean-token-mean": sum(sum(t) / len(t) for t in per_token) / len(lengths),
+        "seq-mean-token-sum-norm": sum(sum(t) / max_steps for t in per_token) / len(lengths),
+    }[loss_agg]
+    assert loss.item() == pytest.approx(want, rel=1e-6)
