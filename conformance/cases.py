@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..spec import AlgorithmSpec, HardwareSpec, LoraSpec, ModelSpec, RolloutSpec, Spec, SyncSpec
+from ..spec import AlgorithmSpec, EnvSpec, HardwareSpec, LoraSpec, ModelSpec, RolloutSpec, Spec, SyncSpec
 from .fixture import GROUP_SIZE, MAX_NEW_TOKENS, NUM_PROMPTS, SEED
 
 NUM_STEPS = 3
@@ -31,6 +31,9 @@ class Case:
     """The reference must clip some tokens (ratio outside the clip range), or the case tests nothing."""
     why: str = ""
     steps: int = NUM_STEPS
+    vla: bool = False
+    """A vision-language-action case: the `tiny_llava` preset on the VLA fixture (only for backends with
+    `vla` in `caps.model_kinds`)."""
 
 
 BASE_ALGORITHM: dict[str, Any] = dict(
@@ -56,6 +59,9 @@ CASES: tuple[Case, ...] = (
          why="2 optimizer updates per batch: old log-probs, ratio != 1 on the second, PPO clip and dual-clip active"),
     Case("lora_adamw", dict(), lora_r=4,
          why="LoRA adapters (merged into the exported weights); only for backends that support LoRA"),
+    Case("vla_token_mean_sgd", dict(optimizer="sgd", lr=1e-1), vla=True,
+         why="images through the vision tower and projector, log-probs over the action tokens only, empty "
+             "padding rows; only for backends that support model.kind=vla"),
 )
 
 
@@ -70,11 +76,18 @@ def case_spec(case: Case, backend: str, num_trainer_ranks: int, sync_method: str
     """The full spec of `case` for `backend`: tiny_qwen2, float32, eager attention, CPU."""
     algorithm = AlgorithmSpec(**{**BASE_ALGORITHM, **case.algorithm, "steps": case.steps})
     lora = LoraSpec(r=case.lora_r, alpha=2 * case.lora_r or 16)
+    if case.vla:
+        model = ModelSpec(preset="tiny_llava", kind="vla", dtype="float32", attn_implementation="eager", lora=lora)
+        rollout = RolloutSpec(engine="hf", env=EnvSpec(name="minigrid"), prompts_per_step=NUM_PROMPTS,
+                              max_new_tokens=1, temperature=1.0)
+    else:
+        model = ModelSpec(preset="tiny_qwen2", dtype="float32", attn_implementation="eager", lora=lora)
+        rollout = RolloutSpec(engine="hf", prompts_per_step=NUM_PROMPTS, max_new_tokens=MAX_NEW_TOKENS,
+                              max_prompt_tokens=32, temperature=1.0)
     return Spec(
         algorithm=algorithm,
-        model=ModelSpec(preset="tiny_qwen2", dtype="float32", attn_implementation="eager", lora=lora),
-        rollout=RolloutSpec(engine="hf", prompts_per_step=NUM_PROMPTS, max_new_tokens=MAX_NEW_TOKENS,
-                            max_prompt_tokens=32, temperature=1.0),
+        model=model,
+        rollout=rollout,
         sync=SyncSpec(method=sync_method),
         hardware=HardwareSpec(device="cpu", num_trainer_ranks=num_trainer_ranks, rollout="colocated",
                               num_threads=NUM_THREADS),

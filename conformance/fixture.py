@@ -46,16 +46,25 @@ class Fixture:
     loss_mask: Tensor
     """1.0 on completion tokens."""
     rewards: Tensor
+    pixel_values: Tensor | None = None
+    """[N, 3, H, W] one image per sequence (the VLA fixture)."""
+    action_vocab: Tensor | None = None
+    """[N, A] the action token ids (the VLA fixture)."""
 
     def train_batch(self, algo: AlgorithmSpec) -> TrainBatch:
         """A fresh `TrainBatch` with the advantages `algo` prescribes (the step template fills in the rest)."""
         advantages = group_advantages(self.rewards, algo.group_size, algo.adv_norm, algo.adv_eps)
+        # Rows with no completion token (VLA padding rows) get no advantage, as the env rollout gives them.
+        advantages = advantages * (self.loss_mask.sum(-1) > 0)
         return TrainBatch(input_ids=self.input_ids.clone(), attention_mask=self.attention_mask.clone(),
-                          loss_mask=self.loss_mask.clone(), advantages=advantages, rewards=self.rewards.clone())
+                          loss_mask=self.loss_mask.clone(), advantages=advantages, rewards=self.rewards.clone(),
+                          pixel_values=None if self.pixel_values is None else self.pixel_values.clone(),
+                          action_vocab=None if self.action_vocab is None else self.action_vocab.clone())
 
     def tensors(self) -> dict[str, Tensor]:
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask,
-                "rewards": self.rewards}
+        out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask,
+               "rewards": self.rewards, "pixel_values": self.pixel_values, "action_vocab": self.action_vocab}
+        return {k: v for k, v in out.items() if v is not None}
 
     def save(self, directory: Path) -> None:
         from safetensors.torch import save_file
@@ -84,6 +93,51 @@ def build_fixture() -> Fixture:
         attention_mask[i, :total] = 1
         loss_mask[i, prompt_len:total] = 1.0
     return Fixture(input_ids, attention_mask, loss_mask, torch.tensor(REWARDS, dtype=torch.float32))
+
+
+NUM_ACTIONS = 7
+"""MiniGrid's Discrete(7)."""
+VLA_INSTRUCTION_LENGTHS = (18, 18, 18, 18, 26, 26, 26, 26)
+"""Prompt = 49 image tokens + an instruction of this many tokens; one group per instruction."""
+VLA_HAS_ACTION = (True, True, True, True, True, True, False, False)
+"""The last two rows are the empty rows an env rollout pads with (no loss token): on 2 ranks rank 0 holds
+4 action tokens and rank 1 only 2, so token-mean needs the global count here too."""
+VLA_REWARDS = (1.0, 0.0, 0.5, 0.25, 0.0, 1.0, 0.75, 0.0)
+
+
+def build_vla_fixture(image_token_id: int, num_image_tokens: int, action_ids: list[int]) -> Fixture:
+    """8 per-step rows of an env rollout: image tokens + instruction + one action token, random images."""
+    generator = torch.Generator().manual_seed(SEED)
+    first_regular, last_regular = len(SPECIAL_TOKENS), min(action_ids)
+    n = len(VLA_INSTRUCTION_LENGTHS)
+    length = num_image_tokens + max(VLA_INSTRUCTION_LENGTHS) + 1
+    input_ids = torch.full((n, length), PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros((n, length), dtype=torch.long)
+    loss_mask = torch.zeros((n, length), dtype=torch.float32)
+    vocab = torch.tensor(action_ids)
+    for i, words in enumerate(VLA_INSTRUCTION_LENGTHS):
+        prompt = torch.cat([torch.full((num_image_tokens,), image_token_id),
+                            torch.randint(first_regular, last_regular, (words,), generator=generator)])
+        action = vocab[torch.randint(0, len(action_ids), (1,), generator=generator)]
+        row = torch.cat([prompt, action]) if VLA_HAS_ACTION[i] else prompt
+        input_ids[i, :len(row)] = row
+        attention_mask[i, :len(row)] = 1
+        if VLA_HAS_ACTION[i]:
+            loss_mask[i, len(prompt)] = 1.0
+    pixel_values = torch.randn((n, 3, 56, 56), generator=generator)
+    return Fixture(input_ids, attention_mask, loss_mask, torch.tensor(VLA_REWARDS, dtype=torch.float32),
+                   pixel_values, vocab.expand(n, -1).clone())
+
+
+def vla_fixture() -> Fixture:
+    """The VLA fixture for the `tiny_llava` preset and MiniGrid's 7 actions."""
+    from ..spec import ModelSpec
+    from ..vla import load_processor, preset_config, action_token_ids
+
+    model = ModelSpec(preset="tiny_llava", kind="vla")
+    config = preset_config(model.preset)
+    ids = action_token_ids(load_processor(model).tokenizer, NUM_ACTIONS)
+    return build_vla_fixture(config.image_token_id, config.image_seq_length, ids)
 
 
 def dump_fixture(directory: Path, fixture: Fixture, specs: dict) -> None:

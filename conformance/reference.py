@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from ..batch import TrainBatch
-from ..grpo import LossConfig, LossNorm, policy_loss, token_logprobs
+from ..grpo import LossConfig, LossNorm, policy_loss
 from ..loop import update
-from ..policy import forward_logits
+from ..policy import sequence_logprobs
 from ..spec import BackendCaps, Spec, compile_plan
 from ..trainer import LocalTrainer, grad_norm_and_clip
 from .fixture import Fixture
@@ -65,8 +65,7 @@ def _record(step: int, stats: dict[str, float], grad_norms: list[float], kl_on: 
 
 @torch.no_grad()
 def _logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> Tensor:
-    logits = forward_logits(model, batch.input_ids, batch.attention_mask)
-    return token_logprobs(logits, batch.input_ids, temperature)
+    return sequence_logprobs(model, batch, temperature)[0]
 
 
 def run_reference(spec: Spec, fixture: Fixture) -> CaseRun:
@@ -89,7 +88,7 @@ def run_reference(spec: Spec, fixture: Fixture) -> CaseRun:
         for start in range(0, len(batch), per_update):
             mini = batch.select(start, start + per_update)
             norm = LossNorm.of(mini.loss_mask, spec.rollout.max_new_tokens)
-            logp = token_logprobs(forward_logits(model, mini.input_ids, mini.attention_mask), mini.input_ids, temperature)
+            logp = sequence_logprobs(model, mini, temperature)[0]
             old = logp.detach() if mini.old_logprobs is None else mini.old_logprobs
             loss, stats = policy_loss(logp, old, mini.advantages, mini.loss_mask, norm, cfg, mini.ref_logprobs)
             loss.backward()

@@ -18,7 +18,7 @@ from ..backend import backend_class, backend_names
 from ..loop import update
 from ..spec import BackendCaps, compile_plan
 from .cases import CASES, NUM_THREADS, Case, case_by_name, case_spec
-from .fixture import Fixture, build_fixture, dump_fixture
+from .fixture import Fixture, build_fixture, dump_fixture, vla_fixture
 from .reference import CaseRun, run_backend, run_reference
 from .report import Check, Report, Skipped, compare, error_check
 from .tolerances import TOLERANCES, weights_tolerance
@@ -67,16 +67,21 @@ def run_suite(backends: BackendsArg = None, cases: Iterable[str | Case] | None =
 
 def _run(classes: dict[str, type], selected: list[Case], sync: bool, dump: str | Path | None,
          say: Callable[[str], None]) -> Report:
-    fixture = build_fixture()
+    fixtures = {False: build_fixture()}
+    if any(c.vla for c in selected):
+        fixtures[True] = vla_fixture()
     dumper = _Dumper(Path(dump)) if dump is not None else None
     if dumper:
-        dumper.fixture(fixture, {c.name: case_spec(c, REFERENCE, 1) for c in selected})
+        for vla, fixture in fixtures.items():
+            dumper.fixture(fixture, {c.name: case_spec(c, REFERENCE, 1) for c in selected if c.vla == vla},
+                           "fixture_vla" if vla else "fixture")
     references: dict[str, CaseRun] = {}
     report = Report()
+    fixture = fixtures[False]
     for name, cls in classes.items():
         for case in selected:
             say(f"conformance: {name} {case.name}")
-            report.extend(check_case(name, cls, case, fixture, references, dumper))
+            report.extend(check_case(name, cls, case, fixtures[case.vla], references, dumper))
         if sync:
             say(f"conformance: {name} weight sync")
             report.extend(check_sync(name, cls, fixture))
@@ -100,6 +105,9 @@ def check_case(name: str, cls: type, case: Case, fixture: Fixture, references: d
     report = Report()
     if case.lora_r and not cls.caps.supports_lora:
         report.skipped.append(Skipped(name, None, case.name, "the backend does not support LoRA (caps.supports_lora)"))
+        return report
+    if case.vla and "vla" not in cls.caps.model_kinds:
+        report.skipped.append(Skipped(name, None, case.name, "the backend does not support model.kind=vla (caps.model_kinds)"))
         return report
     spec = case_spec(case, name, num_trainer_ranks(cls.caps))
     try:
@@ -229,8 +237,9 @@ class _Dumper:
         self.root = root
         self.headline: dict[str, str] = {}
 
-    def fixture(self, fixture: Fixture, specs: dict) -> None:
-        dump_fixture(self.root / "fixture", fixture, specs)
+    def fixture(self, fixture: Fixture, specs: dict, folder: str = "fixture") -> None:
+        if specs:
+            dump_fixture(self.root / folder, fixture, specs)
 
     def run(self, who: str, case: str, run: CaseRun) -> None:
         from safetensors.torch import save_file

@@ -10,6 +10,10 @@ import torch
 from torch import Tensor
 
 
+TOKEN_ALIGNED = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "ref_logprobs")
+"""The [N, L] fields (the others are per sequence, [N] or [N, ...])."""
+
+
 @dataclass
 class TrainBatch:
     """N sequences of prompt + completion, right-padded to a common length L.
@@ -33,6 +37,11 @@ class TrainBatch:
     """[N, L] reference-policy log-probs (only when algorithm.kl_coef > 0)."""
     engine_logprobs: Tensor | None = None
     """[N, L] the rollout engine's log-probs of the sampled tokens, zero outside completions (for TIS)."""
+    pixel_values: Tensor | None = None
+    """[N, C, H, W] one image per sequence, as the model's processor makes it (`model.kind: vla`)."""
+    action_vocab: Tensor | None = None
+    """[N, A] token ids a completion token is drawn from (the action tokens); log-probs and entropy are then
+    over these ids only, and 0 at tokens outside them. None: the whole vocabulary."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -51,7 +60,8 @@ class TrainBatch:
     def trimmed(self) -> "TrainBatch":
         """Drop trailing columns that are padding in every sequence (saves compute per micro-batch)."""
         length = int(self.attention_mask.sum(dim=0).nonzero().max().item()) + 1
-        return self._map(lambda t: t[:, :length] if t.dim() == 2 else t)
+        return TrainBatch(**{f.name: (t[:, :length] if f.name in TOKEN_ALIGNED and t is not None else t)
+                             for f in dataclasses.fields(self) for t in [getattr(self, f.name)]})
 
     def chunks(self, size: int) -> Iterator["TrainBatch"]:
         """Consecutive slices of at most `size` sequences."""

@@ -66,7 +66,8 @@ class LossNorm:
     num_tokens: int
     """Completion tokens in the whole step's batch (all ranks, all micro-batches)."""
     num_sequences: int
-    """Sequences with completion tokens in the whole step's batch (a dropped sample has none)."""
+    """Sequences with at least one completion token in the whole step's batch (a dropped sample, or a row
+    that only pads a batch to an even split over ranks, has none)."""
     max_new_tokens: int
     """Dr. GRPO's constant L_max."""
 

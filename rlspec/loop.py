@@ -93,7 +93,7 @@ def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
         batch.old_logprobs = backend.logprobs(batch)
     if plan.needs_reference_model:
         batch.ref_logprobs = backend.logprobs(batch, reference=True)
-    size = plan.batch.sequences_per_update
+    size = len(batch) // plan.batch.updates_per_batch  # env rollouts: rows vary per step (a multiple of this split)
     totals: dict[str, float] = {}
     grad_norms = []
     for start in range(0, len(batch), size):
@@ -129,6 +129,7 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, syn
         "timing_s/reward": timer.get("reward", 0.0),
         "timing_s/train": timer.get("train", 0.0),
         "timing_s/sync": timer.get("sync", 0.0),
+        **({"timing_s/env": timer.get("env", 0.0)} if "env" in timer else {}),
         "timing_s/step": step_time,
         # All tokens the step processed (prompts + completions); the headline rate counts sampled tokens only.
         "perf/tokens_per_s": float(batch.attention_mask.sum()) / step_time if step_time > 0 else 0.0,
@@ -140,6 +141,15 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, syn
                              if batch.engine_logprobs is not None and plan.spec.algorithm.tis_cap is not None else None),
         **(counters or {}),
     }
+
+
+def env_rollouts(plan: RunPlan, engine):
+    """The environment runner when the spec names an environment (`model.kind: vla`), else None."""
+    if plan.spec.rollout.env.name is None:
+        return None
+    from .envs.rollout import EnvRollouts
+
+    return EnvRollouts(plan, engine)
 
 
 def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path, pad_id: int,
@@ -156,12 +166,13 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
         transport.push(weights, engine)
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
     log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress)
+    envs = env_rollouts(plan, engine)
     if spec.rollout.mode == "async":
         from .async_loop import async_steps
 
         rows = async_steps(plan, backend, engine, task, transport, weights, pad_id, start_step)
     else:
-        rows = sync_steps(plan, backend, engine, task, transport, weights, pad_id, start_step)
+        rows = sync_steps(plan, backend, engine, task, transport, weights, pad_id, start_step, envs)
     try:
         for row in rows:
             log.log(row)
@@ -176,16 +187,21 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     finally:
         rows.close()  # async: closes the pool and ends the rollout loop
         log.close()
+        if envs is not None:
+            envs.close()
 
 
 def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, weights, pad_id: int,
-               start_step: int) -> Iterator[dict]:
-    """One metrics row per step, each step in turn: generate, train, sync."""
+               start_step: int, envs=None) -> Iterator[dict]:
+    """One metrics row per step, each step in turn: generate (or run the environments' episodes), train, sync."""
     spec = plan.spec
     for step in range(start_step, spec.algorithm.steps):
         timer = _Timer()
         with timer("step"):
-            batch, counters = rollout_batch(plan, engine, task, step, pad_id, timer)
+            if envs is None:
+                batch, counters = rollout_batch(plan, engine, task, step, pad_id, timer)
+            else:
+                batch, counters = envs.rollout_batch(step, timer)
             with timer("train"):
                 result = update(plan, backend, batch)
             sync_bytes = 0

@@ -67,6 +67,10 @@ def check_model_spec(spec: ModelSpec) -> None:
     """Refuse, before anything is built, an unknown preset or a `model.path` that would not load as it should:
     unreadable config, no tokenizer, missing, corrupt or truncated weights (the compiler has checked that
     the directory and its config.json exist)."""
+    if spec.kind == "vla":
+        from .vla import check_preset
+
+        return check_preset(spec)
     if spec.path is None:
         if spec.preset not in PRESETS:
             raise SpecError("model.preset", f"unknown preset {spec.preset!r}",
@@ -191,6 +195,11 @@ def preset_config(name: str, attn_implementation: str = "eager"):
 
 
 def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+    """The tokenizer; for `model.kind: vla` the processor (tokenizer + image processor, saved with the model)."""
+    if spec.kind == "vla":
+        from .vla import load_processor
+
+        return load_processor(spec)
     if spec.path is None:
         return byte_tokenizer()
     tokenizer = AutoTokenizer.from_pretrained(spec.path)
@@ -203,14 +212,23 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
 def load_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
     """The initial policy in `spec.dtype`, on CPU; identical for a given seed in every process."""
     dtype = DTYPES[spec.dtype]
-    if spec.path is None:
+    if spec.kind == "vla":
+        from . import vla
+
+        model = vla.load_model(spec, seed, dtype)
+    elif spec.path is None:
         config = preset_config(spec.preset, spec.attn_implementation)
         with _seeded(seed):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=spec.attn_implementation)
     else:
         model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, attn_implementation=spec.attn_implementation)
-    model.generation_config.pad_token_id = model.config.pad_token_id
+    model.generation_config.pad_token_id = getattr(model.config, "pad_token_id", None)
     return model
+
+
+def pad_token_id(tokenizer) -> int:
+    """The pad id of a tokenizer or of a processor's tokenizer."""
+    return getattr(tokenizer, "tokenizer", tokenizer).pad_token_id
 
 
 def apply_lora(model: torch.nn.Module, spec: ModelSpec, seed: int) -> torch.nn.Module:

@@ -57,11 +57,39 @@ def _decoder_and_head(model: torch.nn.Module):
     return base.get_decoder(), head
 
 
-def forward_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """Logits of a causal LM on right- or left-padded sequences (positions count real tokens only)."""
+def forward_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                   pixel_values: Tensor | None = None) -> Tensor:
+    """Logits of a causal LM (or, with `pixel_values`, an image-text-to-text model) on right- or left-padded
+    sequences (positions count real tokens only)."""
+    images = {} if pixel_values is None else {"pixel_values": pixel_values.to(getattr(model, "dtype", pixel_values.dtype))}
     out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids(attention_mask), use_cache=False)
+                position_ids=position_ids(attention_mask), use_cache=False, **images)
     return out.logits
+
+
+def restrict_vocab(logits: Tensor, input_ids: Tensor, vocab: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Logits over each sequence's own token subset `vocab` [N, A]: returns the [N, L, A] logits, the ids of
+    `input_ids` as indices into `vocab`, and where a token is in `vocab` at all ([N, L] bool)."""
+    n, length = input_ids.shape
+    sub = logits.gather(-1, vocab[:, None, :].expand(n, length, vocab.shape[-1]))
+    match = input_ids[..., None] == vocab[:, None, :]
+    return sub, match.long().argmax(-1), match.any(-1)
+
+
+def sequence_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> tuple[Tensor, Tensor]:
+    """[N, L] log-probs of `batch`'s tokens and the (detached) entropies of the distributions they come from.
+
+    With `batch.action_vocab` the distribution is the softmax over those ids only; a token outside them
+    (a prompt token) gets log-prob 0. A text batch takes `forward_logprobs` (no full logits).
+    """
+    if batch.pixel_values is None and batch.action_vocab is None:
+        return forward_logprobs(model, batch.input_ids, batch.attention_mask, temperature)
+    logits = forward_logits(model, batch.input_ids, batch.attention_mask, batch.pixel_values)
+    if batch.action_vocab is None:
+        return token_logprobs_and_entropy(logits, batch.input_ids, temperature)
+    logits, ids, member = restrict_vocab(logits, batch.input_ids, batch.action_vocab)
+    logp, entropy = token_logprobs_and_entropy(logits, ids, temperature)
+    return logp * member.to(logp.dtype), entropy
 
 
 @torch.no_grad()
@@ -71,7 +99,7 @@ def batch_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     for start in range(0, len(batch), micro_batch_size):
         mb = batch.select(start, start + micro_batch_size).trimmed().to(device)
-        logp, _ = forward_logprobs(model, mb.input_ids, mb.attention_mask, temperature)
+        logp, _ = sequence_logprobs(model, mb, temperature)
         out[start:start + len(mb), :mb.input_ids.shape[1]] = logp.float().cpu()
     return out
 
@@ -79,7 +107,7 @@ def batch_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float
 def micro_batch_loss(model: torch.nn.Module, mb: TrainBatch, norm: LossNorm, cfg: LossConfig,
                      temperature: float) -> tuple[Tensor, dict[str, float]]:
     """Forward one micro-batch and return its GRPO loss share and statistic sums."""
-    logp, entropy = forward_logprobs(model, mb.input_ids, mb.attention_mask, temperature)
+    logp, entropy = sequence_logprobs(model, mb, temperature)
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
     loss, stats = policy_loss(logp, old.to(logp.dtype), mb.advantages, mb.loss_mask.to(logp.dtype), norm, cfg,
                               None if mb.ref_logprobs is None else mb.ref_logprobs.to(logp.dtype),

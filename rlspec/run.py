@@ -14,7 +14,7 @@ from .checkpoints import Checkpoints, check_resumable
 from .errors import SpecError
 from .loop import train
 from .metrics import read_metrics
-from .models import check_model_spec
+from .models import check_model_spec, pad_token_id
 from .monitor import RUN_LOG, RunLog, RunMonitor
 from .spec import RunPlan, compile_plan, load_spec
 from .tasks import Task, build_task
@@ -26,6 +26,10 @@ def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | Non
     plan = compile_plan(spec, all_caps())
     check_model_spec(plan.spec.model)  # after the compiler has checked that model.path is a directory
     task = build_task(plan.spec.rollout.task, plan.spec.algorithm.seed)
+    if plan.spec.rollout.env.name is not None:
+        from .envs import check_env
+
+        check_env(plan.spec.rollout.env)
     return plan, task
 
 
@@ -141,7 +145,7 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
                 set_up = True
                 if start_step:
                     backend.load(Checkpoints(out_dir / "checkpoints", 0, True).latest())
-                pad_id = backend.rollout_engine().tokenizer.pad_token_id
+                pad_id = pad_token_id(backend.rollout_engine().tokenizer)
                 with RunMonitor(plan, out_dir, getattr(backend, "actors", tuple)) as monitor:
                     train(plan, backend, task, transport, out_dir, pad_id, start_step, progress, monitor)
             finally:

@@ -91,6 +91,7 @@ def compile_plan(spec: Spec, backends: Mapping[str, BackendCaps]) -> RunPlan:
             f"use one of: {', '.join(sorted(backends))} (or --backend NAME)")
     caps = backends[spec.backend]
     _check_support(spec, caps, backends)
+    _check_env(spec)
     batch = _batch_plan(spec)
     placement = _placement(spec)
     sync_method = _resolve_sync(spec, caps)
@@ -134,6 +135,22 @@ def _check_support(spec: Spec, caps: BackendCaps, backends: Mapping[str, Backend
     require(not (hw.offload_params or hw.offload_optimizer) or hw.device == "cuda", "hardware.offload_params",
             "offloading to host memory only makes sense with hardware.device=cuda",
             "set hardware.offload_params=false and hardware.offload_optimizer=false on CPU")
+
+
+def _check_env(spec: Spec) -> None:
+    """An environment goes with a vision-language-action policy, and only with one."""
+    env, kind = spec.rollout.env, spec.model.kind
+    if kind != "vla":
+        require(env.name is None, "rollout.env.name", f"an environment ({env.name}) needs model.kind=vla, got {kind}",
+                "set model.kind=vla (and a VLA model), or rollout.env.name=null for a text task")
+        return
+    require(env.name is not None, "rollout.env.name", "model.kind=vla acts in an environment, but none is set",
+            "set rollout.env.name=minigrid and rollout.env.level (e.g. BabyAI-GoToRedBallNoDists-v0)")
+    require(spec.rollout.max_new_tokens == 1, "rollout.max_new_tokens",
+            f"a VLA policy emits one action token per environment step, got {spec.rollout.max_new_tokens}",
+            "set rollout.max_new_tokens=1")
+    require(spec.rollout.engine == "hf", "rollout.engine", f"environment rollouts run on the hf engine, got {spec.rollout.engine}",
+            "set rollout.engine=hf")
 
 
 def _batch_plan(spec: Spec) -> BatchPlan:

@@ -26,6 +26,8 @@ DEVICES = ("cpu", "cuda")
 PLACEMENTS = ("colocated", "separate")
 STALL_ACTIONS = ("fail", "warn")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+ENV_NAMES = ("minigrid",)
+ENV_REWARDS = ("success", "minigrid")
 
 
 class _Section:
@@ -280,15 +282,52 @@ class TaskSpec(_Section):
 
 
 @dataclass
+class EnvSpec(_Section):
+    """An environment the policy acts in (`model.kind: vla`); unset (`name: null`) for text tasks."""
+
+    name: Optional[str] = None
+    """Registered environment: minigrid (MiniGrid and BabyAI levels); null means text prompts from `rollout.task`."""
+    level: str = "BabyAI-GoToRedBallNoDists-v0"
+    """The gymnasium id of the level (any registered MiniGrid-* or BabyAI-* id)."""
+    max_steps: int = 0
+    """Steps before an episode is truncated (counted as `env/truncated`, reward 0); 0 keeps the level's own limit."""
+    reward: str = "success"
+    """success: 1 on success else 0 | minigrid: the level's 1 - 0.9 * steps / max_steps on success else 0."""
+    num_actions: int = 0
+    """Use only the level's first N actions (3: MiniGrid's left, right, forward, all a navigation level needs); 0 keeps all."""
+    tile_size: int = 8
+    """Pixels per grid cell of the egocentric 7x7-cell RGB view (8 gives 56x56 images)."""
+    prompt_template: str = "{image}{instruction}\n"
+    """Prompt text per step: `{image}` becomes the processor's image token, `{instruction}` the mission."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for `gymnasium.make` of the level."""
+
+    def __post_init__(self) -> None:
+        p = "rollout.env"
+        if self.name is not None:
+            one_of(self.name, ENV_NAMES, f"{p}.name")
+        require(bool(self.level), f"{p}.level", "is empty", "name a level, e.g. BabyAI-GoToRedBallNoDists-v0")
+        _non_negative(self.max_steps, f"{p}.max_steps")
+        one_of(self.reward, ENV_REWARDS, f"{p}.reward")
+        _non_negative(self.num_actions, f"{p}.num_actions")
+        _positive(self.tile_size, f"{p}.tile_size")
+        for key in ("{image}", "{instruction}"):
+            require(key in self.prompt_template, f"{p}.prompt_template", f"has no {key}",
+                    "write a template such as '{image}{instruction}\\n'")
+
+
+@dataclass
 class RolloutSpec(_Section):
     """How completions are sampled."""
 
     engine: str = "hf"
     """Rollout engine: hf (transformers, batched sampling) | vllm."""
     task: TaskSpec = field(default_factory=TaskSpec)
-    """The task: prompts and reward."""
+    """The task: prompts and reward (text policies)."""
+    env: EnvSpec = field(default_factory=EnvSpec)
+    """The environment (vision-language-action policies); a group is group_size episodes from one seed."""
     prompts_per_step: int = 8
-    """Prompts per rollout batch; the batch holds prompts_per_step * algorithm.group_size sequences."""
+    """Prompts (with an env: episode seeds) per rollout batch: prompts_per_step * algorithm.group_size sequences (episodes)."""
     max_new_tokens: int = 32
     """Completion length budget (also Dr. GRPO's constant normaliser)."""
     max_prompt_tokens: int = 256

@@ -154,3 +154,24 @@ def test_missing_backend_packages_are_bad_input():
     check_installed(BackendCaps("ok", requires=("json",)))
     with pytest.raises(SpecError, match=r"backend: backend x needs no_such_module_rlspec.*pip install 'rlspec\[x\]'"):
         check_installed(BackendCaps("x", requires=("no_such_module_rlspec",), install_hint="pip install 'rlspec[x]'"))
+
+
+def test_vla_example_runs_env_rollouts(tmp_path):
+    """A short run of the VLA example through the real entry point: env metrics, a checkpoint that loads back."""
+    out = tmp_path / "vla"
+    proc = run_cli("run", "examples/vla_babyai.yaml", "algorithm.steps=2", "rollout.prompts_per_step=1",
+                   "algorithm.group_size=2", "rollout.env.max_steps=3", "algorithm.micro_batch_size=2",
+                   "--out", str(out), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert set(METRIC_KEYS) <= set(row)
+        assert {"env/success_rate", "env/episode_len", "env/truncated", "env/errors", "timing_s/env"} <= set(row)
+        assert row["env/episodes"] == 2 and row["env/errors"] == 0 and 1 <= row["env/episode_len"] <= 3
+        assert row["timing_s/env"] > 0
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    ckpt = out / "checkpoints" / "step_000001"
+    assert AutoModelForImageTextToText.from_pretrained(ckpt).config.model_type == "llava"
+    assert AutoProcessor.from_pretrained(ckpt).tokenizer.vocab_size == 260

@@ -25,7 +25,7 @@ from ...trainer import LocalTrainer
 
 
 class StandaloneBackend:
-    caps = BackendCaps(name="standalone", model_kinds=("causal_lm",), placements=("colocated",),
+    caps = BackendCaps(name="standalone", model_kinds=("causal_lm", "vla"), placements=("colocated",),
                        sync_methods=("shared", "checkpoint"), engines=("hf",), devices=("cpu", "cuda"),
                        supports_lora=True, max_trainer_ranks=1, single_process=True)
 

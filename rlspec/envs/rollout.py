@@ -1,0 +1,232 @@
+"""Environment rollouts: episodes of a vision-language-action policy become one step's `TrainBatch`.
+
+Per step, `prompts_per_step` seeds each start one group of `group_size` episodes (every copy reset from
+the same seed). At every env step the policy sees the current image and the instruction (no history: the
+MiniGrid view is egocentric and the levels used here are solvable from it) and samples one action token
+from the softmax over the action ids at the rollout temperature — the same distribution the trainer's
+log-probs use (`rlspec.policy.sequence_logprobs` with `TrainBatch.action_vocab`).
+
+Training rows are per step (OpenVLA-RL / vlarl style): one row = prompt (image tokens + instruction) +
+the action token, carrying its episode's advantage (scaled so that `algorithm.loss_agg` treats an episode as the sequence, see
+`episode_weights`). Per-step rows keep every row as short as a single
+observation (one image each), where one multi-turn row per episode would hold up to `max_steps` images
+and grow attention with the episode.
+
+Rows are padded with empty rows (no loss token, advantage 0) to a multiple of
+`updates_per_batch * num_trainer_ranks`, so a step's rows split evenly into mini-batches and ranks; empty
+rows change no gradient and no normaliser (`LossNorm` counts sequences with a loss token).
+
+Counted, never silent: `env/truncated` (episodes that hit the step limit; reward 0) and `env/errors`
+(episodes lost because their group's env raised; the whole group is dropped from training, since its
+advantages would compare against missing episodes, and the error is logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..batch import TrainBatch
+from ..errors import RunError
+from ..grpo import group_advantages
+from ..models import pad_token_id
+from ..policy import forward_logits
+from ..rollout.hf import top_p_filter
+from ..spec import RunPlan
+from ..vla import PromptEncoder, action_token_ids
+from . import build_env_group
+from .base import Observation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Episode:
+    prompts: list[list[int]] = field(default_factory=list)
+    pixel_values: list[Tensor] = field(default_factory=list)
+    actions: list[int] = field(default_factory=list)
+    """Action indices (0 .. num_actions - 1)."""
+    reward: float = 0.0
+    success: bool = False
+    truncated: bool = False
+    done: bool = False
+
+
+@torch.no_grad()
+def sample_actions(model: torch.nn.Module, prompts: list[list[int]], pixel_values: Tensor, action_ids: Tensor,
+                   temperature: float, top_p: float, pad_id: int, device: torch.device,
+                   generator: torch.Generator) -> Tensor:
+    """One action index per prompt, sampled from softmax(logits[action ids] / temperature) at the prompt's end."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(prompts):
+        input_ids[i, :len(ids)] = torch.tensor(ids)
+        attention_mask[i, :len(ids)] = 1
+    logits = forward_logits(model, input_ids.to(device), attention_mask.to(device), pixel_values.to(device))
+    last = attention_mask.sum(-1).to(device) - 1
+    logits = logits[torch.arange(len(prompts), device=device), last][:, action_ids.to(device)]
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(top_p_filter(probs, top_p), 1, generator=generator).squeeze(-1).cpu()
+
+
+class EnvRollouts:
+    """Runs a step's episodes with the engine's model and collates them; holds the env groups between steps.
+
+    Needs an engine with `model`, `tokenizer` (the model's processor) and `device` (the `hf` engine).
+    """
+
+    def __init__(self, plan: RunPlan, engine) -> None:
+        spec = plan.spec
+        self.plan = plan
+        self.engine = engine
+        self.groups = [build_env_group(spec.rollout.env, spec.algorithm.group_size)
+                       for _ in range(spec.rollout.prompts_per_step)]
+        self.num_actions = self.groups[0].num_actions
+        processor = engine.tokenizer
+        self.action_ids = torch.tensor(action_token_ids(processor.tokenizer, self.num_actions))
+        self.encode = PromptEncoder(processor, spec.rollout.env.prompt_template)
+        self.pad_id = pad_token_id(processor)
+
+    def close(self) -> None:
+        for group in self.groups:
+            group.close()
+
+    def rollout_batch(self, step: int, timer) -> tuple[TrainBatch, dict]:
+        """Run the step's episodes; return the training rows and the `env/*` (and episode reward) metrics."""
+        spec = self.plan.spec
+        num_groups, size = len(self.groups), spec.algorithm.group_size
+        episodes = [[Episode() for _ in range(size)] for _ in range(num_groups)]
+        errors: dict[int, str] = {}
+        observations: dict[tuple[int, int], Observation] = {}
+        with timer("env"):
+            for g, group in enumerate(self.groups):
+                try:
+                    for i, obs in enumerate(group.reset(self.seed(step, g))):
+                        observations[(g, i)] = obs
+                except Exception as err:  # noqa: BLE001 - counted and logged, the group is dropped
+                    errors[g] = f"reset: {err!r}"
+        generator = torch.Generator().manual_seed(spec.algorithm.seed + step)
+        model = self.engine.model
+        was_training = model.training
+        model.eval()
+        try:
+            while observations:
+                keys = list(observations)
+                with timer("gen"):
+                    prompts, pixels = self.encode([observations[k].image for k in keys],
+                                                  [observations[k].instruction for k in keys])
+                    actions = sample_actions(model, prompts, pixels, self.action_ids, spec.rollout.temperature,
+                                             spec.rollout.top_p, self.pad_id, self.engine.device, generator)
+                chosen = {k: (prompts[j], pixels[j], int(actions[j])) for j, k in enumerate(keys)}
+                observations = self._step(episodes, chosen, errors, timer)
+        finally:
+            model.train(was_training)
+        for g, message in errors.items():
+            log.warning("env group %d (seed %d) failed at step %d and is dropped: %s", g, self.seed(step, g), step, message)
+        return self._collate(episodes, errors)
+
+    def seed(self, step: int, group: int) -> int:
+        spec = self.plan.spec
+        return spec.algorithm.seed + step * spec.rollout.prompts_per_step + group
+
+    def _step(self, episodes, chosen, errors, timer) -> dict[tuple[int, int], Observation]:
+        """Apply the chosen actions group by group; return the observations of the episodes still running."""
+        running = {}
+        with timer("env"):
+            for g, group in enumerate(self.groups):
+                mine = {i: c for (gg, i), c in chosen.items() if gg == g}
+                if not mine or g in errors:
+                    continue
+                try:
+                    transitions = group.step([mine[i][2] if i in mine else 0 for i in range(group.num_envs)])
+                except Exception as err:  # noqa: BLE001 - counted and logged, the group is dropped
+                    errors[g] = f"step: {err!r}"
+                    continue
+                for i, (prompt, pixels, action) in mine.items():
+                    ep, t = episodes[g][i], transitions[i]
+                    ep.prompts.append(prompt)
+                    ep.pixel_values.append(pixels)
+                    ep.actions.append(action)
+                    if t.done:
+                        ep.done, ep.reward, ep.success, ep.truncated = True, t.reward, t.success, t.truncated
+                    else:
+                        running[(g, i)] = t.observation
+        return running
+
+    def _collate(self, episodes: list[list[Episode]], errors: dict[int, str]) -> tuple[TrainBatch, dict]:
+        spec = self.plan.spec
+        kept = [g for g in range(len(episodes)) if g not in errors]
+        if not kept:
+            raise RunError(f"every env group failed this step; first error: {next(iter(errors.values()))}")
+        rewards = torch.tensor([[ep.reward for ep in episodes[g]] for g in kept], dtype=torch.float32).view(-1)
+        advantages = group_advantages(rewards, spec.algorithm.group_size, spec.algorithm.adv_norm, spec.algorithm.adv_eps)
+        flat = [ep for g in kept for ep in episodes[g]]
+        weights = episode_weights([len(ep.actions) for ep in flat], spec.algorithm.loss_agg, self.groups[0].max_steps)
+        rows = [(prompt, pixels, int(self.action_ids[a]), float(adv * w), float(ep.reward))
+                for ep, adv, w in zip(flat, advantages.tolist(), weights)
+                for prompt, pixels, a in zip(ep.prompts, ep.pixel_values, ep.actions)]
+        batch = collate_rows(rows, self.action_ids, self.pad_id,
+                             multiple=spec.algorithm.updates_per_batch * spec.hardware.num_trainer_ranks)
+        lengths = torch.tensor([len(ep.actions) for ep in flat], dtype=torch.float32)
+        metrics = {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "env/success_rate": sum(ep.success for ep in flat) / len(flat),
+            "env/episode_len": float(lengths.mean()),
+            "env/episodes": len(flat),
+            "env/truncated": sum(ep.truncated for ep in flat),
+            "env/errors": len(errors) * spec.algorithm.group_size,
+            "env/rows": len(rows),
+        }
+        return batch, metrics
+
+
+def episode_weights(lengths: list[int], loss_agg: str, max_steps: int) -> list[float]:
+    """Per-episode factor on its rows' advantages so that `algorithm.loss_agg` treats an *episode* as the sequence.
+
+    Every row holds one action token, so over rows each aggregation is a plain mean over the R rows of the
+    step. Scaling an episode's advantage by w scales its per-token PPO loss by w exactly (the clip is
+    invariant to a positive factor), so with E episodes of lengths T_e::
+
+        token-mean                w = 1                    every action weighs the same
+        seq-mean-token-mean       w = R / (E * T_e)        L = (1/E) sum_e (1/T_e) sum_t l_t
+        seq-mean-token-sum-norm   w = R / (E * max_steps)  L = (1/E) sum_e sum_t l_t / max_steps
+
+    (the KL term, when on, stays per action).
+    """
+    rows, episodes = sum(lengths), len(lengths)
+    if loss_agg == "seq-mean-token-mean":
+        return [rows / (episodes * max(n, 1)) for n in lengths]
+    if loss_agg == "seq-mean-token-sum-norm":
+        return [rows / (episodes * max_steps)] * episodes
+    return [1.0] * episodes
+
+
+def collate_rows(rows: list[tuple[list[int], Tensor, int, float, float]], action_ids: Tensor, pad_id: int,
+                 multiple: int = 1) -> TrainBatch:
+    """Rows (prompt ids, pixel values, action token id, advantage, reward) -> a right-padded `TrainBatch`,
+    padded with empty rows (loss mask 0, advantage 0) to a multiple of `multiple` rows."""
+    num_rows = -(-len(rows) // multiple) * multiple
+    length = max(len(r[0]) for r in rows) + 1
+    input_ids = torch.full((num_rows, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((num_rows, length), dtype=torch.long)
+    loss_mask = torch.zeros((num_rows, length), dtype=torch.float32)
+    advantages = torch.zeros(num_rows)
+    rewards = torch.zeros(num_rows)
+    for i, (prompt, _, action, adv, reward) in enumerate(rows):
+        n = len(prompt)
+        input_ids[i, :n + 1] = torch.tensor(prompt + [action])
+        attention_mask[i, :n + 1] = 1
+        loss_mask[i, n] = 1.0
+        advantages[i], rewards[i] = adv, reward
+    for i in range(len(rows), num_rows):  # empty rows: a real prompt (the model needs its image tokens), no loss
+        prompt = rows[0][0]
+        input_ids[i, :len(prompt)] = torch.tensor(prompt)
+        attention_mask[i, :len(prompt)] = 1
+    pixels = [r[1] for r in rows] + [rows[0][1]] * (num_rows - len(rows))
+    return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, advantages=advantages,
+                      rewards=rewards, pixel_values=torch.stack(pixels), action_vocab=action_ids.expand(num_rows, -1).clone())
