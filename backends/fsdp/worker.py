@@ -221,8 +221,11 @@ class FSDPWorker:
                            optim_state_dict=state["optimizer"])
             return
         weights = read_safetensors_dir(Path(path))
-        names = {_hf_name(key): key for key in self.model.state_dict() if "lora_" not in key}
+        current = self.model.state_dict()
+        names = {_hf_name(key): key for key in current if "lora_" not in key}
         full = {names[name]: tensor for name, tensor in weights.items() if name in names}
+        # The saved weights are merged: B = 0 makes the adapted model compute exactly them.
+        full.update({key: torch.zeros(value.shape, dtype=value.dtype) for key, value in current.items() if ".lora_B." in key})
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
     def _state(self) -> dict[str, Any]:
@@ -235,3 +238,47 @@ class FSDPWorker:
 def _hf_name(key: str) -> str:
     """The base model's name of a (possibly PEFT-wrapped) state-dict key."""
     return key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def export_footprint(named, payload: dict) -> dict:
+    """A sender function that measures the export instead of sending it: drains `named` (dropping each
+    tensor) while a thread samples this process's resident memory every `payload["interval_s"]`.
+
+    glibc would serve a freed bucket's memory again without it ever leaving the process (resident memory
+    would not see a second bucket), so first every allocation from 64 KiB up is made its own mapping, returned
+    to the system when freed, and free heap memory is trimmed: resident growth then follows live tensors.
+    Returns the peak resident growth over the start, the bytes exported and the largest tensor's bytes;
+    `run_sender(export_footprint, {"interval_s": 0.001})` runs it on trainer rank 0 (Linux with glibc).
+    """
+    import ctypes
+    import threading
+    import time
+
+    import psutil
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD: fixed, so no longer raised by each free
+    libc.malloc_trim(0)
+    process = psutil.Process()
+    start = process.memory_info().rss
+    peak = [start]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(payload["interval_s"])
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    total = largest = 0
+    try:
+        for _, tensor in named:
+            nbytes = tensor.numel() * tensor.element_size()
+            total += nbytes
+            largest = max(largest, nbytes)
+            del tensor
+    finally:
+        stop.set()
+        thread.join()
+    return {"peak_rss_growth_bytes": peak[0] - start, "exported_bytes": total, "largest_tensor_bytes": largest}
