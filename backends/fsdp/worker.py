@@ -86,7 +86,9 @@ class FSDPWorker:
         if cuda:
             torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU
         self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
+        # On CUDA, gloo beside NCCL for collectives on host tensors: with CPUOffloadPolicy the gradients, and
+        # so the grad-norm reduction, live on the host.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
                                 rank=self.rank, world_size=self.world_size, timeout=PROCESS_GROUP_TIMEOUT,
                                 device_id=self.device if cuda else None)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
