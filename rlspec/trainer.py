@@ -110,22 +110,28 @@ class LocalTrainer:
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     """Base-model state dict with any LoRA adapters merged (W + B A * alpha / r), detached."""
+    return dict(merged_weights(model))
+
+
+def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """`full_state_dict`'s items one at a time, each merged weight computed when it is reached (so a
+    sharded trainer can gather them bucket by bucket; on DTensor parameters the results are DTensors)."""
     if not hasattr(model, "peft_config"):
-        return {k: v.detach() for k, v in model.state_dict().items()}
-    merged = {}
+        yield from ((k, v.detach()) for k, v in model.state_dict().items())
+        return
     base = model.get_base_model()
-    for name, module in base.named_modules():
-        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight"):
-            weight = module.base_layer.weight.detach().clone()
-            for adapter in module.active_adapters:
-                weight += module.get_delta_weight(adapter).detach()
-            merged[f"{name}.weight"] = weight
-            if module.base_layer.bias is not None:
-                merged[f"{name}.bias"] = module.base_layer.bias.detach()
-    out = {}
+    lora = {name: module for name, module in base.named_modules()
+            if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")}
     for key, value in base.state_dict().items():
         if "lora_" in key:
             continue
         clean = key.replace(".base_layer.", ".")
-        out[clean] = merged.get(clean, value.detach())
-    return out
+        owner, _, leaf = clean.rpartition(".")
+        module = lora.get(owner)
+        if module is None or leaf != "weight":
+            yield clean, value.detach()
+            continue
+        weight = module.base_layer.weight.detach().clone()
+        for adapter in module.active_adapters:
+            weight += module.get_delta_weight(adapter).detach()
+        yield clean, weight

@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 
 from ...batch import TrainBatch
-from ...grpo import LossConfig, LossNorm, token_logprobs
+from ...grpo import LossConfig, LossNorm
 from ...models import load_model, load_tokenizer, read_safetensors_dir, save_hf
-from ...policy import accumulate, forward_logits
+from ...policy import accumulate
+from ...ray_group import FaultInjector, sharded_logprobs
 from ...spec import RunPlan
 from ...stall import StackReporter
 from ...trainer import build_optimizer
@@ -28,9 +29,6 @@ from ...trainer import build_optimizer
 ZERO_DIR = "optimizer_zero3"
 """DeepSpeed's own checkpoint (per-rank ZeRO partitions of weights and optimizer state) inside a save."""
 ZERO_TAG = "state"
-FAULT_ENV = "RLSPEC_FAULT_INJECT"
-"""Test hook, `rank=R,step=S,mode=raise|exit|hang`: rank R fails in its S-th forward_backward (0-based);
-`hang` first lets a side thread die with an exception (the kind Ray only writes to the worker's log), then blocks."""
 
 
 def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
@@ -86,8 +84,7 @@ class DeepSpeedWorker(StackReporter):
         self.plan = plan
         self.rank = rank
         self.world_size = world_size
-        self.fault = _parse_fault(fault) if fault else None
-        self.calls = 0
+        self.maybe_fail = FaultInjector(fault, rank)
         self.engine = None
         self.reference = None
 
@@ -131,26 +128,15 @@ class DeepSpeedWorker(StackReporter):
     # --- the training step -------------------------------------------------------------------------
 
     def logprobs(self, part: TrainBatch, num_chunks: int, reference: bool) -> Tensor:
-        """Log-probs of this rank's part. Every rank runs exactly `num_chunks` forwards (ZeRO-3 gathers
-        are collective), padding with a throw-away forward when its part is shorter."""
+        """Log-probs of this rank's part in exactly `num_chunks` forwards (ZeRO-3 gathers are collective)."""
         model = self.reference if reference else self.engine
         if model is None:
             raise RuntimeError("no reference model: algorithm.kl_coef is 0")
-        mbs = self.plan.batch.micro_batch_size
-        out = torch.zeros(part.input_ids.shape, dtype=torch.float32)
-        with torch.no_grad():
-            for i in range(num_chunks):
-                start = i * mbs
-                mb = part.select(start, start + mbs) if start < len(part) else None
-                run = (mb if mb is not None and len(mb) else _dummy(part)).trimmed().to(self.device)
-                logits = forward_logits(model, run.input_ids, run.attention_mask)
-                if mb is not None and len(mb):
-                    logp = token_logprobs(logits, run.input_ids, self.plan.spec.rollout.temperature)
-                    out[start:start + len(mb), :logp.shape[1]] = logp.float().cpu()
-        return out
+        return sharded_logprobs(model, part, num_chunks, self.plan.batch.micro_batch_size,
+                                self.plan.spec.rollout.temperature, self.device)
 
     def forward_backward(self, shard: TrainBatch, norm: LossNorm) -> dict[str, float]:
-        self._maybe_fail()
+        self.maybe_fail()
         engine = self.engine
         num_micro = math.ceil(len(shard) / self.plan.batch.micro_batch_size)
         done = 0
@@ -226,29 +212,3 @@ class DeepSpeedWorker(StackReporter):
                     if self.rank == 0:
                         tensor.data.copy_(weights[name].to(tensor.dtype))
         self.optimizer.refresh_fp32_params()
-
-    def _maybe_fail(self) -> None:
-        call, self.calls = self.calls, self.calls + 1
-        if self.fault and self.fault["rank"] == self.rank and self.fault["step"] == call:
-            if self.fault["mode"] == "exit":
-                os._exit(3)
-            if self.fault["mode"] == "hang":
-                import threading
-                import time
-
-                def lost_thread() -> None:
-                    raise RuntimeError(f"injected fault ({FAULT_ENV}): a side thread of trainer rank {self.rank} died")
-
-                threading.Thread(target=lost_thread, name="rlspec-fault").start()
-                while True:
-                    time.sleep(3600)
-            raise RuntimeError(f"injected fault ({FAULT_ENV}) on trainer rank {self.rank} at call {call}")
-
-
-def _dummy(part: TrainBatch) -> TrainBatch:
-    return part.select(0, 1) if len(part) else part
-
-
-def _parse_fault(text: str) -> dict:
-    fields = dict(item.split("=", 1) for item in text.split(","))
-    return {"rank": int(fields["rank"]), "step": int(fields["step"]), "mode": fields.get("mode", "raise")}

@@ -1,21 +1,8 @@
-"""Shared fixtures for the deepspeed backend tests: one local Ray session per module."""
+"""The deepspeed backend tests need deepspeed and ray (the Ray session fixture is in tests/backends)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 pytest.importorskip("deepspeed")
-ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from rlspec.ray_utils import start_ray
-
-    started = start_ray(None)
-    yield
-    if started:
-        ray.shutdown()
+pytest.importorskip("ray")

@@ -7,64 +7,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-import torch
 
 from rlspec.backend import all_caps, create_backend
-from rlspec.batch import TrainBatch
-from rlspec.grpo import LossNorm
 from rlspec.spec import compile_plan, load_spec
 from rlspec.sync import build_transport
-from rlspec.trainer import LocalTrainer
+from tests.backends.ranks import TINY, actor_pids, fixed_batch, reference_trainer, rlspec_run, run_steps
 
 pytestmark = pytest.mark.distributed
-ROOT = Path(__file__).resolve().parents[3]
-TINY = ROOT / "examples" / "tiny.yaml"
 
 
 def make_plan(*overrides: str):
     spec = load_spec(TINY, ["hardware.num_trainer_ranks=2", "algorithm.max_grad_norm=0", *overrides], "deepspeed")
     return compile_plan(spec, all_caps())
-
-
-def fixed_batch(n: int = 8, prompt: int = 5, max_new: int = 8, seed: int = 0) -> TrainBatch:
-    """Random sequences with uneven completion lengths; rank 0's half has far more tokens than rank 1's."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = [8, 7, 8, 6, 1, 2, 1, 3][:n]
-    width = prompt + max(lengths)
-    input_ids = torch.randint(4, 260, (n, width), generator=gen)
-    attention_mask = torch.zeros(n, width, dtype=torch.long)
-    loss_mask = torch.zeros(n, width)
-    for i, length in enumerate(lengths):
-        attention_mask[i, :prompt + length] = 1
-        loss_mask[i, prompt:prompt + length] = 1
-        input_ids[i, prompt + length:] = 0
-    rewards = torch.rand(n, generator=gen)
-    return TrainBatch(input_ids, attention_mask, loss_mask, advantages=torch.randn(n, generator=gen), rewards=rewards)
-
-
-def run_steps(trainer, plan, batch: TrainBatch, steps: int = 3) -> list[tuple[float, float, float]]:
-    """(loss, grad norm, kl) per step, with old and reference log-probs filled the way `rlspec.loop` does."""
-    out = []
-    for _ in range(steps):
-        step = TrainBatch(**batch.tensors())
-        step.old_logprobs = trainer.logprobs(step) + 0.01 * step.loss_mask  # ratio != 1: the clip matters
-        if plan.needs_reference_model:
-            step.ref_logprobs = trainer.logprobs(step, reference=True)
-        stats = trainer.forward_backward(step, LossNorm.of(step.loss_mask, plan.spec.rollout.max_new_tokens))
-        out.append((stats["loss"], trainer.optimizer_step(), stats["kl_sum"] / stats["tokens"]))
-    return out
-
-
-def reference_trainer(plan) -> LocalTrainer:
-    spec = plan.spec
-    return LocalTrainer(spec.model, spec.algorithm, spec.rollout.temperature, spec.rollout.max_new_tokens,
-                        needs_reference=plan.needs_reference_model)
 
 
 CASES = {
@@ -124,13 +81,6 @@ def test_matches_local_trainer_and_transports(ray_session, case):
         backend.shutdown()  # idempotent
 
 
-def rlspec_run(out: Path, *overrides: str, env: dict | None = None, ranks: int = 2) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "rlspec.cli", "run", str(TINY), "--backend", "deepspeed", "--out", str(out),
-           "--no-progress", f"hardware.num_trainer_ranks={ranks}", *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})})
-
-
 def test_cli_run_smoke_and_resume(tmp_path):
     """3 steps through the CLI; then resume from the step-1 checkpoint and land on the same weights."""
     import shutil
@@ -139,7 +89,7 @@ def test_cli_run_smoke_and_resume(tmp_path):
     from transformers import AutoModelForCausalLM
 
     args = ("algorithm.steps=3", "checkpoint.every_n_steps=2", "checkpoint.keep_last=0")
-    proc = rlspec_run(tmp_path / "run", *args)
+    proc = rlspec_run("deepspeed", tmp_path / "run", *args)
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -151,7 +101,7 @@ def test_cli_run_smoke_and_resume(tmp_path):
 
     shutil.copytree(tmp_path / "run", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000002")
-    proc = rlspec_run(tmp_path / "resumed", *args, "--resume")
+    proc = rlspec_run("deepspeed", tmp_path / "resumed", *args, "--resume")
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-4000:]
     want = load_file(final / "model.safetensors")
@@ -161,24 +111,10 @@ def test_cli_run_smoke_and_resume(tmp_path):
     assert diff < 1e-6
 
 
-def _actor_pids(root_pid: int, title: str) -> list[int]:
-    import psutil
-
-    procs = psutil.Process(root_pid).children(recursive=True)
-    return [p.pid for p in procs if title in " ".join(_cmdline(p))]
-
-
-def _cmdline(proc) -> list[str]:
-    try:
-        return proc.cmdline()
-    except Exception:  # noqa: BLE001 - the process went away
-        return []
-
-
 def test_watchdog_killed_rank_stops_run(tmp_path):
     """SIGKILL trainer rank actor mid-run: exit 1 within 30 s, naming the dead rank."""
     out = tmp_path / "killed"
-    proc = rlspec_run(out, "algorithm.steps=200")
+    proc = rlspec_run("deepspeed", out, "algorithm.steps=200")
     try:
         deadline = time.monotonic() + 300
         metrics = out / "metrics.jsonl"
@@ -186,7 +122,7 @@ def test_watchdog_killed_rank_stops_run(tmp_path):
             assert proc.poll() is None, proc.communicate()[1][-4000:]
             assert time.monotonic() < deadline, "the run did not reach step 2"
             time.sleep(0.5)
-        pids = _actor_pids(proc.pid, "DeepSpeedWorker")
+        pids = actor_pids(proc.pid, "DeepSpeedWorker")
         assert len(pids) == 2, pids
         os.kill(max(pids), 9)
         killed = time.monotonic()
@@ -205,7 +141,7 @@ def test_watchdog_killed_rank_stops_run(tmp_path):
 def test_watchdog_raising_rank_reports_traceback(tmp_path):
     """A rank that raises (test hook RLSPEC_FAULT_INJECT) stops the run with its Python traceback."""
     start = time.monotonic()
-    proc = rlspec_run(tmp_path / "raised", "algorithm.steps=50", env={"RLSPEC_FAULT_INJECT": "rank=1,step=2,mode=raise"})
+    proc = rlspec_run("deepspeed", tmp_path / "raised", "algorithm.steps=50", env={"RLSPEC_FAULT_INJECT": "rank=1,step=2,mode=raise"})
     _, err = proc.communicate(timeout=400)
     print(f"\nraising rank: exit {proc.returncode} after {time.monotonic() - start:.1f} s (incl. start-up)")
     assert proc.returncode == 1, err[-4000:]

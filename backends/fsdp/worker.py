@@ -1,0 +1,287 @@
+"""One FSDP2 trainer rank, run as a Ray actor (the driver side is `backend.py`).
+
+Every rank builds the same initial model (`rlspec.models.load_model` with the plan's seed), adds LoRA
+adapters when `model.lora.r > 0` (`rlspec.models.apply_lora`), shards it with
+`torch.distributed.fsdp.fully_shard` (each block named in the model's `_no_split_modules`, then the
+root) over a 1-D device mesh, and runs the shared micro-batch loop `rlspec.policy.accumulate` on its
+shard. Parameters are sharded fp32 masters; forward and backward run in `model.dtype`
+(`MixedPrecisionPolicy`), gradients are reduced in fp32. Anything that touches sharded parameters
+(forward, gather, save) is collective: the driver always calls all ranks together.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from ...batch import TrainBatch
+from ...grpo import LossConfig, LossNorm
+from ...models import DTYPES, apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_hf
+from ...policy import accumulate
+from ...ray_group import FaultInjector, sharded_logprobs
+from ...spec import RunPlan
+from ...stall import StackReporter
+from ...trainer import build_optimizer, merged_weights
+
+STATE_DIR = "optimizer_dcp"
+"""`torch.distributed.checkpoint` of the sharded fp32 parameters and optimizer state inside a save."""
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
+
+
+def block_classes(model: torch.nn.Module) -> set[str]:
+    """Class names to shard one by one: the model's `_no_split_modules` (transformers collects them from
+    every sub-model, so a VLM names its vision-encoder layers too)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(getattr(base, "_no_split_modules", None) or ())
+
+
+def shard_model(model: torch.nn.Module, mesh, param_dtype: torch.dtype, offload: bool) -> torch.nn.Module:
+    """`fully_shard` every block (innermost first), then the root, which is the module the loss calls."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    names = block_classes(model)
+    if not names:
+        raise RuntimeError(f"{type(model).__name__} names no _no_split_modules: no blocks to shard one by one")
+    options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+                   offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    for block in reversed(blocks):  # modules() lists parents first; nested blocks are sharded before their parent
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+class FSDPWorker(StackReporter):
+    """Trainer rank `rank` of `world_size`."""
+
+    def __init__(self, plan: RunPlan, rank: int, world_size: int, fault: str | None = None) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.world_size = world_size
+        self.maybe_fail = FaultInjector(fault, rank)
+        self.model = None
+        self.reference = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def master_address(self) -> tuple[str, int]:
+        from ...ray_utils import node_address
+
+        return node_address()
+
+    def setup(self, master: tuple[str, int]) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        spec = self.plan.spec
+        if spec.hardware.num_threads:
+            torch.set_num_threads(spec.hardware.num_threads)
+        cuda = self.plan.placement.device == "cuda"
+        if cuda:
+            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU
+        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        # On CUDA, gloo beside NCCL for collectives on host tensors: with CPUOffloadPolicy the gradients, and
+        # so the grad-norm reduction, live on the host.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
+                                rank=self.rank, world_size=self.world_size, timeout=PROCESS_GROUP_TIMEOUT,
+                                device_id=self.device if cuda else None)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.dtype = DTYPES[spec.model.dtype]
+        # CPUOffloadPolicy keeps sharded parameters, gradients and the optimizer step on the host, so
+        # FSDP2 offloads the optimizer only together with the parameters: either flag turns it on.
+        offload = cuda and (spec.hardware.offload_params or spec.hardware.offload_optimizer)
+        self.loss_cfg = LossConfig.from_algorithm(spec.algorithm)
+        self.tokenizer = load_tokenizer(spec.model) if self.rank == 0 else None
+
+        model = load_model(spec.model, spec.algorithm.seed)
+        if spec.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # fp32 master parameters (exact for a bf16 start); MixedPrecisionPolicy computes in model.dtype.
+        model = apply_lora(model.float(), spec.model, spec.algorithm.seed)
+        self.model = shard_model(model, mesh, self.dtype, offload)  # moves the shards to the mesh's device
+        self.model.train()
+        self.optimizer = build_optimizer(self.model.parameters(), spec.algorithm)
+        if self.plan.needs_reference_model:
+            reference = load_model(spec.model, spec.algorithm.seed).eval().requires_grad_(False)
+            self.reference = shard_model(reference, mesh, self.dtype, offload)
+
+    # --- the training step -------------------------------------------------------------------------
+
+    def logprobs(self, part: TrainBatch, num_chunks: int, reference: bool) -> Tensor:
+        """Log-probs of this rank's part in exactly `num_chunks` forwards (FSDP gathers are collective)."""
+        model = self.reference if reference else self.model
+        if model is None:
+            raise RuntimeError("no reference model: algorithm.kl_coef is 0")
+        return sharded_logprobs(model, part, num_chunks, self.plan.batch.micro_batch_size,
+                                self.plan.spec.rollout.temperature, self.device)
+
+    def forward_backward(self, shard: TrainBatch, norm: LossNorm) -> dict[str, float]:
+        self.maybe_fail()
+        num_micro = math.ceil(len(shard) / self.plan.batch.micro_batch_size)
+        done = 0
+
+        def backward(loss: Tensor) -> None:
+            # The loss share is normalised by global counts (LossNorm); FSDP averages gradients over the
+            # ranks, so undo that with x world size. Gradients are reduce-scattered once, after the last
+            # micro-batch; before that each rank accumulates its unsharded gradients.
+            nonlocal done
+            done += 1
+            self.model.set_requires_gradient_sync(done == num_micro)
+            (loss * self.world_size).backward()
+
+        stats = accumulate(self.model, shard, self.plan.batch.micro_batch_size, norm, self.loss_cfg,
+                           self.plan.spec.rollout.temperature, backward, self.device)
+        if self.device.type == "cuda":
+            stats["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return stats
+
+    def optimizer_step(self) -> float:
+        """Clip at `algorithm.max_grad_norm` (0 = off), step, zero; the global grad norm before clipping."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        limit = self.plan.spec.algorithm.max_grad_norm or math.inf
+        # On DTensor gradients the norm is computed over the shards and reduced over the ranks.
+        norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=False)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm.item())
+
+    # --- weights -------------------------------------------------------------------------------------
+
+    def _full_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Full weights by HF state-dict name (LoRA merged, tied weights under each name) in `model.dtype`.
+
+        Gathered one bucket (`sync.bucket_mb`, or one larger tensor) at a time on every rank, so the extra
+        memory is one bucket, not the model; rank 0 yields the tensors, other ranks only take part.
+        """
+        limit = self.plan.spec.sync.bucket_mb << 20
+        pending: list[tuple[str, Tensor]] = []
+        size = 0
+        for name, tensor in merged_weights(self.model):
+            nbytes = tensor.numel() * self.dtype.itemsize
+            if pending and size + nbytes > limit:
+                yield from self._gather(pending)
+                size = 0
+            pending.append((name, tensor))
+            size += nbytes
+        yield from self._gather(pending)
+
+    def _gather(self, pending: list[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """All-gather `pending` (emptied), cast to `model.dtype` before the gather to halve the traffic."""
+        from torch.distributed.tensor import DTensor
+
+        full = [(name, t.to(self.dtype).full_tensor() if isinstance(t, DTensor) else t.to(self.dtype))
+                for name, t in pending]
+        pending.clear()
+        full.reverse()
+        while full:  # drop each tensor from this frame once it is handed over
+            yield full.pop()
+
+    def run_sender(self, fn, payload, gather: bool) -> Any:
+        """A transport's sender half (see `rlspec.weights.WeightSource`): rank 0 runs it, all ranks gather."""
+        if self.rank == 0:
+            return fn(self._full_weights() if gather else None, payload)
+        if gather:
+            for _ in self._full_weights():
+                pass
+        return None
+
+    def save(self, path: str, save_optimizer: bool) -> None:
+        """HF safetensors directory (rank 0) + the sharded fp32 parameters and optimizer state for an exact
+        resume (`torch.distributed.checkpoint`, one file per rank)."""
+        full = {name: t.cpu() for name, t in self._full_weights()}
+        if self.rank == 0:
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            save_hf(base, self.tokenizer, Path(path), state_dict=full)
+        if save_optimizer:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(self._state(), checkpoint_id=str(Path(path) / STATE_DIR))
+
+    def load(self, path: str) -> None:
+        """Exact resume from `STATE_DIR` when present; otherwise the safetensors weights, fresh optimizer
+        state (with LoRA the merged weights go into the base and the adapters start again at B = 0)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_state_dict)
+
+        state_dir = Path(path) / STATE_DIR
+        if state_dir.is_dir():
+            import torch.distributed.checkpoint as dcp
+
+            state = self._state()
+            dcp.load(state, checkpoint_id=str(state_dir))
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+            return
+        weights = read_safetensors_dir(Path(path))
+        current = self.model.state_dict()
+        names = {_hf_name(key): key for key in current if "lora_" not in key}
+        full = {names[name]: tensor for name, tensor in weights.items() if name in names}
+        # The saved weights are merged: B = 0 makes the adapted model compute exactly them.
+        full.update({key: torch.zeros(value.shape, dtype=value.dtype) for key, value in current.items() if ".lora_B." in key})
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+
+def _hf_name(key: str) -> str:
+    """The base model's name of a (possibly PEFT-wrapped) state-dict key."""
+    return key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def export_footprint(named, payload: dict) -> dict:
+    """A sender function that measures the export instead of sending it: drains `named` (dropping each
+    tensor) while a thread samples this process's resident memory every `payload["interval_s"]`.
+
+    glibc would serve a freed bucket's memory again without it ever leaving the process (resident memory
+    would not see a second bucket), so first every allocation from 64 KiB up is made its own mapping, returned
+    to the system when freed, and free heap memory is trimmed: resident growth then follows live tensors.
+    Returns the peak resident growth over the start, the bytes exported and the largest tensor's bytes;
+    `run_sender(export_footprint, {"interval_s": 0.001})` runs it on trainer rank 0 (Linux with glibc).
+    """
+    import ctypes
+    import threading
+    import time
+
+    import psutil
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD: fixed, so no longer raised by each free
+    libc.malloc_trim(0)
+    process = psutil.Process()
+    start = process.memory_info().rss
+    peak = [start]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(payload["interval_s"])
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    total = largest = 0
+    try:
+        for _, tensor in named:
+            nbytes = tensor.numel() * tensor.element_size()
+            total += nbytes
+            largest = max(largest, nbytes)
+            del tensor
+    finally:
+        stop.set()
+        thread.join()
+    return {"peak_rss_growth_bytes": peak[0] - start, "exported_bytes": total, "largest_tensor_bytes": largest}

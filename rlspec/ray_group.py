@@ -1,0 +1,211 @@
+"""The Ray rank group shared by the data-parallel backends (`deepspeed`, `fsdp`): placement, actors, fan-out.
+
+Driver side, `RankGroup` reserves one placement group (one bundle per trainer rank, its GPU on CUDA, plus
+the rollout engines' bundles), starts one worker actor per rank, hands every rank rank 0's address for the
+process-group rendezvous, places the engines (`rlspec.rollout.remote.start_engines`), and fans every
+`Backend` call out to the ranks through the watchdog (`rlspec.ray_utils.wait_all`): if any actor fails or
+dies, the call raises `RunError` with that actor's traceback within a fraction of a second, instead of
+waiting on ranks blocked in a collective with it. The data-parallel split of a batch over the ranks
+(`logprobs`, `forward_backward`) lives here too, so the backends differ only in their workers.
+
+Worker side, a backend's worker class takes `(plan, rank, world_size, fault)` and implements `pid`,
+`master_address`, `setup(master)`, `logprobs(part, num_chunks, reference)`, `forward_backward(shard, norm)`,
+`optimizer_step`, `run_sender`, `save`, `load`; `sharded_logprobs` and `FaultInjector` are its helpers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .batch import TrainBatch
+from .errors import RunError
+from .grpo import LossNorm
+from .policy import add_stats, batch_logprobs
+from .spec import RunPlan, SpecError
+
+CPUS_PER_ACTOR = 0.5
+"""Fractional CPUs per actor on CPU: whole CPUs per actor deadlock a 2-core node (PLATFORM.md)."""
+FAULT_ENV = "RLSPEC_FAULT_INJECT"
+"""Test hook, `rank=R,step=S,mode=raise|exit|hang`: rank R fails in its S-th forward_backward (0-based);
+`hang` first lets a side thread die with an exception (the kind Ray only writes to the worker's log), then blocks."""
+
+
+class RankGroup:
+    """Trainer-rank actors (and the rollout engines) of one run, in one placement group."""
+
+    def __init__(self, plan: RunPlan) -> None:
+        self.plan = plan
+        self.ranks: list[Any] = []
+        self.labels: list[str] = []
+        self.engines = None
+        self.placement_group = None
+
+    def start(self, worker_cls: type, env_vars: dict[str, str] | None = None) -> None:
+        """Place and start the ranks (`worker_cls` actors) and the engines; `env_vars` go to the ranks."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .ray_utils import check_cluster_fits, start_ray, wait_all
+        from .rollout.remote import start_engines
+        from .stall import remote_class
+
+        plan, hw = self.plan, self.plan.spec.hardware
+        cuda = plan.placement.device == "cuda"
+        if cuda and plan.sync_method == "nccl" and plan.placement.rollout == "colocated":
+            raise SpecError("sync.method", "sync.method=nccl with hardware.rollout=colocated would put trainer rank 0 "
+                            "and engine 0 on one GPU, which one communicator cannot hold",
+                            "use sync.method=ray (or auto), or hardware.rollout=separate")
+        start_ray(hw.ray_address)
+        world, num_engines = hw.num_trainer_ranks, hw.num_rollout_engines
+        tp = plan.spec.rollout.tensor_parallel_size
+        # One bundle per trainer rank (with its GPU on CUDA). Colocated engines on CUDA share a rank's
+        # bundle and GPU (fractional GPU); otherwise (CPU, or separate) each engine gets its own bundle.
+        share_gpus = cuda and plan.placement.rollout == "colocated"
+        bundles = [{"CPU": CPUS_PER_ACTOR} | ({"GPU": 1} if cuda else {}) for _ in range(world)]
+        if share_gpus:
+            for i in range(num_engines):
+                bundles[i % world]["CPU"] += CPUS_PER_ACTOR
+        else:
+            bundles += [{"CPU": CPUS_PER_ACTOR} | ({"GPU": tp} if cuda else {}) for _ in range(num_engines)]
+        check_cluster_fits(bundles, hw.ray_address)
+        self.placement_group = placement_group(bundles, strategy=hw.placement_strategy)
+        try:
+            wait_all([self.placement_group.ready()], ["placement group"], timeout_s=120)
+        except RunError as err:
+            raise RunError(f"could not reserve {bundles} on the Ray cluster: {err}") from None
+        # On CPU hide GPUs from the ranks: a library that finds one would move the model there.
+        env = ({} if cuda else {"CUDA_VISIBLE_DEVICES": ""}) | (env_vars or {})
+        gpu_share = (0.5 if share_gpus else 1.0) if cuda else 0
+        remote_cls = remote_class(worker_cls)  # worker classes inherit `rlspec.stall.StackReporter`
+        fault = os.environ.get(FAULT_ENV)
+        self.labels = [f"trainer rank {r}" for r in range(world)]
+        self.ranks = [
+            remote_cls.options(num_cpus=CPUS_PER_ACTOR, num_gpus=gpu_share, runtime_env={"env_vars": env} if env else {},
+                               scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
+                                                                                    placement_group_bundle_index=r))
+            .remote(plan, r, world, fault)
+            for r in range(world)]
+        master = wait_all([self.ranks[0].master_address.remote()], self.labels[:1])[0]
+        self.call_all("setup", master)
+        engine_bundles = [(self.placement_group, i % world if share_gpus else world + i) for i in range(num_engines)]
+        self.engines = start_engines(plan, engine_bundles, CPUS_PER_ACTOR, (0.5 if share_gpus else tp) if cuda else 0)
+
+    def shutdown(self) -> None:
+        """Kill the actors and remove the placement group (idempotent)."""
+        from .ray_utils import kill_all
+
+        kill_all(self.ranks + (self.engines.actors if self.engines is not None else []))
+        self.ranks, self.engines = [], None
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001 - already removed, or Ray is gone
+                pass
+            self.placement_group = None
+
+    # --- fan-out ---------------------------------------------------------------------------------------
+
+    def call(self, method: str, per_rank_args: list[tuple]) -> list:
+        """`method(*args)` on every rank (one tuple per rank), waited on through the watchdog."""
+        from .ray_utils import wait_all
+
+        return wait_all([getattr(rank, method).remote(*args) for rank, args in zip(self.ranks, per_rank_args)],
+                        self.labels)
+
+    def call_all(self, method: str, *args) -> list:
+        return self.call(method, [args] * len(self.ranks))
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
+        """Split `batch` over the ranks; every rank runs the same number of forwards (see `sharded_logprobs`)."""
+        world, mbs = len(self.ranks), self.plan.batch.micro_batch_size
+        bounds = [(len(batch) * r // world, len(batch) * (r + 1) // world) for r in range(world)]
+        parts = [batch.select(a, b) if b > a else batch.select(0, 1) for a, b in bounds]
+        num_chunks = max(-(-(b - a) // mbs) for a, b in bounds)
+        outs = self.call("logprobs", [(part, num_chunks, reference) for part in parts])
+        width = batch.input_ids.shape[1]
+        return torch.cat([out[:, :width] for out, (a, b) in zip(outs, bounds) if b > a], dim=0)
+
+    def forward_backward(self, batch: TrainBatch, norm: LossNorm) -> dict[str, float]:
+        """Each rank accumulates gradients on its contiguous shard; statistics summed, memory peak maxed."""
+        world = len(self.ranks)
+        if len(batch) % world:
+            raise RunError(f"{len(batch)} sequences do not split evenly over {world} trainer ranks")
+        stats = self.call("forward_backward", [(batch.shard(r, world), norm) for r in range(world)])
+        peak = max((s.pop("peak_mem_gb", 0.0) for s in stats), default=0.0)
+        total = add_stats(*stats)
+        if peak:
+            total["peak_mem_gb"] = peak
+        return total
+
+    def weight_source(self):
+        """The ranks as a `rlspec.weights.WeightSource` (every rank gathers, rank 0 runs the sender)."""
+        from .ray_utils import ActorWeightSource
+
+        return ActorWeightSource(self.ranks, self.labels)
+
+    def actors(self) -> list[tuple[str, Any]]:
+        """(label, handle) of every actor, for the stall detector's stack dump."""
+        engines = self.engines
+        return list(zip(self.labels, self.ranks)) + (list(zip(engines.labels, engines.actors)) if engines else [])
+
+    def pids(self) -> dict[str, int]:
+        """Process ids of every actor (for operators and the watchdog test)."""
+        pids = dict(zip(self.labels, self.call_all("pid")))
+        pids.update(zip(self.engines.labels, self.engines.pids()))
+        return pids
+
+
+# --- worker-side helpers ------------------------------------------------------------------------------
+
+
+def sharded_logprobs(model: torch.nn.Module, part: TrainBatch, num_chunks: int, micro_batch_size: int,
+                     temperature: float, device: torch.device) -> Tensor:
+    """Log-probs of this rank's `part` in exactly `num_chunks` micro-batch forwards.
+
+    A sharded model's forward is collective (parameters are gathered), so a rank with a shorter part
+    pads it with copies of its first sequence and throws their log-probs away.
+    """
+    size = num_chunks * micro_batch_size
+    n = len(part)
+    index = torch.cat([torch.arange(n), torch.zeros(max(size - n, 0), dtype=torch.long)])
+    padded = TrainBatch.from_tensors({k: v[index] for k, v in part.tensors().items()})
+    return batch_logprobs(model, padded, temperature, micro_batch_size, device)[:n]
+
+
+class FaultInjector:
+    """The `FAULT_ENV` test hook inside a rank: call it once per `forward_backward`."""
+
+    def __init__(self, text: str | None, rank: int) -> None:
+        self.rank = rank
+        self.calls = 0
+        self.fault = None
+        if text:
+            fields = dict(item.split("=", 1) for item in text.split(","))
+            self.fault = {"rank": int(fields["rank"]), "step": int(fields["step"]), "mode": fields.get("mode", "raise")}
+
+    def __call__(self) -> None:
+        call, self.calls = self.calls, self.calls + 1
+        if self.fault and self.fault["rank"] == self.rank and self.fault["step"] == call:
+            if self.fault["mode"] == "exit":
+                os._exit(3)
+            if self.fault["mode"] == "hang":
+                self._hang()
+            raise RuntimeError(f"injected fault ({FAULT_ENV}) on trainer rank {self.rank} at call {call}")
+
+    def _hang(self) -> None:
+        import threading
+        import time
+
+        def lost_thread() -> None:
+            raise RuntimeError(f"injected fault ({FAULT_ENV}): a side thread of trainer rank {self.rank} died")
+
+        threading.Thread(target=lost_thread, name="rlspec-fault").start()
+        while True:
+            time.sleep(3600)

@@ -1,0 +1,79 @@
+"""Helpers shared by the tests of the Ray rank-group backends (`deepspeed`, `fsdp`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from rlspec.batch import TrainBatch
+from rlspec.grpo import LossNorm
+from rlspec.trainer import LocalTrainer
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "tiny.yaml"
+
+
+def fixed_batch(n: int = 8, prompt: int = 5, max_new: int = 8, seed: int = 0) -> TrainBatch:
+    """Random sequences with uneven completion lengths; rank 0's half has far more tokens than rank 1's."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [8, 7, 8, 6, 1, 2, 1, 3][:n]
+    width = prompt + max(lengths)
+    input_ids = torch.randint(4, 260, (n, width), generator=gen)
+    attention_mask = torch.zeros(n, width, dtype=torch.long)
+    loss_mask = torch.zeros(n, width)
+    for i, length in enumerate(lengths):
+        attention_mask[i, :prompt + length] = 1
+        loss_mask[i, prompt:prompt + length] = 1
+        input_ids[i, prompt + length:] = 0
+    rewards = torch.rand(n, generator=gen)
+    return TrainBatch(input_ids, attention_mask, loss_mask, advantages=torch.randn(n, generator=gen), rewards=rewards)
+
+
+def run_steps(trainer, plan, batch: TrainBatch, steps: int = 3) -> list[tuple[float, float, float]]:
+    """(loss, grad norm, kl) per step, with old and reference log-probs filled the way `rlspec.loop` does."""
+    out = []
+    for _ in range(steps):
+        step = TrainBatch(**batch.tensors())
+        step.old_logprobs = trainer.logprobs(step) + 0.01 * step.loss_mask  # ratio != 1: the clip matters
+        if plan.needs_reference_model:
+            step.ref_logprobs = trainer.logprobs(step, reference=True)
+        stats = trainer.forward_backward(step, LossNorm.of(step.loss_mask, plan.spec.rollout.max_new_tokens))
+        out.append((stats["loss"], trainer.optimizer_step(), stats["kl_sum"] / stats["tokens"]))
+    return out
+
+
+def reference_trainer(plan) -> LocalTrainer:
+    spec = plan.spec
+    return LocalTrainer(spec.model, spec.algorithm, spec.rollout.temperature, spec.rollout.max_new_tokens,
+                        needs_reference=plan.needs_reference_model)
+
+
+def max_weight_diff(have: dict, want: dict) -> float:
+    assert set(have) == set(want), sorted(set(have) ^ set(want))[:5]
+    return max(float((have[n].float() - want[n].float()).abs().max()) for n in want)
+
+
+def rlspec_run(backend: str, out: Path, *overrides: str, env: dict | None = None, ranks: int = 2) -> subprocess.Popen:
+    """`rlspec run examples/tiny.yaml` on `backend` in a subprocess (stdout and stderr piped)."""
+    cmd = [sys.executable, "-m", "rlspec.cli", "run", str(TINY), "--backend", backend, "--out", str(out),
+           "--no-progress", f"hardware.num_trainer_ranks={ranks}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})})
+
+
+def actor_pids(root_pid: int, title: str) -> list[int]:
+    """Pids of the Ray actor processes under `root_pid` whose command line names `title`."""
+    import psutil
+
+    pids = []
+    for proc in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if title in " ".join(proc.cmdline()):
+                pids.append(proc.pid)
+        except Exception:  # noqa: BLE001 - the process went away
+            pass
+    return pids
