@@ -217,6 +217,10 @@ class RolloutSpec(_Section):
     """vllm: fraction of GPU memory the engine may take."""
     tensor_parallel_size: int = 1
     """vllm: tensor-parallel degree of one engine."""
+    server_url: Optional[str] = None
+    """hardware.rollout=separate: join the `rlspec serve` at this URL instead of starting one (its bridge token in RLSPEC_SERVE_TOKEN)."""
+    request_timeout_s: float = 600.0
+    """A rollout-server request (one generation batch) that takes longer fails the run."""
 
     def __post_init__(self) -> None:
         p = "rollout"
@@ -229,6 +233,10 @@ class RolloutSpec(_Section):
         require(0 < self.gpu_memory_fraction <= 1, f"{p}.gpu_memory_fraction",
                 f"must be in (0, 1], got {self.gpu_memory_fraction}", "e.g. 0.5")
         _positive(self.tensor_parallel_size, f"{p}.tensor_parallel_size")
+        if self.server_url is not None:
+            require(self.server_url.startswith(("http://", "https://")), f"{p}.server_url",
+                    f"{self.server_url!r} is not an http(s) URL", "e.g. http://127.0.0.1:8000, or null to start a server")
+        _positive(self.request_timeout_s, f"{p}.request_timeout_s")
 
 
 @dataclass
