@@ -66,7 +66,8 @@ def case_by_name(name: str) -> Case:
     raise KeyError(f"no conformance case named {name!r}; known: {', '.join(c.name for c in CASES)}")
 
 
-def case_spec(case: Case, backend: str, num_trainer_ranks: int, sync_method: str = "auto") -> Spec:
+def case_spec(case: Case, backend: str, num_trainer_ranks: int, sync_method: str = "auto",
+              rollout_placement: str = "colocated") -> Spec:
     """The full spec of `case` for `backend`: tiny_qwen2, float32, eager attention, CPU."""
     algorithm = AlgorithmSpec(**{**BASE_ALGORITHM, **case.algorithm, "steps": case.steps})
     lora = LoraSpec(r=case.lora_r, alpha=2 * case.lora_r or 16)
@@ -76,7 +77,7 @@ def case_spec(case: Case, backend: str, num_trainer_ranks: int, sync_method: str
         rollout=RolloutSpec(engine="hf", prompts_per_step=NUM_PROMPTS, max_new_tokens=MAX_NEW_TOKENS,
                             max_prompt_tokens=32, temperature=1.0),
         sync=SyncSpec(method=sync_method),
-        hardware=HardwareSpec(device="cpu", num_trainer_ranks=num_trainer_ranks, rollout="colocated",
+        hardware=HardwareSpec(device="cpu", num_trainer_ranks=num_trainer_ranks, rollout=rollout_placement,
                               num_threads=NUM_THREADS),
         backend=backend,
     )

@@ -221,6 +221,8 @@ class RolloutSpec(_Section):
     """hardware.rollout=separate: join the `rlspec serve` at this URL instead of starting one (its bridge token in RLSPEC_SERVE_TOKEN)."""
     request_timeout_s: float = 600.0
     """A rollout-server request (one generation batch) that takes longer fails the run."""
+    server_start_timeout_s: float = 300.0
+    """A rollout server (started or joined) that is not healthy within this many seconds fails the run."""
 
     def __post_init__(self) -> None:
         p = "rollout"
@@ -237,6 +239,7 @@ class RolloutSpec(_Section):
             require(self.server_url.startswith(("http://", "https://")), f"{p}.server_url",
                     f"{self.server_url!r} is not an http(s) URL", "e.g. http://127.0.0.1:8000, or null to start a server")
         _positive(self.request_timeout_s, f"{p}.request_timeout_s")
+        _positive(self.server_start_timeout_s, f"{p}.server_start_timeout_s")
 
 
 @dataclass

@@ -17,10 +17,11 @@ from typing import Callable, ClassVar, Iterator, Protocol
 import torch
 from torch import Tensor
 
+from ..errors import RunError
 from ..weights import LocalWeights, NamedTensors, SenderFn, WeightSource, as_source, collect_cpu  # noqa: F401
 
-class SyncError(RuntimeError):
-    """A transfer failed, timed out, or the engine's weights did not verify."""
+class SyncError(RunError):
+    """A transfer failed, timed out, or the engine's weights did not verify (a run failure: exit 1)."""
 
 
 class Transport(Protocol):

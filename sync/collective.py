@@ -95,7 +95,10 @@ class CollectiveTransport:
         self.channel_id = f"rlspec-sync-{uuid.uuid4().hex[:12]}"
         payload = {"id": self.channel_id, "host": host, "port": port, "world": 1 + getattr(engine, "num_engines", 1),
                    "timeout_s": self.spec.timeout_s, "backend": "nccl" if device_type == "cuda" else "gloo"}
-        self._both(CollectiveTransport.join_sender, payload, CollectiveTransport.join_receiver, payload, gather=False)
+        try:
+            self._both(CollectiveTransport.join_sender, payload, CollectiveTransport.join_receiver, payload, gather=False)
+        except SyncError as err:
+            raise SyncError(f"{err} [peer: {getattr(engine, 'label', type(engine).__name__)}]") from None
 
     def push(self, weights, engine) -> int:
         if self.channel_id is None:

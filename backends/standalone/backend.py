@@ -75,13 +75,15 @@ class StandaloneBackend:
         spec = plan.spec
         timeout_s = spec.sync.timeout_s
         if spec.rollout.server_url is not None:
-            client = ServerClient(spec.rollout.server_url, timeout_s=timeout_s + HEALTH_MARGIN_S)
-            client.wait_healthy(timeout_s)
+            client = ServerClient(spec.rollout.server_url, timeout_s=timeout_s + HEALTH_MARGIN_S,
+                                  transport=plan.sync_method)
+            client.wait_healthy(spec.rollout.server_start_timeout_s)
             return ServedEngine(client, self.trainer.tokenizer, spec.rollout, starts_in_sync=False)
         self.server = ServerProcess(plan)
         self.server.start()
-        client = ServerClient(self.server.url, self.server.token, timeout_s + HEALTH_MARGIN_S, self.server.describe)
-        client.wait_healthy(timeout_s, self.server.alive)
+        client = ServerClient(self.server.url, self.server.token, timeout_s + HEALTH_MARGIN_S, self.server.describe,
+                              transport=plan.sync_method)
+        client.wait_healthy(spec.rollout.server_start_timeout_s, self.server.alive)
         return ServedEngine(client, self.trainer.tokenizer, spec.rollout, starts_in_sync=True)
 
     def rollout_engine(self):

@@ -25,10 +25,11 @@ class ServerClient:
     """HTTP calls to one rollout server. `describe()` (optional) adds what is known about its process."""
 
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 120.0,
-                 describe: Callable[[], str] | None = None) -> None:
+                 describe: Callable[[], str] | None = None, transport: str | None = None) -> None:
         import httpx
 
         self.url = url.rstrip("/")
+        self.transport = transport
         self.token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         self.timeout_s = timeout_s
         self.describe = describe or (lambda: "")
@@ -37,7 +38,8 @@ class ServerClient:
 
     @property
     def label(self) -> str:
-        return f"rollout server at {self.url}"
+        via = f" (sync.method={self.transport})" if self.transport else ""
+        return f"rollout server at {self.url}{via}"
 
     def _call(self, what: str, method: str, path: str, timeout_s: float | None = None, **kwargs):
         import httpx
@@ -75,7 +77,7 @@ class ServerClient:
             except httpx.HTTPError as err:
                 last = f"{type(err).__name__}"
             time.sleep(0.2)
-        raise RunError(f"{self.label} did not become healthy within {timeout_s:g} s (sync.timeout_s; last: {last})"
+        raise RunError(f"{self.label} did not become healthy within {timeout_s:g} s (rollout.server_start_timeout_s; last: {last})"
                        f"{self.describe()}")
 
     def completions(self, body: dict, timeout_s: float | None = None) -> dict:
@@ -132,6 +134,10 @@ class ServedEngine:
         self.spec = rollout_spec
         self.starts_in_sync = starts_in_sync
         self.num_engines = 1
+
+    @property
+    def label(self) -> str:
+        return self.client.label
 
     def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
         out = self.client.completions({"prompt": list(prompts), "n": n, "seed": seed, "logprobs": 1,

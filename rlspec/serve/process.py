@@ -53,7 +53,7 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None) ->
     """Run the server in this process until it is stopped (SIGTERM/SIGINT) or its parent dies."""
     import uvicorn
 
-    from .app import EngineHost, build_app
+    from .app import FAULT_ENV, EngineHost, build_app
 
     if plan.spec.hardware.num_threads:
         import torch
@@ -67,6 +67,9 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None) ->
     app = build_app(EngineHost(build_engine(plan), name), token)
     if parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    if os.environ.get(FAULT_ENV) == "hang_start":
+        while True:
+            time.sleep(1)
     print(f"rlspec serve: {name} on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
 
@@ -119,7 +122,10 @@ class ServerProcess:
         """The process's state and the tail of its log, for error messages."""
         if self.proc is None:
             return ""
-        code = self.proc.poll()
+        try:  # a server that just died may not be reaped yet
+            code = self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
         state = "still running" if code is None else f"exited with code {code}"
         try:
             tail = self.log_path.read_text(errors="replace").strip().splitlines()[-15:]
