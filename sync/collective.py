@@ -183,6 +183,8 @@ class CollectiveTransport:
                                 f"{channel.timeout_s}: {err}") from err
             meta = json.loads(bytes(raw))
             if meta.get("end"):
+                if channel.device.type == "cuda":
+                    torch.cuda.synchronize(channel.device)  # the weights are in place when the push returns
                 verify_written(engine, written, meta["expected"])
                 return
             bucket = Bucket.empty_like_meta(meta, channel.device)

@@ -78,9 +78,12 @@ class CudaIpcTransport:
         if _device_uuid(device) != payload["device_uuid"]:
             raise SyncError(f"sync.method=cuda_ipc: the engine's GPU ({_device_uuid(device)}) is not the trainer's "
                             f"({payload['device_uuid']}); cuda_ipc needs both on one GPU (use sync.method=nccl)")
+        index = device.index if device.index is not None else torch.cuda.current_device()
         written: list[str] = []
         for part in payload["parts"]:
             rebuild, args = part["handle"]
+            args = list(args)
+            args[6] = index  # the storage's device, as this process numbers the (same, checked above) GPU
             flat = rebuild(*args)
             write_weights(engine, Bucket(flat, [tuple(e) for e in part["entries"]]).unpack(), written)
             del flat
