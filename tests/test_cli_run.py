@@ -97,6 +97,7 @@ def test_cli_surface_is_frozen():
     assert flags == {
         "run": ["--backend", "--no-progress", "--out", "--resume"],
         "plan": ["--backend"],
+        "serve": ["--backend", "--host", "--parent-pid", "--port"],
         "bench": ["--backends", "--out", "--warmup-steps"],
         "conformance": ["--backends", "--dump", "--json"],
     }
