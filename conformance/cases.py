@@ -72,7 +72,8 @@ def case_by_name(name: str) -> Case:
     raise KeyError(f"no conformance case named {name!r}; known: {', '.join(c.name for c in CASES)}")
 
 
-def case_spec(case: Case, backend: str, num_trainer_ranks: int, sync_method: str = "auto") -> Spec:
+def case_spec(case: Case, backend: str, num_trainer_ranks: int, sync_method: str = "auto",
+              rollout_placement: str = "colocated") -> Spec:
     """The full spec of `case` for `backend`: tiny_qwen2, float32, eager attention, CPU."""
     algorithm = AlgorithmSpec(**{**BASE_ALGORITHM, **case.algorithm, "steps": case.steps})
     lora = LoraSpec(r=case.lora_r, alpha=2 * case.lora_r or 16)
@@ -89,7 +90,7 @@ def case_spec(case: Case, backend: str, num_trainer_ranks: int, sync_method: str
         model=model,
         rollout=rollout,
         sync=SyncSpec(method=sync_method),
-        hardware=HardwareSpec(device="cpu", num_trainer_ranks=num_trainer_ranks, rollout="colocated",
+        hardware=HardwareSpec(device="cpu", num_trainer_ranks=num_trainer_ranks, rollout=rollout_placement,
                               num_threads=NUM_THREADS),
         backend=backend,
     )

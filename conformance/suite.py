@@ -184,7 +184,10 @@ def check_sync(name: str, cls: type, fixture: Fixture) -> Report:
             report.skipped.append(Skipped(name, transport, SYNC_CASE, "sync.method=lora needs caps.supports_lora"))
             continue
         case = case_by_name("lora_adamw" if transport == "lora" else "token_mean_adamw_microbatch")
-        spec = case_spec(case, name, num_trainer_ranks(caps), sync_method=transport)
+        # A single-process backend's collective crosses processes only in its separate placement (a server).
+        bridged = transport == "nccl" and caps.single_process and "separate" in caps.placements
+        placement = "separate" if bridged else "colocated"
+        spec = case_spec(case, name, num_trainer_ranks(caps), sync_method=transport, rollout_placement=placement)
         metric = "logprobs/max_abs_diff"
         try:
             after, before = measure_sync(name, cls, spec, fixture)

@@ -36,7 +36,7 @@ from typing import Iterator
 from .backend import Backend
 from .batch import TrainBatch
 from .errors import RunError
-from .loop import _Timer, metrics_row, rollout_batch, update
+from .loop import _Timer, metrics_row, rollout_batch, served_version, update
 from .spec import RunPlan
 from .tasks import Task
 
@@ -140,6 +140,7 @@ class LockedEngine:
         with self._lock:
             sent = transport.push(weights, self.engine)
             self.version = version
+            served_version(self.engine, version)
             return sent
 
 

@@ -1,4 +1,4 @@
-"""The `rlspec` command: run, plan, conformance, bench.
+"""The `rlspec` command: run, plan, serve, conformance, bench.
 
 Exit codes: 0 ok, 1 run failure, 2 bad input, 128 + N stopped by signal N after a checkpoint (143: SIGTERM).
 """
@@ -32,6 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("spec")
     plan.add_argument("--backend")
 
+    serve = sub.add_parser("serve", help="run the spec's rollout engine as an HTTP server (OpenAI-compatible completions)",
+                           usage="rlspec serve SPEC [key=value ...] [--host H] [--port P] [--backend B]")
+    serve.add_argument("spec")
+    serve.add_argument("--backend")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit when this process dies
+
     bench = sub.add_parser("bench", help="run one spec on several backends and compare throughput",
                            usage="rlspec bench SPEC [key=value ...] [--backends a,b] [--out DIR] [--reference trl]")
     bench.add_argument("spec")
@@ -53,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Overrides (key=value, Hydra syntax) may stand anywhere after the spec, between options too.
     args, extra = parser.parse_known_args(argv)
     flags = [a for a in extra if a.startswith("-")]
-    if flags or (extra and args.command not in ("run", "plan", "bench")):
+    if flags or (extra and args.command not in ("run", "plan", "bench", "serve")):
         parser.error(f"unrecognized arguments: {' '.join(flags or extra)}")
     args.overrides = extra
     try:
@@ -89,6 +97,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         out = run(args.spec, args.overrides, args.backend, args.out, args.resume,
                   progress=False if args.no_progress else None)
         print(f"rlspec: run finished; outputs in {out}", file=sys.stderr)
+        return EXIT_OK
+    if args.command == "serve":
+        from .run import build_plan
+        from .serve.process import serve
+
+        plan, _ = build_plan(args.spec, args.overrides, args.backend)
+        serve(plan, args.host, args.port, args.parent_pid)
         return EXIT_OK
     if args.command == "bench":
         from pathlib import Path

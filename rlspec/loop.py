@@ -135,6 +135,7 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, syn
         "perf/tokens_per_s": float(batch.attention_mask.sum()) / step_time if step_time > 0 else 0.0,
         "perf/completion_tokens_per_s": float(batch.loss_mask.sum()) / step_time if step_time > 0 else 0.0,
         "sync/bytes": sync_bytes,
+        "sync/gb_per_s": sync_bytes / 1e9 / timer["sync"] if sync_bytes and timer.get("sync") else 0.0,
         "mem/peak_gb": stats.get("peak_mem_gb") or peak_memory_gb(plan.placement.device),
         "tis/ratio_mean": stats["is_ratio_sum"] / tokens if batch.engine_logprobs is not None else None,
         "tis/clipped_frac": (stats["is_clipped_tokens"] / tokens
@@ -152,6 +153,12 @@ def env_rollouts(plan: RunPlan, engine):
     return EnvRollouts(plan, engine)
 
 
+def served_version(engine, steps_done: int) -> None:
+    """Tell an engine that reports its weight version (a rollout server) which trainer step it now serves."""
+    if hasattr(engine, "set_weight_version"):
+        engine.set_weight_version(steps_done)
+
+
 def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path, pad_id: int,
           start_step: int = 0, progress: bool | None = None, monitor: RunMonitor | None = None) -> None:
     """Run steps `start_step .. algorithm.steps - 1`; checkpoint every N steps and at the end.
@@ -162,8 +169,10 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     engine = backend.rollout_engine()
     weights = weight_source_of(backend)
     transport.connect(engine, weights)
-    if start_step:  # resumed: the engine holds the initial weights, not the checkpoint's
+    # Resumed, or a joined rollout server: the engine holds other weights than the trainer's.
+    if start_step or not getattr(engine, "starts_in_sync", True):
         transport.push(weights, engine)
+        served_version(engine, start_step)
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
     log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress)
     envs = env_rollouts(plan, engine)
@@ -208,4 +217,5 @@ def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, w
             if (step + 1) % spec.sync.every_n_steps == 0:
                 with timer("sync"):
                     sync_bytes = transport.push(weights, engine)
+                served_version(engine, step + 1)
         yield metrics_row(plan, step, result, timer, sync_bytes, counters)

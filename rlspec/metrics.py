@@ -13,7 +13,7 @@ import torch
 METRIC_KEYS = (
     "step", "reward/mean", "reward/std", "loss", "kl", "grad_norm", "clip_frac", "entropy", "response_len/mean",
     "timing_s/gen", "timing_s/reward", "timing_s/train", "timing_s/sync", "timing_s/step", "perf/tokens_per_s",
-    "perf/completion_tokens_per_s", "sync/bytes", "mem/peak_gb",
+    "perf/completion_tokens_per_s", "sync/bytes", "sync/gb_per_s", "mem/peak_gb",
 )
 
 

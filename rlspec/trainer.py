@@ -88,6 +88,12 @@ class LocalTrainer:
         """Full policy weights by base-model name (LoRA adapters merged in)."""
         yield from full_state_dict(self.model).items()
 
+    def export_adapters(self) -> Iterator[tuple[str, Tensor]]:
+        """The LoRA adapter tensors alone, by PEFT state-dict name (what `sync.method=lora` moves)."""
+        if not hasattr(self.model, "peft_config"):
+            return iter(())
+        return ((k, v.detach()) for k, v in self.model.state_dict().items() if "lora_" in k)
+
     def save(self, path: Path, save_optimizer: bool = True) -> None:
         """Merged weights for `from_pretrained`; with LoRA also the adapters alone, which `load` resumes from."""
         save_hf(self.model, self.tokenizer, path)

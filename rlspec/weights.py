@@ -28,12 +28,21 @@ class WeightSource(Protocol):
         be picklable (module-level functions or static methods) to reach remote ranks.
         """
 
+    # Optional, for trainers with LoRA adapters (the `lora` transport needs it):
+    # def run_adapter_sender(self, fn: SenderFn, payload: Any) -> Any:
+    #     """Run `fn(adapter_tensors, payload)` next to the weights, with only the adapter tensors by their
+    #     PEFT state-dict names (`...lora_A.default.weight`)."""
+
 
 class LocalWeights:
-    """A `WeightSource` for weights in this process, given as a callable returning `(name, tensor)`s."""
+    """A `WeightSource` for weights in this process, given as a callable returning `(name, tensor)`s
+    (and, for a LoRA trainer, one returning only the adapter tensors)."""
 
-    def __init__(self, export: Callable[[], NamedTensors]) -> None:
+    def __init__(self, export: Callable[[], NamedTensors], adapters: Callable[[], NamedTensors] | None = None) -> None:
         self.export = export
+        if adapters is not None:
+            self.adapters = adapters
+            self.run_adapter_sender = lambda fn, payload: fn(self.adapters(), payload)
 
     def run_sender(self, fn: SenderFn, payload: Any, gather: bool = True) -> Any:
         return fn(self.export() if gather else None, payload)

@@ -132,6 +132,8 @@ def _check_support(spec: Spec, caps: BackendCaps, backends: Mapping[str, Backend
             "rollout.engine=vllm needs hardware.device=cuda", "use rollout.engine=hf on CPU")
     require(not (model.dtype == "float16" and hw.device == "cpu"), "model.dtype",
             "float16 is not supported on CPU", "use model.dtype=float32 or bfloat16 on CPU")
+    require(spec.rollout.server_url is None or hw.rollout == "separate", "rollout.server_url",
+            "joining a rollout server needs hardware.rollout=separate", "set hardware.rollout=separate or unset rollout.server_url")
     require(not (hw.offload_params or hw.offload_optimizer) or hw.device == "cuda", "hardware.offload_params",
             "offloading to host memory only makes sense with hardware.device=cuda",
             "set hardware.offload_params=false and hardware.offload_optimizer=false on CPU")
@@ -217,6 +219,9 @@ def _resolve_sync(spec: Spec, caps: BackendCaps) -> str:
     require(method != "cuda_ipc" or (hw.rollout == "colocated" and hw.device == "cuda"), "sync.method",
             "sync.method=cuda_ipc needs hardware.rollout=colocated and hardware.device=cuda",
             "set both, or use sync.method=auto")
+    require(not (method == "nccl" and hw.rollout == "colocated" and hw.device == "cuda"), "sync.method",
+            "sync.method=nccl with hardware.rollout=colocated puts both ends of one communicator on one GPU, which NCCL refuses",
+            "use sync.method=auto (cuda_ipc), or hardware.rollout=separate")
     require(method != "lora" or spec.model.lora.r > 0, "sync.method",
             "sync.method=lora moves only adapters, but model.lora.r=0", "set model.lora.r > 0 or use sync.method=auto")
     return method

@@ -346,6 +346,12 @@ class RolloutSpec(_Section):
     """sync (generate, then train, then sync) | async (a rollout loop fills a bounded pool while the trainer consumes)."""
     max_staleness: int = 1
     """async: policy versions (trainer steps) a batch may lag the policy that trains on it; 0 reproduces sync."""
+    server_url: Optional[str] = None
+    """hardware.rollout=separate: join the `rlspec serve` at this URL instead of starting one (its bridge token in RLSPEC_SERVE_TOKEN)."""
+    request_timeout_s: float = 600.0
+    """A rollout-server request (one generation batch) that takes longer fails the run."""
+    server_start_timeout_s: float = 300.0
+    """A rollout server (started or joined) that is not healthy within this many seconds fails the run."""
 
     def __post_init__(self) -> None:
         p = "rollout"
@@ -360,6 +366,11 @@ class RolloutSpec(_Section):
         _positive(self.tensor_parallel_size, f"{p}.tensor_parallel_size")
         one_of(self.mode, ROLLOUT_MODES, f"{p}.mode")
         _non_negative(self.max_staleness, f"{p}.max_staleness")
+        if self.server_url is not None:
+            require(self.server_url.startswith(("http://", "https://")), f"{p}.server_url",
+                    f"{self.server_url!r} is not an http(s) URL", "e.g. http://127.0.0.1:8000, or null to start a server")
+        _positive(self.request_timeout_s, f"{p}.request_timeout_s")
+        _positive(self.server_start_timeout_s, f"{p}.server_start_timeout_s")
 
 
 @dataclass

@@ -10,16 +10,18 @@ So engines know no transport, and backends know none either: they only yield wei
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterator, Protocol
 
 import torch
 from torch import Tensor
 
+from ..errors import RunError
 from ..weights import LocalWeights, NamedTensors, SenderFn, WeightSource, as_source, collect_cpu  # noqa: F401
 
-class SyncError(RuntimeError):
-    """A transfer failed, timed out, or the engine's weights did not verify."""
+class SyncError(RunError):
+    """A transfer failed, timed out, or the engine's weights did not verify (a run failure: exit 1)."""
 
 
 class Transport(Protocol):
@@ -97,12 +99,21 @@ def _flatten(group: list[tuple[str, Tensor]]) -> Bucket:
 
 
 def fingerprint(named: NamedTensors) -> dict[str, tuple[float, float]]:
-    """Per-tensor (sum, sum of squares) in float64: equal weights give equal fingerprints."""
-    out = {}
+    """Per-tensor (sum, sum of squares) in float64: equal weights give equal fingerprints.
+
+    Computed where the tensors live, then brought to the host once per device (not once per tensor).
+    """
+    names: list[str] = []
+    stats: dict[torch.device, list[Tensor]] = {}
+    order: list[tuple[torch.device, int]] = []
     for name, tensor in named:
         t = tensor.detach().to(torch.float64)
-        out[name] = (float(t.sum()), float((t * t).sum()))
-    return out
+        group = stats.setdefault(t.device, [])
+        order.append((t.device, len(group)))
+        group.append(torch.stack([t.sum(), (t * t).sum()]))
+        names.append(name)
+    host = {device: torch.stack(group).cpu().tolist() for device, group in stats.items()}
+    return {name: tuple(host[device][i]) for name, (device, i) in zip(names, order)}  # type: ignore[misc]
 
 
 def compare_fingerprints(expected: dict, actual: dict, rtol: float = 1e-6) -> None:
@@ -114,3 +125,63 @@ def compare_fingerprints(expected: dict, actual: dict, rtol: float = 1e-6) -> No
         a_s, a_q = actual[name]
         if abs(a_q - q) > rtol * max(1.0, abs(q)) or abs(a_s - s) > rtol * max(1.0, abs(q) ** 0.5):
             raise SyncError(f"weight {name!r} differs after sync: sum {a_s:.6g} vs {s:.6g}, sumsq {a_q:.6g} vs {q:.6g}")
+
+
+# --- the engine-side check that every sync ends with ------------------------------------------------------
+
+def is_adapter(name: str) -> bool:
+    """A LoRA adapter tensor (PEFT names them `...lora_A...` / `...lora_B...`)."""
+    return "lora_" in name
+
+
+def write_weights(engine, named: NamedTensors, written: list[str]) -> None:
+    """Copy `named` into `engine` by name, appending every name offered to `written` (unknown ones too, so
+    `verify_written` can list them all instead of failing on the first)."""
+    own = {name for name, _ in engine.named_weights()}
+
+    def tap():
+        for name, tensor in named:
+            written.append(name)
+            if name in own:
+                yield name, tensor
+
+    engine.load_weights(tap())
+
+
+def verify_written(engine, written: list[str], expected: dict | None,
+                   scope: Callable[[str], bool] | None = None) -> None:
+    """Engine side, after a sync: each of the engine's weights in `scope` was written exactly once, no name
+    was written that the engine lacks, and (with `expected`) the fingerprints match the sender's.
+
+    Tied weights share one storage under several names (Qwen2's embedding and LM head): the storage counts
+    as written when any of its names was, so a sender that yields both names and one that yields only one
+    are both complete. The same *name* written twice within one sync is an error: it means two source
+    tensors were mapped onto one engine weight. Raises `SyncError` listing every missing, extra and
+    repeated name.
+    """
+    own = [(name, t) for name, t in engine.named_weights() if scope is None or scope(name)]
+    if not own:
+        raise SyncError("the engine holds no weights this transport writes (for sync.method=lora: an engine "
+                        "without LoRA adapters)")
+    counts = Counter(written)
+    aliases: dict[tuple, list[str]] = {}
+    for name, tensor in own:
+        aliases.setdefault((tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)), []).append(name)
+    missing = sorted(n for names in aliases.values() if not any(a in counts for a in names) for n in names)
+    known = {name for name, _ in own}
+    extra = sorted(n for n in counts if n not in known)
+    repeated = sorted(n for n, c in counts.items() if c > 1)
+    if missing or extra or repeated:
+        parts = [f"{len(l)} {what}: {_names(l)}" for l, what in
+                 ((missing, "engine weight(s) never written"), (extra, "name(s) the engine does not have"),
+                  (repeated, "name(s) written more than once")) if l]
+        raise SyncError(f"the weight name mapping is not one-to-one ({len(own)} engine weights, "
+                        f"{len(counts)} names sent): " + "; ".join(parts))
+    if expected:
+        names = set(expected)
+        compare_fingerprints(expected, fingerprint((n, t) for n, t in own if n in names))
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from ..models import read_safetensors_dir
 from . import register
-from .base import as_source, buckets, compare_fingerprints, fingerprint
+from .base import as_source, buckets, fingerprint, verify_written, write_weights
 
 
 @register("checkpoint")
@@ -53,10 +53,9 @@ class CheckpointTransport:
 
     @staticmethod
     def receive(engine, payload) -> None:
-        engine.load_weights(read_safetensors_dir(Path(payload["path"])).items())
-        if payload["expected"]:
-            names = set(payload["expected"])
-            compare_fingerprints(payload["expected"], fingerprint((n, t) for n, t in engine.named_weights() if n in names))
+        written: list[str] = []
+        write_weights(engine, read_safetensors_dir(Path(payload["path"])).items(), written)
+        verify_written(engine, written, payload["expected"])
 
     def close(self) -> None:
         if self._owned:

@@ -8,7 +8,8 @@ it lazily on the first broadcast and hung when a party was late; here every wait
 
 A push runs the two halves concurrently: trainer rank 0 (next to the gathered weights) publishes each
 flat bucket's layout in the store and broadcasts the bucket; each engine reads the layout, allocates,
-receives and copies in by name. The driver waits on both with a deadline.
+receives and copies in by name. The last store entry carries the sender's fingerprints, so the engine
+verifies the whole sync (`verify_written`) before its half returns. The driver waits on both with a deadline.
 
 The group lives in the processes that joined it (`_CHANNELS`, keyed by channel id and rank), because it
 must outlive the call that created it; `close` drops it on both sides.
@@ -25,10 +26,9 @@ from datetime import timedelta
 import torch
 
 from . import register
-from .base import Bucket, SyncError, as_source, buckets, compare_fingerprints, fingerprint
+from .base import Bucket, SyncError, as_source, buckets, fingerprint, verify_written, write_weights
 
 _CHANNELS: dict[tuple[str, int], "_Channel"] = {}
-END = b"end"
 
 
 @dataclass
@@ -95,7 +95,10 @@ class CollectiveTransport:
         self.channel_id = f"rlspec-sync-{uuid.uuid4().hex[:12]}"
         payload = {"id": self.channel_id, "host": host, "port": port, "world": 1 + getattr(engine, "num_engines", 1),
                    "timeout_s": self.spec.timeout_s, "backend": "nccl" if device_type == "cuda" else "gloo"}
-        self._both(CollectiveTransport.join_sender, payload, CollectiveTransport.join_receiver, payload, gather=False)
+        try:
+            self._both(CollectiveTransport.join_sender, payload, CollectiveTransport.join_receiver, payload, gather=False)
+        except SyncError as err:
+            raise SyncError(f"{err} [peer: {getattr(engine, 'label', type(engine).__name__)}]") from None
 
     def push(self, weights, engine) -> int:
         if self.channel_id is None:
@@ -105,8 +108,6 @@ class CollectiveTransport:
                    "verify": self.spec.verify}
         sent, _ = self._both(CollectiveTransport.send, payload, CollectiveTransport.receive, payload, gather=True,
                              source=as_source(weights), engine=engine)
-        if sent["expected"]:
-            engine.receive(CollectiveTransport.verify, sent["expected"])
         return sent["bytes"]
 
     def _both(self, send_fn, send_payload, recv_fn, recv_payload, gather: bool, source=None, engine=None,
@@ -167,30 +168,29 @@ class CollectiveTransport:
                 expected.update(fingerprint(bucket.unpack()))
             total += bucket.nbytes
             i += 1
-        channel.store.set(f"{payload['version']}/{i}", END)
-        return {"bytes": total, "expected": expected or None}
+        channel.store.set(f"{payload['version']}/{i}", json.dumps({"end": True, "expected": expected or None}))
+        return {"bytes": total}
 
     @staticmethod
     def receive(engine, payload) -> None:
         channel = _CHANNELS[(payload["id"], 1 + getattr(engine, "engine_index", 0))]
-        i = 0
+        i, written = 0, []
         while True:
             try:
                 raw = channel.store.get(f"{payload['version']}/{i}")
             except Exception as err:  # noqa: BLE001 - the store raises on its timeout
                 raise SyncError(f"sync.method=nccl: no bucket {i} from trainer rank 0 within sync.timeout_s="
                                 f"{channel.timeout_s}: {err}") from err
-            if bytes(raw) == END:
+            meta = json.loads(bytes(raw))
+            if meta.get("end"):
+                if channel.device.type == "cuda":
+                    torch.cuda.synchronize(channel.device)  # the weights are in place when the push returns
+                verify_written(engine, written, meta["expected"])
                 return
-            bucket = Bucket.empty_like_meta(json.loads(bytes(raw)), channel.device)
+            bucket = Bucket.empty_like_meta(meta, channel.device)
             channel.broadcast(bucket.flat)
-            engine.load_weights(bucket.unpack())
+            write_weights(engine, bucket.unpack(), written)
             i += 1
-
-    @staticmethod
-    def verify(engine, expected) -> None:
-        names = set(expected)
-        compare_fingerprints(expected, fingerprint((n, t) for n, t in engine.named_weights() if n in names))
 
     @staticmethod
     def leave(_target, channel_id) -> None:

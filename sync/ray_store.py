@@ -9,7 +9,7 @@ communicator is involved, so nothing can hang on a rendezvous (the failure the s
 from __future__ import annotations
 
 from . import register
-from .base import Bucket, SyncError, as_source, buckets, compare_fingerprints, fingerprint
+from .base import Bucket, SyncError, as_source, buckets, fingerprint, verify_written, write_weights
 
 
 @register("ray")
@@ -52,12 +52,11 @@ class RayStoreTransport:
             flats = ray.get(refs, timeout=payload["timeout_s"])
         except ray.exceptions.GetTimeoutError:
             raise SyncError(f"weights did not arrive from the object store within sync.timeout_s={payload['timeout_s']}") from None
+        written: list[str] = []
         for part, flat in zip(payload["parts"], flats):
             bucket = Bucket(flat, [tuple(e) for e in part["meta"]["entries"]])
-            engine.load_weights(bucket.unpack())
-        if payload["expected"]:
-            names = set(payload["expected"])
-            compare_fingerprints(payload["expected"], fingerprint((n, t) for n, t in engine.named_weights() if n in names))
+            write_weights(engine, bucket.unpack(), written)
+        verify_written(engine, written, payload["expected"])
 
     def close(self) -> None:
         pass

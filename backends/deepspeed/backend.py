@@ -22,7 +22,7 @@ from ...spec import BackendCaps, RunPlan
 
 class DeepSpeedBackend:
     caps = BackendCaps(name="deepspeed", model_kinds=("causal_lm",), placements=("colocated", "separate"),
-                       sync_methods=("ray", "nccl", "checkpoint"), engines=("hf",), devices=("cpu", "cuda"),
+                       sync_methods=("ray", "nccl", "checkpoint", "cuda_ipc"), engines=("hf",), devices=("cpu", "cuda"),
                        supports_lora=False, requires=("deepspeed", "ray"), install_hint="pip install 'rlspec[deepspeed]'")
 
     def __init__(self) -> None:

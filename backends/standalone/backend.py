@@ -1,8 +1,15 @@
-"""`standalone`: one trainer process; the rollout engine lives beside it.
+"""`standalone`: one trainer process; the rollout engine in the same process or in a rollout server.
 
-Colocated (the mode implemented): trainer and `hf` engine share one copy of the weights in one process,
-so `sync.method=auto` resolves to `shared` and nothing moves. With `sync.method=checkpoint` the engine
-holds its own copy and receives weights through the transport, which exercises the weight path on CPU.
+- In-process (`hardware.rollout=colocated`): with `sync.method=auto` (`shared`) trainer and `hf` engine
+  share one copy of the weights and nothing moves. With `checkpoint`, `nccl` (gloo on CPU) or `lora` the
+  engine holds its own copy and receives weights through the transport.
+- Bridge (`hardware.rollout=separate`, or `sync.method=cuda_ipc`, which needs another process on the same
+  GPU): the engine runs in an `rlspec serve` process that this backend starts (bound to 127.0.0.1, killed
+  with its process group on every exit) or joins (`rollout.server_url`, which outlives the trainer). The
+  transport's engine half runs in the server through its bridge endpoint; sampling goes through its
+  OpenAI-compatible `/v1/completions`. A joined server may hold another run's weights, so the loop pushes
+  before the first rollout.
+
 The trainer is `rlspec.trainer.LocalTrainer` — the same code the conformance suite uses as its reference.
 """
 
@@ -17,21 +24,29 @@ from torch import Tensor
 from ...batch import TrainBatch
 from ...errors import RunError
 from ...grpo import LossNorm
-from ...models import copy_weights, load_model
+from ...models import apply_lora, copy_weights, load_model
 from ...rollout.hf import HFEngine
 from ...spec import BackendCaps, RunPlan
-from ...weights import LocalWeights
 from ...trainer import LocalTrainer
+from ...weights import LocalWeights
+
+HEALTH_MARGIN_S = 10.0
+"""Bridge calls may wait up to `sync.timeout_s` inside the server; the HTTP timeout allows for that."""
+
+
+def uses_server(plan: RunPlan) -> bool:
+    return plan.placement.rollout == "separate" or plan.sync_method == "cuda_ipc"
 
 
 class StandaloneBackend:
-    caps = BackendCaps(name="standalone", model_kinds=("causal_lm", "vla"), placements=("colocated",),
-                       sync_methods=("shared", "checkpoint"), engines=("hf",), devices=("cpu", "cuda"),
-                       supports_lora=True, max_trainer_ranks=1, single_process=True)
+    caps = BackendCaps(name="standalone", model_kinds=("causal_lm", "vla"), placements=("colocated", "separate"),
+                       sync_methods=("shared", "checkpoint", "nccl", "lora", "cuda_ipc"), engines=("hf",),
+                       devices=("cpu", "cuda"), supports_lora=True, max_trainer_ranks=1, single_process=True)
 
     def __init__(self) -> None:
         self.trainer: LocalTrainer | None = None
-        self.engine: HFEngine | None = None
+        self.engine = None
+        self.server = None
 
     def setup(self, plan: RunPlan) -> None:
         spec = plan.spec
@@ -40,14 +55,38 @@ class StandaloneBackend:
             raise RunError("hardware.device=cuda but no CUDA device is visible to this process")
         self.trainer = LocalTrainer(spec.model, spec.algorithm, spec.rollout.temperature, spec.rollout.max_new_tokens,
                                     device=device, needs_reference=plan.needs_reference_model)
+        if uses_server(plan):
+            self.engine = self._served_engine(plan)
+            return
         engine_model = self.trainer.model
-        if plan.sync_method != "shared":
+        if plan.sync_method == "lora":  # the engine's own base + adapters, built like the trainer's
+            engine_model = apply_lora(load_model(spec.model, spec.algorithm.seed), spec.model, spec.algorithm.seed)
+            engine_model = engine_model.to(device).eval().requires_grad_(False)
+        elif plan.sync_method != "shared":
             # The engine holds a plain copy (LoRA merged away): it receives full weights by base-model name.
             engine_model = load_model(spec.model, spec.algorithm.seed).to(device).eval().requires_grad_(False)
             copy_weights(engine_model, self.trainer.export_weights())
         self.engine = HFEngine(engine_model, self.trainer.tokenizer, spec.rollout, device, spec.algorithm.micro_batch_size)
 
-    def rollout_engine(self) -> HFEngine:
+    def _served_engine(self, plan: RunPlan):
+        from ...serve.client import ServedEngine, ServerClient
+        from ...serve.process import ServerProcess
+
+        spec = plan.spec
+        timeout_s = spec.sync.timeout_s
+        if spec.rollout.server_url is not None:
+            client = ServerClient(spec.rollout.server_url, timeout_s=timeout_s + HEALTH_MARGIN_S,
+                                  transport=plan.sync_method)
+            client.wait_healthy(spec.rollout.server_start_timeout_s)
+            return ServedEngine(client, self.trainer.tokenizer, spec.rollout, starts_in_sync=False)
+        self.server = ServerProcess(plan)
+        self.server.start()
+        client = ServerClient(self.server.url, self.server.token, timeout_s + HEALTH_MARGIN_S, self.server.describe,
+                              transport=plan.sync_method)
+        client.wait_healthy(spec.rollout.server_start_timeout_s, self.server.alive)
+        return ServedEngine(client, self.trainer.tokenizer, spec.rollout, starts_in_sync=True)
+
+    def rollout_engine(self):
         assert self.engine is not None, "setup() first"
         return self.engine
 
@@ -64,7 +103,7 @@ class StandaloneBackend:
         return self.trainer.export_weights()
 
     def weight_source(self) -> LocalWeights:
-        return LocalWeights(self.trainer.export_weights)
+        return LocalWeights(self.trainer.export_weights, adapters=self.trainer.export_adapters)
 
     def save(self, path: Path) -> None:
         self.trainer.save(path)
@@ -73,5 +112,11 @@ class StandaloneBackend:
         self.trainer.load(path)
 
     def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        client = getattr(self.engine, "client", None)
+        if client is not None:
+            client.close()
         self.trainer = None
         self.engine = None

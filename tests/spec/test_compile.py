@@ -100,6 +100,17 @@ def test_errors_name_supporting_backends():
         compile_plan(spec_with(backend="multi", sync={"method": "cuda_ipc"}, hardware={"rollout": "separate", "device": "cuda"}), CAPS)
 
 
+def test_bridge_settings_are_checked():
+    with pytest.raises(SpecError, match="sync.method=nccl with hardware.rollout=colocated puts both ends"):
+        compile_plan(spec_with(backend="multi", sync={"method": "nccl"}, hardware={"device": "cuda"}), CAPS)
+    with pytest.raises(SpecError, match="rollout.server_url: joining a rollout server needs hardware.rollout=separate"):
+        compile_plan(spec_with(backend="multi", rollout={"server_url": "http://127.0.0.1:8000"}), CAPS)
+    with pytest.raises(SpecError, match="rollout.server_url.*not an http"):
+        spec_with(backend="multi", rollout={"server_url": "127.0.0.1:8000"})
+    with pytest.raises(SpecError, match="rollout.server_start_timeout_s"):
+        spec_with(backend="multi", rollout={"server_start_timeout_s": 0})
+
+
 def test_plan_is_frozen():
     plan = compile_plan(spec_with(backend="single"), CAPS)
     with pytest.raises(AttributeError):

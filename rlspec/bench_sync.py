@@ -1,0 +1,156 @@
+"""`python -m rlspec.bench_sync`: one transport's push time beside the raw figure for the same bytes, on GPUs.
+
+    python -m rlspec.bench_sync --method cuda_ipc     # 1 GPU: engine in a rollout server on the trainer's GPU;
+                                                      #        raw = a device-to-device copy of the same bytes
+    python -m rlspec.bench_sync --method nccl         # 2 GPUs: trainer on cuda:0, server on cuda:1;
+                                                      #        raw = one broadcast of the same bytes, same communicator
+
+The trainer's weights (model preset `--model`, `--dtype`) start from a different seed than the server's, so
+the first push really moves them; after the pushes the engine's log-probs on a sampled batch are compared
+with the trainer's. Prints one JSON object (and writes it to `--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _raw_send(_named, payload) -> list[float]:
+    from .sync.collective import _CHANNELS
+
+    channel = _CHANNELS[(payload["id"], 0)]
+    buffer = torch.empty(payload["numel"], dtype=torch.bfloat16, device=channel.device)
+    times = []
+    for _ in range(payload["repeats"] + 1):  # the first one waits for the peer to arrive
+        _sync(channel.device)
+        start = time.perf_counter()
+        channel.broadcast(buffer)
+        _sync(channel.device)
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def _raw_receive(_engine, payload) -> None:
+    from .sync.collective import _CHANNELS
+
+    channel = _CHANNELS[(payload["id"], 1)]
+    buffer = torch.empty(payload["numel"], dtype=torch.bfloat16, device=channel.device)
+    for _ in range(payload["repeats"] + 1):
+        channel.broadcast(buffer)
+        _sync(channel.device)
+
+
+def _d2d_copy_s(nbytes: int, repeats: int) -> list[float]:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda:0")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m rlspec.bench_sync", description=__doc__.split("\n")[0])
+    parser.add_argument("--method", choices=("cuda_ipc", "nccl"), required=True)
+    parser.add_argument("--model", default="qwen2_0p5b_shape")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--json", help="also write the result here")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a smoke test of the nccl path over gloo (no figures worth reporting)")
+    args = parser.parse_args(argv)
+
+    from .backend import all_caps
+    from .batch import TrainBatch  # noqa: F401 - the engine's log-probs come back as one
+    from .models import load_model, load_tokenizer
+    from .policy import batch_logprobs
+    from .rollout.base import collate
+    from .serve.client import ServedEngine, ServerClient
+    from .serve.process import ServerProcess
+    from .spec import HardwareSpec, ModelSpec, RolloutSpec, Spec, SyncSpec, compile_plan
+    from .sync import LocalWeights, build_transport
+
+    needed = 2 if args.method == "nccl" else 1
+    cuda = args.device == "cuda"
+    if cuda and torch.cuda.device_count() < needed:
+        raise SystemExit(f"--method {args.method} needs {needed} CUDA device(s), found {torch.cuda.device_count()}")
+    spec = Spec(model=ModelSpec(preset=args.model, dtype=args.dtype, attn_implementation="sdpa"),
+                rollout=RolloutSpec(max_new_tokens=16, prompts_per_step=4),
+                sync=SyncSpec(method=args.method, bucket_mb=args.bucket_mb, timeout_s=120),
+                hardware=HardwareSpec(device=args.device, rollout="separate" if args.method == "nccl" else "colocated"),
+                backend="standalone")
+    spec.algorithm.group_size = 2
+    plan = compile_plan(spec, all_caps())
+    device = "cuda:0" if cuda else "cpu"
+    model = load_model(plan.spec.model, plan.spec.algorithm.seed + 1).to(device).eval()  # not the server's weights
+    source = LocalWeights(lambda: model.state_dict().items())
+    server = ServerProcess(plan)
+    server.start()
+    result: dict = {"method": args.method, "model": args.model, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
+                    "device": torch.cuda.get_device_name(0) if cuda else "cpu", "gpus": torch.cuda.device_count()}
+    transport = build_transport(plan.sync_method, plan.spec.sync)
+    try:
+        client = ServerClient(server.url, server.token, 300, server.describe, transport=args.method)
+        client.wait_healthy(600, server.alive)
+        engine = ServedEngine(client, load_tokenizer(plan.spec.model), plan.spec.rollout, starts_in_sync=True)
+        transport.connect(engine, source)
+        for verify in (True, False):
+            transport.spec = SyncSpec(method=args.method, bucket_mb=args.bucket_mb, timeout_s=120, verify=verify)
+            times = []
+            for _ in range(args.repeats + 1):  # the first push also opens handles / allocates
+                _sync(device)
+                start = time.perf_counter()
+                nbytes = transport.push(source, engine)
+                times.append(time.perf_counter() - start)
+            key = "push_verified" if verify else "push_unverified"
+            result[key + "_s"] = statistics.median(times[1:])
+            result[key + "_first_s"] = times[0]
+            result["bytes"] = nbytes
+        rollout = engine.generate(["abc=", "hello="], 2, seed=0)
+        batch = collate(rollout, torch.zeros(4), torch.zeros(4), engine.tokenizer.pad_token_id)
+        got = engine.logprobs(batch)
+        want = batch_logprobs(model, batch, 1.0, 4, device).cpu()
+        result["logprobs_max_abs_diff"] = float(((got - want).abs() * batch.loss_mask).max())
+        if args.method == "nccl":
+            # By their importable name: run as `python -m`, this module is `__main__`, which the server is not.
+            from rlspec.bench_sync import _raw_receive, _raw_send
+
+            payload = {"id": transport.channel_id, "numel": nbytes // 2, "repeats": args.repeats}
+            raw, _ = transport._both(_raw_send, payload, _raw_receive, payload, gather=False)
+            result["raw_name"] = "broadcast"
+        else:
+            raw = _d2d_copy_s(nbytes, args.repeats)
+            result["raw_name"] = "device_to_device_copy"
+        result["raw_s"] = statistics.median(raw)
+        gb = nbytes / 1e9
+        for key in ("push_verified", "push_unverified", "raw"):
+            result[key + "_gb_per_s"] = gb / result[key + "_s"]
+        result["unverified_vs_raw_bandwidth"] = result["push_unverified_gb_per_s"] / result["raw_gb_per_s"]
+    finally:
+        transport.close()
+        server.stop()
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

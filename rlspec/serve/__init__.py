@@ -1,0 +1,11 @@
+"""`rlspec serve`: a rollout engine as its own process behind HTTP, and the client that drives it.
+
+- `app.py`: the FastAPI app (OpenAI-compatible `/v1/completions` subset with token ids and log-probs,
+  `/health`, the weight version, and the bridge endpoint that runs a `sync` transport's engine half).
+- `client.py`: `ServerClient` (HTTP calls, errors named) and `ServedEngine`, a `RolloutEngine` over it.
+- `process.py`: building the engine from a plan, `rlspec serve`'s main, and `ServerProcess`, which starts
+  the server as a child process, waits for it to be healthy and never leaves it behind.
+"""
+
+TOKEN_ENV = "RLSPEC_SERVE_TOKEN"
+"""The shared secret the bridge endpoint requires (it runs code sent by the trainer)."""

@@ -1,0 +1,178 @@
+"""The server's HTTP app. It knows no transport: `/bridge/receive` runs `fn(engine, payload)`, the engine
+half of whichever `sync` transport the trainer uses, exactly as an in-process or Ray engine does.
+
+Endpoints:
+- `GET /health`: status, weight version, model, pid.
+- `GET /v1/models`, `POST /v1/completions`: the OpenAI completions subset; each choice also carries
+  `token_ids` and `prompt_token_ids`, and `logprobs.token_logprobs` are the engine's log-probs of the
+  sampled tokens (log_softmax(logits / temperature), as the trainer computes them).
+- `GET|POST /bridge/weight_version`: the trainer step whose weights the engine serves (null after a failed
+  sync: the weights are then of unknown version).
+- `POST /bridge/receive`: pickled `(fn, payload)` -> pickled result; needs `Authorization: Bearer TOKEN`.
+
+A bad request gets a 4xx whose `detail` names the field; a failing bridge call a 500 with the server's
+traceback. The engine is used by one request at a time (a lock); `/health` never waits for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import os
+import pickle
+import secrets
+import threading
+import time
+import traceback
+from typing import Any, List, Optional, Union
+
+from fastapi import FastAPI, HTTPException, Request, Response
+from pydantic import BaseModel, Field
+
+from ..spec import SpecError
+
+MAX_PROMPTS = 4096
+
+
+class CompletionRequest(BaseModel):
+    """The supported subset of OpenAI's completions request; unknown fields are ignored, as OpenAI does."""
+
+    model: Optional[str] = None
+    prompt: Union[str, List[str]]
+    max_tokens: int = Field(16, ge=1, le=1 << 16)
+    temperature: float = Field(1.0, gt=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1024)
+    seed: Optional[int] = Field(None, ge=0)
+    logprobs: Optional[int] = Field(None, ge=0, le=1)
+    echo: bool = False
+    stream: bool = False
+    stop: Optional[Union[str, List[str]]] = None
+
+
+class VersionRequest(BaseModel):
+    version: int = Field(..., ge=0)
+
+
+def _bad(field: str, message: str) -> HTTPException:
+    return HTTPException(status_code=400, detail=[{"loc": ["body", field], "msg": message}])
+
+
+FAULT_ENV = "RLSPEC_SERVE_FAULT"
+"""Test hook, `skip:QUALNAME`: bridge calls of that function return without running (a peer that never
+joins a group); `hang_start`: the server never becomes healthy."""
+
+
+class EngineHost:
+    """The engine behind the app: one request at a time, plus the weight version it serves."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        fault = os.environ.get(FAULT_ENV, "")
+        self.skip = fault.removeprefix("skip:") if fault.startswith("skip:") else None
+        self.engine = engine
+        self.model_name = model_name
+        self.lock = threading.Lock()
+        self.weight_version: int | None = 0
+        self.started = time.time()
+
+    def complete(self, req: CompletionRequest) -> dict:
+        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        if not prompts or len(prompts) > MAX_PROMPTS:
+            raise _bad("prompt", f"give 1 to {MAX_PROMPTS} prompts, got {len(prompts)}")
+        if any(not p for p in prompts):
+            raise _bad("prompt", "empty prompt")
+        for field, unsupported in (("stream", req.stream), ("echo", req.echo), ("stop", req.stop)):
+            if unsupported:
+                raise _bad(field, f"{field} is not supported by this server")
+        if req.model is not None and req.model != self.model_name:
+            raise HTTPException(404, detail=[{"loc": ["body", "model"], "msg": f"this server serves {self.model_name!r}"}])
+        seed = req.seed if req.seed is not None else secrets.randbits(31)
+        spec = dataclasses.replace(self.engine.spec, max_new_tokens=req.max_tokens, temperature=req.temperature,
+                                   top_p=req.top_p)
+        view = type(self.engine)(self.engine.model, self.engine.tokenizer, spec, self.engine.device,
+                                 self.engine.micro_batch_size)
+        try:
+            with self.lock:
+                version = self.weight_version
+                rollout = view.generate(prompts, req.n, seed=seed)
+        except SpecError as err:  # a prompt longer than rollout.max_prompt_tokens
+            raise _bad("prompt", err.problem) from None
+        eos, tok = self.engine.tokenizer.eos_token_id, self.engine.tokenizer
+        choices = []
+        for i, (prompt_ids, ids, logps, text) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids,
+                                                              rollout.completion_logprobs, rollout.texts)):
+            choice: dict[str, Any] = {"index": i, "text": text, "token_ids": ids, "prompt_token_ids": prompt_ids,
+                                      "finish_reason": "stop" if ids and ids[-1] == eos else "length", "logprobs": None}
+            if req.logprobs is not None:
+                choice["logprobs"] = {"tokens": tok.convert_ids_to_tokens(ids), "token_logprobs": logps,
+                                      "top_logprobs": None, "text_offset": None}
+            choices.append(choice)
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        prompt_tokens = sum(len(c["prompt_token_ids"]) for c in choices[::req.n])
+        return {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "weight_version": version,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    def receive(self, fn, payload) -> Any:
+        if self.skip is not None and getattr(fn, "__qualname__", "") == self.skip:
+            return None
+        with self.lock:
+            try:
+                return fn(self.engine, payload)
+            except BaseException:
+                self.weight_version = None  # a sync may have written part of the weights
+                raise
+
+
+def build_app(host: EngineHost, token: str) -> FastAPI:
+    app = FastAPI(title="rlspec rollout server", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "model": host.model_name, "weight_version": host.weight_version, "pid": os.getpid(),
+                "uptime_s": round(time.time() - host.started, 3)}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": host.model_name, "object": "model", "owned_by": "rlspec"}]}
+
+    @app.post("/v1/completions")
+    def completions(req: CompletionRequest) -> dict:
+        return host.complete(req)
+
+    def authorize(request: Request) -> None:
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(401, detail=[{"loc": ["header", "authorization"],
+                                              "msg": "missing or wrong bridge token (RLSPEC_SERVE_TOKEN)"}])
+
+    @app.get("/bridge/weight_version")
+    def get_version() -> dict:
+        return {"weight_version": host.weight_version}
+
+    @app.post("/bridge/weight_version")
+    def set_version(req: VersionRequest, request: Request) -> dict:
+        authorize(request)
+        host.weight_version = req.version
+        return {"weight_version": host.weight_version}
+
+    @app.post("/bridge/receive")
+    async def receive(request: Request) -> Response:
+        authorize(request)
+        body = await request.body()
+        try:
+            fn, payload = pickle.loads(body)
+        except Exception as err:  # noqa: BLE001
+            raise HTTPException(400, detail=[{"loc": ["body"], "msg": f"not a pickled (fn, payload): {err}"}]) from None
+        from starlette.concurrency import run_in_threadpool
+
+        try:
+            result = await run_in_threadpool(host.receive, fn, payload)
+        except Exception as err:  # noqa: BLE001 - reported to the trainer with the server's traceback
+            return Response(pickle.dumps({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(),
+                                          "sync_error": type(err).__name__ == "SyncError"}),
+                            status_code=500, media_type="application/octet-stream")
+        return Response(pickle.dumps(result), media_type="application/octet-stream")
+
+    return app

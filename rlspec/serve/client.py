@@ -1,0 +1,168 @@
+"""The trainer's side of the server: `ServerClient` (HTTP) and `ServedEngine` (a `RolloutEngine` over it).
+
+Every failure names the server and what was being done: a connection that fails (the server died), a
+timeout, a 4xx (the request was bad) or a 500 from the bridge (the engine half of a transport raised; the
+server's traceback is attached).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from typing import Any, Callable, Iterable
+
+
+from torch import Tensor
+
+from ..batch import TrainBatch
+from ..errors import RunError
+from ..rollout.base import Rollout
+from . import TOKEN_ENV
+
+
+class ServerClient:
+    """HTTP calls to one rollout server. `describe()` (optional) adds what is known about its process."""
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 120.0,
+                 describe: Callable[[], str] | None = None, transport: str | None = None) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.transport = transport
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+        self.timeout_s = timeout_s
+        self.describe = describe or (lambda: "")
+        self.http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False,
+                                 headers={"authorization": f"Bearer {self.token}"})
+
+    @property
+    def label(self) -> str:
+        via = f" (sync.method={self.transport})" if self.transport else ""
+        return f"rollout server at {self.url}{via}"
+
+    def _call(self, what: str, method: str, path: str, timeout_s: float | None = None, **kwargs):
+        import httpx
+
+        try:
+            response = self.http.request(method, path, timeout=timeout_s or self.timeout_s, **kwargs)
+        except httpx.TimeoutException as err:
+            raise RunError(f"{self.label}: {what} did not answer within {timeout_s or self.timeout_s:g} s "
+                           f"({type(err).__name__}){self.describe()}") from None
+        except httpx.HTTPError as err:
+            raise RunError(f"{self.label} is unreachable during {what}: {type(err).__name__}: {err}{self.describe()}") from None
+        if 400 <= response.status_code < 500:
+            raise RunError(f"{self.label} refused {what} ({response.status_code}): {response.text}")
+        return response
+
+    def health(self, timeout_s: float = 5.0) -> dict:
+        response = self._call("a health check", "GET", "/health", timeout_s)
+        response.raise_for_status()
+        return response.json()
+
+    def wait_healthy(self, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> dict:
+        """Poll `/health` until it answers; `RunError` after `timeout_s`, or at once if `alive()` turns false."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if not alive():
+                raise RunError(f"{self.label} exited before it became healthy{self.describe()}")
+            try:
+                response = self.http.get("/health", timeout=2.0)
+                if response.status_code == 200:
+                    return response.json()
+                last = f"status {response.status_code}"
+            except httpx.HTTPError as err:
+                last = f"{type(err).__name__}"
+            time.sleep(0.2)
+        raise RunError(f"{self.label} did not become healthy within {timeout_s:g} s (rollout.server_start_timeout_s; last: {last})"
+                       f"{self.describe()}")
+
+    def completions(self, body: dict, timeout_s: float | None = None) -> dict:
+        response = self._call("a completions request", "POST", "/v1/completions", timeout_s, json=body)
+        response.raise_for_status()
+        return response.json()
+
+    def receive(self, fn, payload, timeout_s: float | None = None) -> Any:
+        """Run `fn(engine, payload)` in the server; the engine half's exception comes back as `SyncError`
+        (a transport failure) or `RunError`, with the server's traceback."""
+        name = getattr(fn, "__qualname__", repr(fn))
+        response = self._call(f"bridge call {name}", "POST", "/bridge/receive", timeout_s,
+                              content=pickle.dumps((fn, payload)),
+                              headers={"content-type": "application/octet-stream"})
+        if response.status_code == 500 and response.headers.get("content-type") == "application/octet-stream":
+            failure = pickle.loads(response.content)
+            message = f"{self.label}: {name} failed: {failure['error']}"
+            if failure["sync_error"]:
+                from ..sync import SyncError
+
+                raise SyncError(f"{message}\n--- server traceback ---\n{failure['traceback'].rstrip()}")
+            raise RunError(message, failure["traceback"])
+        response.raise_for_status()
+        return pickle.loads(response.content)
+
+    def set_weight_version(self, version: int) -> None:
+        self._call("setting the weight version", "POST", "/bridge/weight_version", json={"version": version})
+
+    def close(self) -> None:
+        self.http.close()
+
+
+# Engine halves of the plain engine calls (module-level so they pickle by reference).
+def _logprobs(engine, batch: TrainBatch) -> Tensor:
+    return engine.logprobs(batch).cpu()
+
+
+def _load(engine, named: list) -> None:
+    engine.load_weights(named)
+
+
+def _named_cpu(engine, _payload) -> list:
+    return [(name, t.detach().cpu()) for name, t in engine.named_weights()]
+
+
+class ServedEngine:
+    """`RolloutEngine` over a rollout server: sampling through `/v1/completions`, everything else through the
+    bridge. `starts_in_sync` is false for a server this run joined (it may hold another run's weights), so
+    the loop pushes before the first rollout."""
+
+    def __init__(self, client: ServerClient, tokenizer, rollout_spec, starts_in_sync: bool) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.spec = rollout_spec
+        self.starts_in_sync = starts_in_sync
+        self.num_engines = 1
+
+    @property
+    def label(self) -> str:
+        return self.client.label
+
+    def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
+        out = self.client.completions({"prompt": list(prompts), "n": n, "seed": seed, "logprobs": 1,
+                                       "max_tokens": self.spec.max_new_tokens, "temperature": self.spec.temperature,
+                                       "top_p": self.spec.top_p}, self.spec.request_timeout_s)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        return Rollout([c["prompt_token_ids"] for c in choices], [c["token_ids"] for c in choices],
+                       [c["logprobs"]["token_logprobs"] for c in choices], [c["text"] for c in choices])
+
+    def logprobs(self, batch: TrainBatch) -> Tensor:
+        return self.client.receive(_logprobs, batch, self.spec.request_timeout_s)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        self.client.receive(_load, [(n, t.detach().cpu()) for n, t in named_tensors])
+
+    def receive(self, fn, payload) -> Any:
+        return self.client.receive(fn, payload)
+
+    def named_weights(self) -> list[tuple[str, Tensor]]:
+        return self.client.receive(_named_cpu, None)
+
+    def set_weight_version(self, version: int) -> None:
+        self.client.set_weight_version(version)
+
+    def weight_version(self) -> int | None:
+        return self.client.health()["weight_version"]
+
+

@@ -1,0 +1,155 @@
+"""The server process: building its engine from a plan, `rlspec serve`'s main, and `ServerProcess`, which
+starts a server as a child of the trainer and never leaves it behind.
+
+No orphans, on every exit path: the child runs in its own process group, which `stop()` terminates (then
+kills) on a normal exit, an exception (the backend's `shutdown` runs in `rlspec run`'s `finally`) and at
+interpreter exit (`atexit`); and the child watches its parent's pid, exiting within a second if the
+trainer is killed outright (SIGKILL runs no handler).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ..errors import RunError
+from ..spec import RunPlan
+from . import TOKEN_ENV
+
+PARENT_POLL_S = 0.5
+STOP_GRACE_S = 5.0
+
+
+def build_engine(plan: RunPlan):
+    """The `hf` engine a server runs: the plan's model with its seed (the trainer's initial weights), on the
+    plan's engine device; with `sync.method=lora`, wrapped with the same adapters as the trainer."""
+    import torch
+
+    from ..models import apply_lora, load_model, load_tokenizer
+    from ..rollout.hf import HFEngine
+
+    spec = plan.spec
+    device = plan.placement.engine_devices[0]
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RunError(f"the rollout server's device is {device} but no CUDA device is visible to it")
+    model = load_model(spec.model, spec.algorithm.seed)
+    if plan.sync_method == "lora":
+        model = apply_lora(model, spec.model, spec.algorithm.seed)
+    model = model.to(device).eval().requires_grad_(False)
+    engine = HFEngine(model, load_tokenizer(spec.model), spec.rollout, device, spec.algorithm.micro_batch_size)
+    engine.engine_index, engine.num_engines = 0, 1
+    return engine
+
+
+def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None) -> None:
+    """Run the server in this process until it is stopped (SIGTERM/SIGINT) or its parent dies."""
+    import uvicorn
+
+    from .app import FAULT_ENV, EngineHost, build_app
+
+    if plan.spec.hardware.num_threads:
+        import torch
+
+        torch.set_num_threads(plan.spec.hardware.num_threads)
+    token = os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
+    if not os.environ.get(TOKEN_ENV):
+        print(f"rlspec serve: bridge token {token} (set {TOKEN_ENV} to it for a trainer that joins)", file=sys.stderr)
+    spec = plan.spec
+    name = spec.model.path or spec.model.preset
+    app = build_app(EngineHost(build_engine(plan), name), token)
+    if parent_pid is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    if os.environ.get(FAULT_ENV) == "hang_start":
+        while True:
+            time.sleep(1)
+    print(f"rlspec serve: {name} on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(0)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`rlspec serve` as a child process of this one, for one plan; `stop()` is idempotent."""
+
+    def __init__(self, plan: RunPlan, host: str = "127.0.0.1") -> None:
+        self.plan = plan
+        self.host = host
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.token = secrets.token_hex(16)
+        self.proc: subprocess.Popen | None = None
+        self.workdir = Path(tempfile.mkdtemp(prefix="rlspec-serve-"))
+        self.log_path = self.workdir / "server.log"
+
+    def start(self) -> None:
+        from omegaconf import OmegaConf
+
+        spec_path = self.workdir / "spec.yaml"
+        spec_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(self.plan.spec)))
+        cmd = [sys.executable, "-m", "rlspec.cli", "serve", str(spec_path), "--backend", self.plan.backend,
+               "--host", self.host, "--port", str(self.port), "--parent-pid", str(os.getpid())]
+        env = {**os.environ, TOKEN_ENV: self.token}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                         start_new_session=True)
+        atexit.register(self.stop)
+        print(f"rlspec: rollout server pid {self.proc.pid} at {self.url} (log {self.log_path})", file=sys.stderr)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def describe(self) -> str:
+        """The process's state and the tail of its log, for error messages."""
+        if self.proc is None:
+            return ""
+        try:  # a server that just died may not be reaped yet
+            code = self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        state = "still running" if code is None else f"exited with code {code}"
+        try:
+            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-15:]
+        except OSError:
+            tail = []
+        return f"; server pid {self.proc.pid} {state}" + ("\n--- server log (tail) ---\n" + "\n".join(tail) if tail else "")
+
+    def stop(self) -> None:
+        """Terminate the server's whole process group, then kill what is left after a grace period."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        atexit.unregister(self.stop)
+        for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # the group may hold children of the server that outlived it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,184 @@
+"""Standalone bridge mode end to end: `rlspec run ... hardware.rollout=separate` with a real server process.
+
+Learning equals the colocated run; the server is never left behind; and each failure — a server that never
+starts, dies mid-run, or never joins the group, or a trainer killed outright — ends within the stated time.
+Cost on 2 busy cores: about 2-3 minutes (each case starts a trainer and a server process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from rlspec.metrics import read_metrics
+from tests.conftest import REPO, rlspec_cmd
+
+pytestmark = pytest.mark.distributed
+
+BASE = ("examples/tiny.yaml", "algorithm.steps=3", "hardware.num_threads=1")
+BRIDGE = ("hardware.rollout=separate", "sync.method=nccl")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) counts as gone
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
+class Run:
+    """`rlspec run` in a subprocess, with its stderr in a file (to read the server's pid while it runs)."""
+
+    def __init__(self, out: Path, *args: str, env: dict | None = None) -> None:
+        self.out = out
+        self.log = out.parent / f"{out.name}.stderr"
+        self.started = time.monotonic()
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(rlspec_cmd("run", *args, "--out", str(out), "--no-progress"), cwd=REPO,
+                                         stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **(env or {})})
+
+    def stderr(self) -> str:
+        return self.log.read_text()
+
+    def server_pid(self, timeout_s: float = 120) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = re.search(r"rollout server pid (\d+)", self.stderr())
+            if found:
+                return int(found.group(1))
+            assert self.proc.poll() is None, self.stderr()
+            time.sleep(0.1)
+        raise AssertionError("no server was started: " + self.stderr())
+
+    def wait(self, timeout_s: float = 300) -> int:
+        return self.proc.wait(timeout=timeout_s)
+
+    def wait_for_rows(self, n: int, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            path = self.out / "metrics.jsonl"
+            if path.exists() and len(path.read_text().splitlines()) >= n:
+                return
+            assert self.proc.poll() is None, self.stderr()
+            time.sleep(0.1)
+        raise AssertionError(f"fewer than {n} metrics rows after {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("colocated") / "out"
+    run = Run(out, *BASE, "checkpoint.every_n_steps=1", "checkpoint.keep_last=0")
+    assert run.wait() == 0, run.stderr()
+    return read_metrics(out / "metrics.jsonl")
+
+
+def _same_learning(rows, reference) -> None:
+    assert [r["step"] for r in rows] == [r["step"] for r in reference]
+    for got, want in zip(rows, reference):
+        assert got["reward/mean"] == want["reward/mean"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-9)
+
+
+def test_bridge_run_learns_like_colocated_and_leaves_no_server(colocated, tmp_path):
+    run = Run(tmp_path / "out", *BASE, *BRIDGE, "checkpoint.every_n_steps=1", "checkpoint.keep_last=0")
+    pid = run.server_pid()
+    assert run.wait() == 0, run.stderr()
+    assert _gone_within(pid, 1.0), "the rollout server outlived the run"
+    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    _same_learning(rows, colocated)
+    assert all(r["sync/bytes"] > 0 and r["sync/gb_per_s"] > 0 for r in rows)
+
+
+def test_server_killed_mid_run_ends_the_run_naming_server_and_transport(tmp_path):
+    run = Run(tmp_path / "out", "examples/tiny.yaml", "algorithm.steps=500", *BRIDGE, "sync.timeout_s=10")
+    pid = run.server_pid()
+    run.wait_for_rows(1)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    assert run.wait(60) == 1
+    assert time.monotonic() - killed < 10 + 5, "the failure was not reported within sync.timeout_s"
+    err = run.stderr()
+    assert "rollout server at http://127.0.0.1" in err and "sync.method=nccl" in err and "exited with code -9" in err, err
+
+
+def test_killed_trainer_takes_its_server_down(tmp_path):
+    run = Run(tmp_path / "out", "examples/tiny.yaml", "algorithm.steps=500", *BRIDGE)
+    pid = run.server_pid()
+    run.wait_for_rows(1)
+    run.proc.kill()  # SIGKILL: no handler in the trainer runs
+    run.wait(10)
+    assert _gone_within(pid, 5.0), "the rollout server outlived its killed trainer"
+
+
+def test_server_that_never_becomes_healthy_fails_within_the_timeout(tmp_path):
+    run = Run(tmp_path / "out", *BASE, *BRIDGE, "rollout.server_start_timeout_s=4",
+              env={"RLSPEC_SERVE_FAULT": "hang_start"})
+    pid = run.server_pid()
+    started = time.monotonic()
+    assert run.wait(120) == 1
+    assert time.monotonic() - started < 4 + 15
+    assert "did not become healthy within 4 s" in run.stderr(), run.stderr()
+    assert _gone_within(pid, 1.0)
+
+
+def test_peer_that_never_joins_the_group_fails_within_the_timeout(tmp_path):
+    run = Run(tmp_path / "out", *BASE, *BRIDGE, "sync.timeout_s=4",
+              env={"RLSPEC_SERVE_FAULT": "skip:CollectiveTransport.join_receiver"})
+    pid = run.server_pid()
+    assert run.wait(180) == 1
+    err = run.stderr()
+    assert "sync.method=nccl: rendezvous" in err and "sync.timeout_s=4" in err and "peer: rollout server" in err, err
+    assert _gone_within(pid, 1.0)
+
+
+def test_joined_server_survives_a_trainer_restart_and_a_resumed_run_pushes_first(colocated, tmp_path):
+    import httpx
+
+    from rlspec.serve import TOKEN_ENV
+    from rlspec.serve.process import free_port
+
+    port = free_port()
+    env = {**os.environ, TOKEN_ENV: "secret"}
+    with open(tmp_path / "server.log", "w") as log:
+        server = subprocess.Popen(rlspec_cmd("serve", *BASE, "--port", str(port)), cwd=REPO, env=env,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        joined = (*BASE, *BRIDGE, f"rollout.server_url={url}", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0")
+        first = Run(tmp_path / "first", *joined, env={TOKEN_ENV: "secret"})
+        assert first.wait() == 0, first.stderr()
+        assert server.poll() is None, "the joined server exited with its trainer"
+        assert httpx.get(f"{url}/health").json()["weight_version"] == 3
+        _same_learning(read_metrics(tmp_path / "first" / "metrics.jsonl"), colocated)
+        # The server now holds step 3's weights. Resume from step 1's checkpoint: unless the run pushes
+        # its weights before the first rollout, step 2 samples from the wrong policy.
+        shutil.copytree(tmp_path / "first", tmp_path / "resumed")
+        shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000002")
+        resumed = Run(tmp_path / "resumed", *joined, "--resume", env={TOKEN_ENV: "secret"})
+        assert resumed.wait() == 0, resumed.stderr()
+        _same_learning(read_metrics(tmp_path / "resumed" / "metrics.jsonl"), colocated)
+        assert httpx.get(f"{url}/health").json()["weight_version"] == 3
+        wrong = Run(tmp_path / "wrong", *joined, env={TOKEN_ENV: "other"})
+        assert wrong.wait() == 1 and "bridge token" in wrong.stderr()
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
