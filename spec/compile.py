@@ -153,6 +153,11 @@ def _check_env(spec: Spec) -> None:
             "set rollout.max_new_tokens=1")
     require(spec.rollout.engine == "hf", "rollout.engine", f"environment rollouts run on the hf engine, got {spec.rollout.engine}",
             "set rollout.engine=hf")
+    require(spec.hardware.rollout == "colocated", "hardware.rollout",
+            "environment rollouts run the policy in the trainer's process; a separate rollout server has no environments",
+            "set hardware.rollout=colocated")
+    require(spec.rollout.mode == "sync", "rollout.mode", "environment rollouts run synchronously",
+            "set rollout.mode=sync")
 
 
 def _batch_plan(spec: Spec) -> BatchPlan:
