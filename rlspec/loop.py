@@ -12,17 +12,21 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .backend import Backend, weight_source_of
 from .batch import TrainBatch
 from .checkpoints import Checkpoints
-from .grpo import LossNorm, group_advantages
+from .grpo import LossNorm, group_advantages, ragged_group_advantages
 from .metrics import MetricsLog, peak_memory_gb
 from .rollout.base import collate
 from .spec import RunPlan
 from .tasks import Task
+
+if TYPE_CHECKING:
+    from .agent.gateway import AgentGateway
 
 
 @dataclass
@@ -33,6 +37,11 @@ class StepResult:
 
 
 class _Timer(dict):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra: dict[str, float] = {}
+        """Step metrics beyond the timings (e.g. `agent/*`), merged into the metrics row."""
+
     @contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
@@ -40,16 +49,26 @@ class _Timer(dict):
         self[name] = self.get(name, 0.0) + time.perf_counter() - start
 
 
-def rollout_batch(plan: RunPlan, engine, task: Task, step: int, pad_id: int, timer: _Timer) -> TrainBatch:
-    """Sample, score and collate one step's batch (prompts x group_size sequences)."""
+def rollout_batch(plan: RunPlan, engine, task: Task, step: int, pad_id: int, timer: _Timer,
+                  gateway: AgentGateway | None = None) -> TrainBatch:
+    """Sample, score and collate one step's batch (prompts x group_size sequences; with an agent, the
+    trajectories its gateway kept, and the gateway's `agent/*` counts in `timer.extra`)."""
     spec = plan.spec
     prompts = task.sample(step, plan.batch.prompts_per_step)
     with timer("gen"):
-        rollout = engine.generate([p.text for p in prompts], spec.algorithm.group_size, seed=spec.algorithm.seed + step)
+        if gateway is None:
+            rollout = engine.generate([p.text for p in prompts], spec.algorithm.group_size, seed=spec.algorithm.seed + step)
+            grouped = [p for p in prompts for _ in range(spec.algorithm.group_size)]
+        else:
+            agents = gateway.rollout(prompts, step)
+            rollout, grouped = agents.rollout, agents.prompts
+            timer.extra.update(agents.metrics)
     with timer("reward"):
-        grouped = [p for p in prompts for _ in range(spec.algorithm.group_size)]
         rewards = torch.tensor([task.reward(text, p) for text, p in zip(rollout.texts, grouped)], dtype=torch.float32)
-    advantages = group_advantages(rewards, spec.algorithm.group_size, spec.algorithm.adv_norm, spec.algorithm.adv_eps)
+    if gateway is None:
+        advantages = group_advantages(rewards, spec.algorithm.group_size, spec.algorithm.adv_norm, spec.algorithm.adv_eps)
+    else:
+        advantages = ragged_group_advantages(rewards, agents.group_sizes, spec.algorithm.adv_norm, spec.algorithm.adv_eps)
     return collate(rollout, advantages, rewards, pad_id)
 
 
@@ -96,6 +115,7 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, syn
         "sync/bytes": sync_bytes,
         "sync/gb_per_s": sync_bytes / 1e9 / timer["sync"] if sync_bytes and timer.get("sync") else 0.0,
         "mem/peak_gb": stats.get("peak_mem_gb") or peak_memory_gb(plan.placement.device),
+        **timer.extra,
     }
 
 
@@ -118,11 +138,16 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
         _served_version(engine, start_step)
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
     log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress)
+    gateway = None
+    if spec.rollout.agent.enabled:
+        from .agent.gateway import AgentGateway
+
+        gateway = AgentGateway(plan, engine)
     try:
         for step in range(start_step, spec.algorithm.steps):
             timer = _Timer()
             with timer("step"):
-                batch = rollout_batch(plan, engine, task, step, pad_id, timer)
+                batch = rollout_batch(plan, engine, task, step, pad_id, timer, gateway)
                 with timer("train"):
                     result = update(plan, backend, batch)
                 sync_bytes = 0
@@ -136,4 +161,6 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
             if last or (every and (step + 1) % every == 0):
                 checkpoints.save(step, backend, {"backend": plan.backend})
     finally:
+        if gateway is not None:
+            gateway.close()
         log.close()

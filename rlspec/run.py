@@ -25,6 +25,10 @@ def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | Non
     check_model_spec(spec.model)
     plan = compile_plan(spec, all_caps())
     task = build_task(plan.spec.rollout.task, plan.spec.algorithm.seed)
+    if plan.spec.rollout.agent.enabled:
+        from .agent import load_agent
+
+        load_agent(plan.spec.rollout.agent)  # an agent that cannot be found is bad input, refused now
     return plan, task
 
 

@@ -3,11 +3,11 @@
 from .compile import BackendCaps, BatchPlan, Placement, RunPlan, compile_plan
 from .errors import SpecError
 from .load import load_spec, preset_names
-from .schema import (AlgorithmSpec, CheckpointSpec, HardwareSpec, LoraSpec, ModelSpec, RolloutSpec, Spec,
+from .schema import (AgentSpec, AlgorithmSpec, CheckpointSpec, HardwareSpec, LoraSpec, ModelSpec, RolloutSpec, Spec,
                      SyncSpec, TaskSpec)
 
 __all__ = [
-    "AlgorithmSpec", "BackendCaps", "BatchPlan", "CheckpointSpec", "HardwareSpec", "LoraSpec", "ModelSpec",
+    "AgentSpec", "AlgorithmSpec", "BackendCaps", "BatchPlan", "CheckpointSpec", "HardwareSpec", "LoraSpec", "ModelSpec",
     "Placement", "RolloutSpec", "RunPlan", "Spec", "SpecError", "SyncSpec", "TaskSpec", "compile_plan",
     "load_spec", "preset_names",
 ]
