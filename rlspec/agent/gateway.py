@@ -247,14 +247,14 @@ class AgentGateway:
 
     def _finish(self, job: _Job):
         """The assembled trajectory of a job, or None with `job.failure` set."""
-        if job.failure is not None:
-            return None
         record = self._records[job.trajectory_id]
         job.turns = len(record.calls)
+        if record.refused and (job.failure is None or job.failure.kind == "error"):
+            job.failure = AgentFailure("invalid", record.refused)  # the refusal, not the agent's reaction to it
+        if job.failure is not None:
+            return None
         problem = None
-        if record.refused:
-            problem = record.refused
-        elif not isinstance(job.answer, str):
+        if not isinstance(job.answer, str):
             problem = f"the agent returned {type(job.answer).__name__}, not a str answer"
         elif not record.calls:
             problem = "the agent answered without asking the model for a completion"
