@@ -11,6 +11,10 @@ def one_turn(prompt: str, base_url: str) -> str:
     return complete(base_url, prompt, 4)
 
 
+def always_raises(prompt: str, base_url: str) -> str:
+    raise RuntimeError("the agent broke")
+
+
 def raises_on_b(prompt: str, base_url: str) -> str:
     """Fails on every prompt about the letter b, after a first call (its recorded call must not be used)."""
     text = complete(base_url, prompt, 4)
