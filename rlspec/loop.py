@@ -39,8 +39,7 @@ class StepResult:
 class _Timer(dict):
     def __init__(self) -> None:
         super().__init__()
-        self.extra: dict[str, float] = {}
-        """Step metrics beyond the timings (e.g. `agent/*`), merged into the metrics row."""
+        self.extra: dict[str, float] = {}  # step metrics beyond the timings (`agent/*`), merged into the row
 
     @contextmanager
     def __call__(self, name: str):
