@@ -132,6 +132,17 @@ def _masked_group_advantages(rewards: Tensor, group_size: int, norm: str, eps: f
     return centred.view(-1)
 
 
+def ragged_group_advantages(rewards: Tensor, group_sizes: list[int], norm: str = "group_std",
+                            eps: float = 1e-6, kept: Tensor | None = None) -> Tensor:
+    """`group_advantages` for groups of different sizes laid out one after another (e.g. after an agent's failed
+    trajectories were dropped); each group is normalised over its own (kept) members."""
+    if sum(group_sizes) != rewards.numel():
+        raise ValueError(f"{rewards.numel()} rewards do not form groups of sizes {group_sizes}")
+    parts = rewards.float().split(list(group_sizes))
+    kept_parts = kept.split(list(group_sizes)) if kept is not None else [None] * len(parts)
+    return torch.cat([group_advantages(part, len(part), norm, eps, k) for part, k in zip(parts, kept_parts)])
+
+
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     """Per-token KL(pi || pi_ref) estimate from log-probs of the sampled tokens."""
     if estimator == "k1":

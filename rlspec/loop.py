@@ -22,7 +22,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -30,12 +30,15 @@ from .backend import Backend, weight_source_of
 from .batch import TrainBatch
 from .checkpoints import Checkpoints
 from .errors import RunError
-from .grpo import LossNorm, group_advantages, kept_samples
+from .grpo import LossNorm, group_advantages, kept_samples, ragged_group_advantages
 from .metrics import MetricsLog, peak_memory_gb
 from .monitor import RunMonitor
 from .rollout.base import collate, engine_logprobs_tensor
 from .spec import RunPlan
 from .tasks import Scores, Task, score
+
+if TYPE_CHECKING:
+    from .agent.gateway import AgentGateway
 
 
 @dataclass
@@ -53,23 +56,35 @@ class _Timer(dict):
         self[name] = self.get(name, 0.0) + time.perf_counter() - start
 
 
-def rollout_batch(plan: RunPlan, engine, task: Task, step: int, pad_id: int,
-                  timer: _Timer) -> tuple[TrainBatch, dict[str, float]]:
-    """Sample, score and collate one step's batch (prompts x group_size sequences); also the reward counters."""
+def rollout_batch(plan: RunPlan, engine, task: Task, step: int, pad_id: int, timer: _Timer,
+                  gateway: AgentGateway | None = None) -> tuple[TrainBatch, dict[str, float]]:
+    """Sample, score and collate one step's batch (prompts x group_size sequences; with an agent, the
+    trajectories its gateway kept); also the step's counters (`reward/*`, the gateway's `agent/*`)."""
     spec = plan.spec
     group_size = spec.algorithm.group_size
     prompts = task.sample(step, plan.batch.prompts_per_step)
     with timer("gen"):
-        rollout = engine.generate([p.text for p in prompts], group_size, seed=spec.algorithm.seed + step)
+        if gateway is None:
+            rollout = engine.generate([p.text for p in prompts], group_size, seed=spec.algorithm.seed + step)
+            grouped, group_sizes, agent_counts = [p for p in prompts for _ in range(group_size)], None, {}
+        else:
+            agents = gateway.rollout(prompts, step)
+            rollout, grouped, group_sizes, agent_counts = agents.rollout, agents.prompts, agents.group_sizes, agents.metrics
     with timer("reward"):
-        scores = score(task, rollout.texts, [p for p in prompts for _ in range(group_size)])
+        scores = score(task, rollout.texts, grouped)
     check_reward_errors(scores, spec.rollout.task.max_reward_error_rate, step)
-    kept = kept_samples(scores.valid, group_size)
-    advantages = group_advantages(scores.rewards, group_size, spec.algorithm.adv_norm, spec.algorithm.adv_eps, kept)
+    algo = spec.algorithm
+    if group_sizes is None:
+        kept = kept_samples(scores.valid, group_size)
+        advantages = group_advantages(scores.rewards, group_size, algo.adv_norm, algo.adv_eps, kept)
+    else:  # an agent's groups lost their failed trajectories already: each group is normalised on its own
+        kept = torch.cat([kept_samples(v, len(v)) for v in scores.valid.split(group_sizes)])
+        advantages = ragged_group_advantages(scores.rewards, group_sizes, algo.adv_norm, algo.adv_eps, kept)
     batch = collate(rollout, advantages, scores.rewards, pad_id)
     batch.loss_mask[~kept] = 0.0
     batch.engine_logprobs = engine_logprobs_tensor(rollout, batch)
-    counters = {**scores.metrics, "reward/errors": float(len(scores.errors)), "reward/dropped": float((~kept).sum())}
+    counters = {**agent_counts, **scores.metrics, "reward/errors": float(len(scores.errors)),
+                "reward/dropped": float((~kept).sum())}
     return batch, counters
 
 
@@ -176,12 +191,17 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
     log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress)
     envs = env_rollouts(plan, engine)
+    gateway = None
+    if spec.rollout.agent.enabled:
+        from .agent.gateway import AgentGateway
+
+        gateway = AgentGateway(plan, engine)
     if spec.rollout.mode == "async":
         from .async_loop import async_steps
 
         rows = async_steps(plan, backend, engine, task, transport, weights, pad_id, start_step)
     else:
-        rows = sync_steps(plan, backend, engine, task, transport, weights, pad_id, start_step, envs)
+        rows = sync_steps(plan, backend, engine, task, transport, weights, pad_id, start_step, envs, gateway)
     try:
         for row in rows:
             log.log(row)
@@ -195,20 +215,22 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
                     raise monitor.stopped(step, saved)
     finally:
         rows.close()  # async: closes the pool and ends the rollout loop
+        if gateway is not None:
+            gateway.close()
         log.close()
         if envs is not None:
             envs.close()
 
 
 def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, weights, pad_id: int,
-               start_step: int, envs=None) -> Iterator[dict]:
+               start_step: int, envs=None, gateway: AgentGateway | None = None) -> Iterator[dict]:
     """One metrics row per step, each step in turn: generate (or run the environments' episodes), train, sync."""
     spec = plan.spec
     for step in range(start_step, spec.algorithm.steps):
         timer = _Timer()
         with timer("step"):
             if envs is None:
-                batch, counters = rollout_batch(plan, engine, task, step, pad_id, timer)
+                batch, counters = rollout_batch(plan, engine, task, step, pad_id, timer, gateway)
             else:
                 batch, counters = envs.rollout_batch(step, timer)
             with timer("train"):

@@ -30,6 +30,10 @@ def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | Non
         from .envs import check_env
 
         check_env(plan.spec.rollout.env)
+    if plan.spec.rollout.agent.enabled:
+        from .agent import load_agent
+
+        load_agent(plan.spec.rollout.agent)  # an agent that cannot be found is bad input, refused now
     return plan, task
 
 

@@ -3,12 +3,12 @@
 from .compile import BackendCaps, BatchPlan, Placement, RunPlan, compile_plan
 from .errors import SpecError
 from .load import load_spec, preset_names
-from .schema import (AlgorithmSpec, CheckpointSpec, EnvSpec, HardwareSpec, JudgeSpec, LoraSpec, ModelSpec, RolloutSpec,
-                     Spec, SyncSpec, TaskSpec)
+from .schema import (AgentSpec, AlgorithmSpec, CheckpointSpec, EnvSpec, HardwareSpec, JudgeSpec, LoraSpec, ModelSpec,
+                     RolloutSpec, Spec, SyncSpec, TaskSpec)
 
 __all__ = [
-    "AlgorithmSpec", "BackendCaps", "BatchPlan", "CheckpointSpec", "EnvSpec", "HardwareSpec", "JudgeSpec", "LoraSpec",
-    "ModelSpec",
+    "AgentSpec", "AlgorithmSpec", "BackendCaps", "BatchPlan", "CheckpointSpec", "EnvSpec", "HardwareSpec", "JudgeSpec",
+    "LoraSpec", "ModelSpec",
     "Placement", "RolloutSpec", "RunPlan", "Spec", "SpecError", "SyncSpec", "TaskSpec", "compile_plan",
     "load_spec", "preset_names",
 ]

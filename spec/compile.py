@@ -134,6 +134,14 @@ def _check_support(spec: Spec, caps: BackendCaps, backends: Mapping[str, Backend
             "float16 is not supported on CPU", "use model.dtype=float32 or bfloat16 on CPU")
     require(spec.rollout.server_url is None or hw.rollout == "separate", "rollout.server_url",
             "joining a rollout server needs hardware.rollout=separate", "set hardware.rollout=separate or unset rollout.server_url")
+    require(not spec.rollout.agent.enabled or hw.num_trainer_ranks == 1, "rollout.agent",
+            "an agent's failed trajectories are dropped, so its batch size varies and cannot be split evenly over "
+            f"{hw.num_trainer_ranks} trainer ranks", "set hardware.num_trainer_ranks=1 with rollout.agent")
+    require(not spec.rollout.agent.enabled or spec.rollout.mode == "sync", "rollout.agent",
+            "agents run in the synchronous loop; rollout.mode=async does not drive them yet",
+            "set rollout.mode=sync with rollout.agent")
+    require(not spec.rollout.agent.enabled or spec.rollout.env.name is None, "rollout.agent",
+            "an agent talks to a text model; rollout.env drives a vision-language-action policy", "unset one of them")
     require(not (hw.offload_params or hw.offload_optimizer) or hw.device == "cuda", "hardware.offload_params",
             "offloading to host memory only makes sense with hardware.device=cuda",
             "set hardware.offload_params=false and hardware.offload_optimizer=false on CPU")

@@ -317,6 +317,50 @@ class EnvSpec(_Section):
 
 
 @dataclass
+class AgentSpec(_Section):
+    """A black-box agent that talks to the policy over HTTP (OpenAI `/v1/completions`) through rlspec's gateway.
+
+    Unset (`function` and `command` both null): plain single-turn sampling. The agent gets each prompt and a
+    base URL; the gateway records every completion it asks for and assembles the trajectory.
+    """
+
+    function: Optional[str] = None
+    """Python agent `module:function` or `path/to/file.py:function`, called as fn(prompt, base_url) -> final answer (str)."""
+    command: Optional[List[str]] = None
+    """Command agent argv: reads {"prompt", "base_url"} JSON on stdin, prints {"answer": str} JSON as its last stdout line."""
+    timeout_s: float = 120.0
+    """An agent still running after this long is a failed trajectory (a command is killed; a function is abandoned)."""
+    max_turns: int = 8
+    """Completion requests one trajectory may make; the gateway refuses more and the trajectory fails."""
+    concurrency: int = 8
+    """Trajectories whose agents run at the same time (the engine serves their requests one at a time)."""
+    max_failure_rate: float = 0.25
+    """A step whose share of failed trajectories (raised, timed out, invalid) exceeds this fails the run."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.function is not None or self.command is not None
+
+    def __post_init__(self) -> None:
+        p = "rollout.agent"
+        require(self.function is None or self.command is None, f"{p}.function",
+                "both rollout.agent.function and rollout.agent.command are set", "set only one of them")
+        if self.function is not None:
+            module, _, name = self.function.rpartition(":")
+            require(bool(module) and name.isidentifier(), f"{p}.function",
+                    f"{self.function!r} is not of the form module:function or path/to/file.py:function",
+                    "e.g. examples/agents/gsm8k_calc.py:solve or mypackage.agents:solve")
+        if self.command is not None:
+            require(len(self.command) > 0 and all(isinstance(a, str) and a for a in self.command), f"{p}.command",
+                    "must be a non-empty list of non-empty strings", "e.g. [python, examples/agents/gsm8k_calc.py]")
+        _positive(self.timeout_s, f"{p}.timeout_s")
+        _positive(self.max_turns, f"{p}.max_turns")
+        _positive(self.concurrency, f"{p}.concurrency")
+        require(0 <= self.max_failure_rate <= 1, f"{p}.max_failure_rate", f"must be in [0, 1], got {self.max_failure_rate}",
+                "e.g. 0.25; 0 fails the run on the first failed trajectory")
+
+
+@dataclass
 class RolloutSpec(_Section):
     """How completions are sampled."""
 
@@ -352,6 +396,8 @@ class RolloutSpec(_Section):
     """A rollout-server request (one generation batch) that takes longer fails the run."""
     server_start_timeout_s: float = 300.0
     """A rollout server (started or joined) that is not healthy within this many seconds fails the run."""
+    agent: AgentSpec = field(default_factory=AgentSpec)
+    """Multi-turn black-box agent (unset: plain single-turn sampling)."""
 
     def __post_init__(self) -> None:
         p = "rollout"

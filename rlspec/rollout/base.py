@@ -23,6 +23,9 @@ class Rollout:
     """The engine's own log-prob of each sampled token, at the sampling temperature."""
     texts: list[str]
     """Decoded completions (special tokens dropped)."""
+    completion_mask: list[list[float]] | None = None
+    """Per completion token, 1 if the model sampled it (gets loss) and 0 for context between an agent's turns;
+    None: every completion token is sampled."""
 
 
 class RolloutEngine(Protocol):
@@ -45,7 +48,7 @@ class RolloutEngine(Protocol):
 
 
 def collate(rollout: Rollout, advantages: Tensor, rewards: Tensor, pad_id: int) -> TrainBatch:
-    """Right-padded [N, L] tensors of prompt + completion with a completion-only loss mask."""
+    """Right-padded [N, L] tensors of prompt + completion with a loss mask on the sampled completion tokens."""
     sequences = [p + c for p, c in zip(rollout.prompt_ids, rollout.completion_ids)]
     length = max(len(s) for s in sequences)
     n = len(sequences)
@@ -56,7 +59,10 @@ def collate(rollout: Rollout, advantages: Tensor, rewards: Tensor, pad_id: int) 
         total = len(prompt) + len(completion)
         input_ids[i, :total] = torch.tensor(prompt + completion, dtype=torch.long)
         attention_mask[i, :total] = 1
-        loss_mask[i, len(prompt):total] = 1.0
+        if rollout.completion_mask is None:
+            loss_mask[i, len(prompt):total] = 1.0
+        else:
+            loss_mask[i, len(prompt):total] = torch.tensor(rollout.completion_mask[i], dtype=torch.float32)
     return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
                       advantages=advantages.float(), rewards=rewards.float())
 

@@ -1,0 +1,13 @@
+"""Black-box agents (`rollout.agent`): multi-turn trajectories sampled through an OpenAI-compatible gateway.
+
+- `runner.py`: loading a function or command agent and calling it; what counts as a failed trajectory.
+- `gateway.py`: the per-trajectory endpoint in front of the run's engine (the `rlspec serve` app), the
+  recording of every call, and one step's groups of trajectories.
+- `trajectory.py`: recorded calls -> one training sequence whose loss mask covers model tokens only.
+- `calculator.py`: a safe arithmetic evaluator for the calculator tool of the GSM8K agent example.
+"""
+
+from .runner import AgentFailure, command_main, load_agent
+from .trajectory import Call, ContextMismatch, Trajectory, assemble
+
+__all__ = ["AgentFailure", "Call", "ContextMismatch", "Trajectory", "assemble", "command_main", "load_agent"]

@@ -1,0 +1,298 @@
+"""The agent gateway: an OpenAI-compatible endpoint per trajectory, in front of the run's rollout engine.
+
+The gateway serves `rlspec.serve.app.build_app` (the app of `rlspec serve`) in a thread on 127.0.0.1,
+around an `EngineHost` over the run's engine, whatever it is: the in-process `hf` engine, Ray engine
+actors, or a `rlspec serve` process (then each request is forwarded to that server's `/v1/completions`).
+It adds one route family, ``/gateway/{trajectory}/v1/completions`` (and ``/v1/models``); each agent gets
+``http://127.0.0.1:PORT/gateway/{trajectory}/v1`` as its base URL, so every call is recorded against its
+trajectory: the prompt token ids the engine saw, the sampled ids and the engine's log-probs.
+
+What the gateway decides for the agent, because the loss depends on it: the temperature and top-p are the
+run's (`rollout.temperature`, `rollout.top_p`: the trainer's log-probs assume them), `max_tokens` is
+capped at `rollout.max_new_tokens`, the seed is derived from (algorithm.seed, step, trajectory, turn) so a
+run is reproducible, and a call samples one completion of one prompt (`n` > 1 is refused). Requests
+beyond `rollout.agent.max_turns`, or for a trajectory that timed out, are refused (429, 410).
+
+A GRPO group is `group_size` trajectories of one prompt. A failed trajectory (see `runner`) is counted
+and dropped, never scored; a group left with fewer than two trajectories is dropped too (GRPO compares
+within a group). A step whose share of failed trajectories exceeds `rollout.agent.max_failure_rate`
+fails the run with the first failure's account.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from fastapi import HTTPException
+
+from ..errors import RunError
+from ..rollout.base import Rollout
+from ..serve.app import CompletionRequest, EngineHost, build_app
+from ..spec import RunPlan
+from ..tasks import Prompt
+from .runner import AgentFailure, load_agent
+from .trajectory import Call, ContextMismatch, assemble
+
+START_TIMEOUT_S = 30.0
+POLL_S = 0.005
+
+
+class _EngineView:
+    """Lets `EngineHost` drive any `RolloutEngine`: the host re-creates its engine for each request as
+    ``type(engine)(model, tokenizer, spec, device, micro_batch_size)`` with the request's sampling settings;
+    here `model` is the wrapped engine, which samples with `spec` when it has one (a served engine)."""
+
+    def __init__(self, engine, tokenizer, spec, device="cpu", micro_batch_size: int = 1) -> None:
+        self.model, self.tokenizer, self.spec = engine, tokenizer, spec
+        self.device, self.micro_batch_size = device, micro_batch_size
+
+    def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
+        engine = self.model
+        if hasattr(engine, "spec"):
+            engine = copy.copy(engine)
+            engine.spec = self.spec
+        return engine.generate(prompts, n, seed)
+
+
+@dataclass
+class _Record:
+    """One trajectory's calls, filled by the route while its agent runs."""
+
+    seed: int
+    calls: list[Call] = field(default_factory=list)
+    refused: str | None = None
+    """Why the gateway refused a request of this trajectory (the trajectory is then invalid)."""
+    closed: bool = False
+
+
+@dataclass
+class _Job:
+    trajectory_id: str
+    prompt: Prompt
+    group: int
+    answer: object = None
+    failure: AgentFailure | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    started_s: float = 0.0
+    turns: int = 0
+
+
+@dataclass
+class AgentRollout:
+    """The trajectories kept from one step, group after group, and what happened to the others."""
+
+    rollout: Rollout
+    """Kept trajectories; `texts` are the agents' final answers."""
+    prompts: list[Prompt]
+    """The prompt of each kept trajectory."""
+    group_sizes: list[int]
+    """Kept trajectories per group (each >= 2)."""
+    metrics: dict[str, float]
+    """`agent/*` counts of the step."""
+
+
+class AgentGateway:
+    """Runs the agent of `plan.spec.rollout.agent` on each prompt, `group_size` times, through the engine."""
+
+    def __init__(self, plan: RunPlan, engine) -> None:
+        from ..rollout.hf import HFEngine
+
+        self.plan = plan
+        self.spec = plan.spec.rollout.agent
+        self.agent = load_agent(self.spec)
+        hosted = engine if isinstance(engine, HFEngine) else _EngineView(engine, engine.tokenizer, plan.spec.rollout)
+        model_name = plan.spec.model.path or plan.spec.model.preset
+        self.host = EngineHost(hosted, model_name)
+        # The bridge endpoints of the app are never used here; a token nobody knows keeps them shut.
+        self.app = build_app(self.host, secrets.token_hex(16))
+        self._records: dict[str, _Record] = {}
+        self._engine_failure: RunError | None = None
+        self._lock = threading.Lock()
+        self._add_routes()
+        self._server, self._thread, self.url = self._start()
+
+    # --- the HTTP side -------------------------------------------------------------------------------
+    def _add_routes(self) -> None:
+        rollout = self.plan.spec.rollout
+
+        def record_of(trajectory: str) -> _Record:
+            with self._lock:
+                record = self._records.get(trajectory)
+            if record is None:
+                raise HTTPException(404, detail=[{"loc": ["path", "trajectory"], "msg": f"unknown trajectory {trajectory!r}"}])
+            if record.closed:
+                raise HTTPException(410, detail=[{"loc": ["path", "trajectory"],
+                                                  "msg": "this trajectory has ended (its agent timed out)"}])
+            return record
+
+        @self.app.get("/gateway/{trajectory}/v1/models")
+        def models(trajectory: str) -> dict:
+            record_of(trajectory)
+            return {"object": "list", "data": [{"id": self.host.model_name, "object": "model", "owned_by": "rlspec"}]}
+
+        @self.app.post("/gateway/{trajectory}/v1/completions")
+        def completions(trajectory: str, req: CompletionRequest) -> dict:
+            record = record_of(trajectory)
+            if not isinstance(req.prompt, str) and len(req.prompt) != 1:
+                raise HTTPException(400, detail=[{"loc": ["body", "prompt"], "msg": "send one prompt per request"}])
+            if req.n != 1:
+                raise HTTPException(400, detail=[{"loc": ["body", "n"], "msg": "the gateway samples n=1 per request"}])
+            turn = len(record.calls)
+            if turn >= self.spec.max_turns:
+                record.refused = f"more than rollout.agent.max_turns={self.spec.max_turns} completion requests"
+                raise HTTPException(429, detail=[{"loc": ["path", "trajectory"], "msg": record.refused}])
+            wants_logprobs = req.logprobs is not None
+            req = req.model_copy(update={"max_tokens": min(req.max_tokens, rollout.max_new_tokens),
+                                         "temperature": rollout.temperature, "top_p": rollout.top_p,
+                                         "seed": (record.seed + turn) % 2**31, "logprobs": 1, "model": None})
+            try:
+                out = self.host.complete(req)
+            except HTTPException:
+                raise
+            except Exception as err:  # the engine failed: the run's failure, not the agent's (see `rollout`)
+                self._engine_failure = self._engine_failure or RunError(
+                    f"the rollout engine failed while serving an agent: {type(err).__name__}: {err}", traceback.format_exc())
+                raise HTTPException(503, detail=[{"loc": ["engine"], "msg": "the rollout engine failed"}]) from None
+            choice = out["choices"][0]
+            call = Call(choice["prompt_token_ids"], choice["token_ids"], choice["logprobs"]["token_logprobs"])
+            with self._lock:
+                if record.closed:  # timed out while the engine sampled: nothing of it is used
+                    raise HTTPException(410, detail=[{"loc": ["path", "trajectory"], "msg": "this trajectory has ended"}])
+                record.calls.append(call)
+            if not wants_logprobs:
+                choice["logprobs"] = None
+            return out
+
+    def _start(self):
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="rlspec-agent-gateway")
+        thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RunError(f"the agent gateway did not start on 127.0.0.1:{port}")
+            time.sleep(0.01)
+        return server, thread, f"http://127.0.0.1:{port}"
+
+    def base_url(self, trajectory: str) -> str:
+        return f"{self.url}/gateway/{trajectory}/v1"
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=5.0)
+
+    # --- one step's trajectories ----------------------------------------------------------------------
+    def rollout(self, prompts: list[Prompt], step: int) -> AgentRollout:
+        """Run `group_size` agents per prompt; assemble, count and drop as the module docstring says."""
+        group_size, seed = self.plan.spec.algorithm.group_size, self.plan.spec.algorithm.seed
+        jobs = [_Job(f"s{step}-p{i}-g{k}-{secrets.token_hex(4)}", prompt, i)
+                for i, prompt in enumerate(prompts) for k in range(group_size)]
+        with self._lock:
+            for index, job in enumerate(jobs):
+                self._records[job.trajectory_id] = _Record(seed=(seed * 1_000_003 + step * 65_537 + index * 257) % 2**31)
+        try:
+            self._run_agents(jobs)
+            if self._engine_failure is not None:
+                raise self._engine_failure
+            kept = [self._finish(job) for job in jobs]
+        finally:
+            with self._lock:
+                for job in jobs:
+                    self._records.pop(job.trajectory_id).closed = True
+        return self._collect(jobs, kept, step)
+
+    def _run_agents(self, jobs: list[_Job]) -> None:
+        """At most `concurrency` agents at once, each in a daemon thread; a job past its timeout is abandoned."""
+        pending, running = list(jobs), []
+        while pending or running:
+            while pending and len(running) < self.spec.concurrency:
+                job = pending.pop(0)
+                job.started_s = time.monotonic()
+                threading.Thread(target=self._call_agent, args=(job,), daemon=True, name="rlspec-agent").start()
+                running.append(job)
+            now = time.monotonic()
+            for job in list(running):
+                if job.done.is_set():
+                    running.remove(job)
+                elif now - job.started_s > self.spec.timeout_s + 1.0:  # a command kills itself at timeout_s
+                    with self._lock:
+                        self._records[job.trajectory_id].closed = True
+                    job.failure = AgentFailure("timeout", f"agent still running after {self.spec.timeout_s:g} s "
+                                                          "(rollout.agent.timeout_s); abandoned")
+                    running.remove(job)
+            time.sleep(POLL_S)
+
+    def _call_agent(self, job: _Job) -> None:
+        try:
+            job.answer = self.agent(job.prompt.text, self.base_url(job.trajectory_id), self.spec.timeout_s)
+        except AgentFailure as failure:
+            job.failure = job.failure or failure
+        except Exception as err:  # noqa: BLE001 - an agent's exception is a counted, reported failure
+            job.failure = job.failure or AgentFailure("error", f"agent raised {type(err).__name__}: {err}",
+                                                      traceback.format_exc())
+        finally:
+            job.done.set()
+
+    def _finish(self, job: _Job):
+        """The assembled trajectory of a job, or None with `job.failure` set."""
+        record = self._records[job.trajectory_id]
+        job.turns = len(record.calls)
+        if record.refused and (job.failure is None or job.failure.kind == "error"):
+            job.failure = AgentFailure("invalid", record.refused)  # the refusal, not the agent's reaction to it
+        if job.failure is not None:
+            return None
+        problem = None
+        if not isinstance(job.answer, str):
+            problem = f"the agent returned {type(job.answer).__name__}, not a str answer"
+        elif not record.calls:
+            problem = "the agent answered without asking the model for a completion"
+        else:
+            try:
+                return assemble(record.calls)
+            except ContextMismatch as err:
+                problem = f"its turns are not one sequence the engine saw: {err}"
+        job.failure = AgentFailure("invalid", problem)
+        return None
+
+    def _collect(self, jobs: list[_Job], trajectories: list, step: int) -> AgentRollout:
+        failed = [job for job in jobs if job.failure is not None]
+        counts = {kind: sum(job.failure.kind == kind for job in failed) for kind in ("error", "timeout", "invalid")}
+        rate = len(failed) / len(jobs)
+        if rate > self.spec.max_failure_rate:
+            first = failed[0].failure
+            raise RunError(f"step {step}: {len(failed)} of {len(jobs)} agent trajectories failed ({counts}), more than "
+                           f"rollout.agent.max_failure_rate={self.spec.max_failure_rate:g}; first: {first}",
+                           first.details or None)
+        prompt_ids, completion_ids, logprobs, masks, texts, prompts, sizes, turns = [], [], [], [], [], [], [], []
+        num_groups = max(job.group for job in jobs) + 1
+        for group in range(num_groups):
+            members = [(job, t) for job, t in zip(jobs, trajectories) if job.group == group and t is not None]
+            if len(members) < 2:
+                continue
+            sizes.append(len(members))
+            for job, t in members:
+                prompt_ids.append(t.prompt_ids)
+                completion_ids.append(t.completion_ids)
+                logprobs.append(t.completion_logprobs)
+                masks.append(t.completion_mask)
+                texts.append(job.answer)
+                prompts.append(job.prompt)
+                turns.append(job.turns)
+        if not sizes:
+            raise RunError(f"step {step}: no group kept two valid agent trajectories ({counts} failed of {len(jobs)})")
+        metrics = {"agent/trajectories": len(jobs), "agent/failed": len(failed), "agent/errors": counts["error"],
+                   "agent/timeouts": counts["timeout"], "agent/invalid": counts["invalid"],
+                   "agent/dropped": len(jobs) - len(texts), "agent/turns_mean": sum(turns) / len(turns)}
+        return AgentRollout(Rollout(prompt_ids, completion_ids, logprobs, texts, masks), prompts, sizes, metrics)

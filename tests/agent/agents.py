@@ -1,0 +1,57 @@
+"""Agents that misbehave in scripted ways, for the gateway tests (imported as tests.agent.agents:NAME)."""
+
+from __future__ import annotations
+
+import time
+
+from rlspec.agent.client import complete
+
+
+def one_turn(prompt: str, base_url: str) -> str:
+    return complete(base_url, prompt, 4)
+
+
+def always_raises(prompt: str, base_url: str) -> str:
+    raise RuntimeError("the agent broke")
+
+
+def raises_on_b(prompt: str, base_url: str) -> str:
+    """Fails on every prompt about the letter b, after a first call (its recorded call must not be used)."""
+    text = complete(base_url, prompt, 4)
+    if prompt.startswith("b"):
+        raise RuntimeError("tool crashed on b")
+    return text
+
+
+def raises_in_first_of_group(prompt: str, base_url: str) -> str:
+    """Fails in the first trajectory of each group (the gateway names trajectories ...-g<k>-...)."""
+    if "-g0-" in base_url:
+        raise RuntimeError("first of its group")
+    return complete(base_url, prompt, 4)
+
+
+def returns_number(prompt: str, base_url: str) -> object:
+    complete(base_url, prompt, 4)
+    return 42
+
+
+def never_calls(prompt: str, base_url: str) -> str:
+    return "aaaaaaaa"
+
+
+def rewrites_history(prompt: str, base_url: str) -> str:
+    """Its second prompt drops the first turn's prompt: not one sequence the engine saw."""
+    first = complete(base_url, prompt, 4)
+    return first + complete(base_url, "x" + first, 4)
+
+
+def too_many_turns(prompt: str, base_url: str) -> str:
+    text = prompt
+    for _ in range(3):
+        text += complete(base_url, text, 2)
+    return text
+
+
+def sleeps(prompt: str, base_url: str) -> str:
+    time.sleep(3.0)
+    return complete(base_url, prompt, 4)
