@@ -77,7 +77,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     from .backend import all_caps
-    from .batch import TrainBatch  # noqa: F401 - the engine's log-probs come back as one
     from .models import load_model, load_tokenizer
     from .policy import batch_logprobs
     from .rollout.base import collate

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,3 +154,4 @@ class ServerProcess:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        shutil.rmtree(self.workdir, ignore_errors=True)  # its spec and log; a failure quoted the log's tail

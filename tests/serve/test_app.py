@@ -5,7 +5,6 @@ from __future__ import annotations
 import pickle
 
 import pytest
-import torch
 
 from rlspec.models import load_model, load_tokenizer
 from rlspec.rollout.hf import HFEngine

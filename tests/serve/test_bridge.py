@@ -7,7 +7,6 @@ Cost on 2 busy cores: about 2-3 minutes (each case starts a trainer and a server
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
