@@ -155,6 +155,8 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, syn
         "tis/ratio_mean": stats["is_ratio_sum"] / tokens if batch.engine_logprobs is not None else None,
         "tis/clipped_frac": (stats["is_clipped_tokens"] / tokens
                              if batch.engine_logprobs is not None and plan.spec.algorithm.tis_cap is not None else None),
+        "reward/errors": 0.0,
+        "reward/dropped": 0.0,
         **(counters or {}),
     }
 

@@ -13,8 +13,11 @@ import torch
 METRIC_KEYS = (
     "step", "reward/mean", "reward/std", "loss", "kl", "grad_norm", "clip_frac", "entropy", "response_len/mean",
     "timing_s/gen", "timing_s/reward", "timing_s/train", "timing_s/sync", "timing_s/step", "perf/tokens_per_s",
-    "perf/completion_tokens_per_s", "sync/bytes", "sync/gb_per_s", "mem/peak_gb",
+    "perf/completion_tokens_per_s", "sync/bytes", "sync/gb_per_s", "mem/peak_gb", "reward/errors", "reward/dropped",
+    "tis/ratio_mean", "tis/clipped_frac",
 )
+"""Keys of every row. `rollout.mode=async` adds `async/staleness_mean`, `async/pool_size`, `timing_s/wait`;
+a task may add its own reward counters (the judge's `reward/judge_requests`, `reward/retries`, `reward/fallbacks`)."""
 
 
 def peak_memory_gb(device: str) -> float:

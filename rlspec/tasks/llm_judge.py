@@ -199,6 +199,11 @@ class JudgeTask:
 
 def build_judge_task(base: Task, spec: JudgeSpec, seed: int, key: str = "rollout.task.judge") -> JudgeTask:
     """Check the judge's settings against the task (template fields, regex, API key) and wrap it."""
+    import importlib.util
+
+    if importlib.util.find_spec("httpx") is None:
+        raise SpecError("rollout.task.reward", "rollout.task.reward=llm_judge needs httpx, not installed in this environment",
+                        "pip install 'rlspec[judge]'")
     example = base.sample(0, 1)[0]
     try:
         render_prompt(spec.prompt_template, example, "")
