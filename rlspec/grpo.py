@@ -249,22 +249,34 @@ def token_logprobs_and_entropy(states: Tensor, input_ids: Tensor, temperature: f
     return torch.nn.functional.pad(picked, (1, 0)), torch.nn.functional.pad(entropy, (1, 0))
 
 
-def _chunk_logprobs(states: Tensor, targets: Tensor, temperature: float,
-                    head: torch.nn.Module | None = None) -> tuple[Tensor, Tensor]:
-    logits = states if head is None else head(states)
-    logits = _at_least_fp32(logits)
+def _chunk_logprobs(states: Tensor, targets: Tensor, temperature: float, head: torch.nn.Module | None = None,
+                    with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+    # The fp32 logits are dropped once the log-softmax has run, and the entropy reuses exp(logp) in place:
+    # a chunk's peak is two fp32 copies of its logits, not four.
+    logits = _at_least_fp32(states if head is None else head(states))
     logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # x / 1.0 == x
+    del logits
     picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp.exp().mul_(logp)).sum(-1)
     return picked, entropy
 
 
 def _checkpointed(states: Tensor, targets: Tensor, temperature: float,
                   head: torch.nn.Module | None) -> tuple[Tensor, Tensor]:
+    """The chunk under activation checkpointing; the entropy (no gradient) is computed in the forward only,
+    not again when backward recomputes the chunk."""
     from torch.utils.checkpoint import checkpoint
 
-    return checkpoint(_chunk_logprobs, states, targets, temperature, head, use_reentrant=False)
+    calls = []
+
+    def run(chunk_states: Tensor, chunk_targets: Tensor) -> tuple[Tensor, Tensor | None]:
+        calls.append(None)
+        return _chunk_logprobs(chunk_states, chunk_targets, temperature, head, with_entropy=len(calls) == 1)
+
+    return checkpoint(run, states, targets, use_reentrant=False)
 
 
 def _at_least_fp32(t: Tensor) -> Tensor:
