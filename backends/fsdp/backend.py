@@ -22,7 +22,7 @@ from ...spec import BackendCaps, RunPlan
 
 class FSDPBackend:
     caps = BackendCaps(name="fsdp", model_kinds=("causal_lm",), placements=("colocated", "separate"),
-                       sync_methods=("ray", "nccl", "checkpoint"), engines=("hf",), devices=("cpu", "cuda"),
+                       sync_methods=("ray", "nccl", "checkpoint", "cuda_ipc"), engines=("hf",), devices=("cpu", "cuda"),
                        supports_lora=True, requires=("ray",), install_hint="pip install 'rlspec[fsdp]'")
 
     def __init__(self) -> None:
