@@ -46,7 +46,6 @@ class RankGroup:
 
     def start(self, worker_cls: type, env_vars: dict[str, str] | None = None) -> None:
         """Place and start the ranks (`worker_cls` actors) and the engines; `env_vars` go to the ranks."""
-        import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -160,6 +159,63 @@ class RankGroup:
         pids = dict(zip(self.labels, self.call_all("pid")))
         pids.update(zip(self.engines.labels, self.engines.pids()))
         return pids
+
+
+class RankGroupBackend:
+    """The `Backend` protocol over a `RankGroup`, for a data-parallel backend whose ranks are Ray actors.
+
+    A backend class (`deepspeed`, `fsdp`) declares its `caps` and a `setup` that checks its imports and calls
+    `start_group(plan, worker_cls)`; everything else fans out to its worker actors the same way. (A core
+    helper, not a backend: backends still never import or subclass each other.)
+    """
+
+    def __init__(self) -> None:
+        self.plan: RunPlan | None = None
+        self.group: RankGroup | None = None
+
+    def start_group(self, plan: RunPlan, worker_cls: type, env_vars: dict[str, str] | None = None) -> None:
+        self.plan = plan
+        self.group = RankGroup(plan)
+        self.group.start(worker_cls, env_vars)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+
+    def rollout_engine(self):
+        return self.group.engines
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
+        return self.group.logprobs(batch, reference)
+
+    def forward_backward(self, batch: TrainBatch, norm: LossNorm) -> dict[str, float]:
+        return self.group.forward_backward(batch, norm)
+
+    def optimizer_step(self) -> float:
+        return self.group.call_all("optimizer_step")[0]
+
+    def weight_source(self):
+        """Where the full weights are produced: inside the ranks (see `rlspec.weights.WeightSource`)."""
+        return self.group.weight_source()
+
+    def export_weights(self):
+        from .weights import collect_cpu
+
+        yield from self.weight_source().run_sender(collect_cpu, None)
+
+    def save(self, path) -> None:
+        self.group.call_all("save", str(path), self.plan.spec.checkpoint.save_optimizer)
+
+    def load(self, path) -> None:
+        self.group.call_all("load", str(path))
+
+    def actors(self) -> list:
+        """(label, handle) of every actor, for the stall detector's stack dump."""
+        return self.group.actors() if self.group is not None else []
+
+    def pids(self) -> dict[str, int]:
+        """Process ids of every actor (for operators and the watchdog test)."""
+        return self.group.pids()
 
 
 # --- worker-side helpers ------------------------------------------------------------------------------

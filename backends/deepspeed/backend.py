@@ -9,25 +9,15 @@ ZeRO-3 gather, rank 0 sends).
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Iterator
-
-from torch import Tensor
-
-from ...batch import TrainBatch
 from ...errors import RunError
-from ...grpo import LossNorm
+from ...ray_group import RankGroupBackend
 from ...spec import BackendCaps, RunPlan
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(RankGroupBackend):
     caps = BackendCaps(name="deepspeed", model_kinds=("causal_lm",), placements=("colocated", "separate"),
                        sync_methods=("ray", "nccl", "checkpoint", "cuda_ipc"), engines=("hf",), devices=("cpu", "cuda"),
                        supports_lora=False, requires=("deepspeed", "ray"), install_hint="pip install 'rlspec[deepspeed]'")
-
-    def __init__(self) -> None:
-        self.plan: RunPlan | None = None
-        self.group = None
 
     def setup(self, plan: RunPlan) -> None:
         try:
@@ -35,51 +25,7 @@ class DeepSpeedBackend:
             import ray  # noqa: F401
         except ImportError as err:
             raise RunError(f"the deepspeed backend needs deepspeed and ray: pip install 'rlspec[deepspeed]' ({err})") from err
-        from ...ray_group import RankGroup
         from .worker import DeepSpeedWorker
 
-        self.plan = plan
-        self.group = RankGroup(plan)
         # On CPU DeepSpeed must not pick its CUDA accelerator (transformers imports it before `setup` runs).
-        self.group.start(DeepSpeedWorker, {} if plan.placement.device == "cuda" else {"DS_ACCELERATOR": "cpu"})
-
-    def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-
-    # --- the Backend protocol --------------------------------------------------------------------------
-
-    def rollout_engine(self):
-        return self.group.engines
-
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
-        return self.group.logprobs(batch, reference)
-
-    def forward_backward(self, batch: TrainBatch, norm: LossNorm) -> dict[str, float]:
-        return self.group.forward_backward(batch, norm)
-
-    def optimizer_step(self) -> float:
-        return self.group.call_all("optimizer_step")[0]
-
-    def weight_source(self):
-        """Where the full weights are produced: inside the ranks (see `rlspec.weights.WeightSource`)."""
-        return self.group.weight_source()
-
-    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        from ...weights import collect_cpu
-
-        yield from self.weight_source().run_sender(collect_cpu, None)
-
-    def save(self, path: Path) -> None:
-        self.group.call_all("save", str(path), self.plan.spec.checkpoint.save_optimizer)
-
-    def load(self, path: Path) -> None:
-        self.group.call_all("load", str(path))
-
-    def actors(self) -> list:
-        """(label, handle) of every actor, for the stall detector's stack dump."""
-        return self.group.actors() if self.group is not None else []
-
-    def pids(self) -> dict[str, int]:
-        """Process ids of every actor (for operators and the watchdog test)."""
-        return self.group.pids()
+        self.start_group(plan, DeepSpeedWorker, {} if plan.placement.device == "cuda" else {"DS_ACCELERATOR": "cpu"})
