@@ -28,6 +28,8 @@ import torch
 from . import register
 from .base import Bucket, SyncError, as_source, buckets, fingerprint, verify_written, write_weights
 
+FAILURE_GRACE_S = 3.0
+"""After one half of a transfer fails, how long to wait for the other half's account of it."""
 _CHANNELS: dict[tuple[str, int], "_Channel"] = {}
 
 
@@ -133,9 +135,16 @@ class CollectiveTransport:
         while any(t.is_alive() for t in threads) and not failed.is_set() and waited < deadline:
             threads[0].join(0.1) if threads[0].is_alive() else threads[1].join(0.1)
             waited += 0.1
-        for key in ("sent_error", "received_error"):
-            if key in results:
-                raise results[key]  # type: ignore[misc]
+        if failed.is_set():
+            # One half failing usually makes the other fail too (a dead peer closes the connection): give it a
+            # moment, so the error names both sides — the engine side's account says which peer died and how.
+            for thread in threads:
+                thread.join(FAILURE_GRACE_S)
+            errors = [results[k] for k in ("received_error", "sent_error") if k in results]
+            if len(errors) == 2:
+                raise SyncError(f"sync.method=nccl failed on both sides: engine side: {errors[0]}; "
+                                f"trainer side: {errors[1]}") from errors[1]
+            raise errors[0]  # type: ignore[misc]
         if any(t.is_alive() for t in threads):
             raise SyncError(f"sync.method=nccl: transfer did not finish within sync.timeout_s={self.spec.timeout_s}")
         return results["sent"], results["received"]

@@ -17,7 +17,7 @@ from rlspec.run import build_plan, run
 from tests.conftest import REPO
 
 FAST = ["algorithm.steps=4", "rollout.prompts_per_step=4", "hardware.num_threads=1", "checkpoint.every_n_steps=0"]
-TIMING = ("timing_s/", "perf/tokens_per_s", "mem/peak_gb", "async/", )
+TIMING = ("timing_s/", "perf/", "sync/gb_per_s", "mem/peak_gb", "async/", )
 
 
 def item(step: int) -> PooledBatch:

@@ -27,7 +27,7 @@ def test_conformance_standalone_json_and_dump(tmp_path) -> None:
     for check in report["checks"]:
         assert tuple(check) == JSON_KEYS
         assert check["backend"] == "standalone" and check["passed"] is True
-    assert {c["transport"] for c in report["checks"]} == {None, "shared", "checkpoint"}
+    assert {c["transport"] for c in report["checks"]} == {None, "shared", "checkpoint", "nccl", "lora"}
 
     from transformers import AutoModelForCausalLM
 

@@ -19,7 +19,7 @@ def test_ranks_get_unequal_completion_tokens() -> None:
 
 
 def test_every_case_compiles_on_two_ranks_and_some_accumulate() -> None:
-    caps = {"two_ranks": BackendCaps(name="two_ranks", supports_lora=True)}
+    caps = {"two_ranks": BackendCaps(name="two_ranks", model_kinds=("causal_lm", "vla"), supports_lora=True)}
     plans = [compile_plan(case_spec(c, "two_ranks", 2), caps) for c in CASES]
     assert all(p.batch.num_trainer_ranks == 2 for p in plans)
     assert any(p.batch.grad_accum_steps > 1 for p in plans)

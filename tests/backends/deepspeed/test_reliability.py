@@ -48,7 +48,7 @@ def test_hanging_rank_trips_the_stall_detector(tmp_path):
     assert {p.name for p in dump.iterdir()} >= {"driver.txt", "trainer_rank_0.txt", "trainer_rank_1.txt",
                                                    "rollout_engine_0.txt"}
     hung = (dump / "trainer_rank_1.txt").read_text()
-    assert "_maybe_fail" in hung and "time.sleep(3600)" in hung  # the culprit, found by its stack
+    assert "_hang" in hung and "time.sleep(3600)" in hung  # the culprit, found by its stack
     waiting = (dump / "trainer_rank_0.txt").read_text()
     assert "forward_backward" in waiting  # its peer: blocked inside the step's collectives
     assert "wait_all" in (dump / "driver.txt").read_text()
