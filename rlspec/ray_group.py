@@ -26,6 +26,7 @@ from .errors import RunError
 from .grpo import LossNorm
 from .policy import add_stats, batch_logprobs
 from .spec import RunPlan, SpecError
+from .stall import StackReporter
 
 CPUS_PER_ACTOR = 0.5
 """Fractional CPUs per actor on CPU: whole CPUs per actor deadlock a 2-core node (PLATFORM.md)."""
@@ -233,6 +234,26 @@ def sharded_logprobs(model: torch.nn.Module, part: TrainBatch, num_chunks: int, 
     index = torch.cat([torch.arange(n), torch.zeros(max(size - n, 0), dtype=torch.long)])
     padded = TrainBatch.from_tensors({k: v[index] for k, v in part.tensors().items()})
     return batch_logprobs(model, padded, temperature, micro_batch_size, device)[:n]
+
+
+class RankWorker(StackReporter):
+    """What every rank actor shares: its place in the group, the fault hook, its pid, the rendezvous address.
+    (Stack dumps come from `StackReporter`; the actor class is made remote with `stall.remote_class`.)"""
+
+    def __init__(self, plan: RunPlan, rank: int, world_size: int, fault: str | None = None) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.world_size = world_size
+        self.maybe_fail = FaultInjector(fault, rank)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def master_address(self) -> tuple[str, int]:
+        """This rank's node address and a free port, where rank 0 hosts the process-group rendezvous."""
+        from .ray_utils import node_address
+
+        return node_address()
 
 
 class FaultInjector:

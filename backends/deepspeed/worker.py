@@ -21,9 +21,8 @@ from ...batch import TrainBatch
 from ...grpo import LossConfig, LossNorm
 from ...models import load_model, load_tokenizer, read_safetensors_dir, save_hf
 from ...policy import accumulate
-from ...ray_group import FaultInjector, sharded_logprobs
+from ...ray_group import RankWorker, sharded_logprobs
 from ...spec import RunPlan
-from ...stall import StackReporter
 from ...trainer import build_optimizer
 
 ZERO_DIR = "optimizer_zero3"
@@ -77,24 +76,13 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
     return config
 
 
-class DeepSpeedWorker(StackReporter):
+class DeepSpeedWorker(RankWorker):
     """Trainer rank `rank` of `world_size`."""
 
     def __init__(self, plan: RunPlan, rank: int, world_size: int, fault: str | None = None) -> None:
-        self.plan = plan
-        self.rank = rank
-        self.world_size = world_size
-        self.maybe_fail = FaultInjector(fault, rank)
+        super().__init__(plan, rank, world_size, fault)
         self.engine = None
         self.reference = None
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def master_address(self) -> tuple[str, int]:
-        from ...ray_utils import node_address
-
-        return node_address()
 
     def setup(self, master: tuple[str, int]) -> None:
         import deepspeed

@@ -12,7 +12,6 @@ shard. Parameters are sharded fp32 masters; forward and backward run in `model.d
 from __future__ import annotations
 
 import math
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,9 +23,8 @@ from ...batch import TrainBatch
 from ...grpo import LossConfig, LossNorm
 from ...models import DTYPES, apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_hf
 from ...policy import accumulate
-from ...ray_group import FaultInjector, sharded_logprobs
+from ...ray_group import RankWorker, sharded_logprobs
 from ...spec import RunPlan
-from ...stall import StackReporter
 from ...trainer import build_optimizer, merged_weights
 
 STATE_DIR = "optimizer_dcp"
@@ -57,24 +55,13 @@ def shard_model(model: torch.nn.Module, mesh, param_dtype: torch.dtype, offload:
     return model
 
 
-class FSDPWorker(StackReporter):
+class FSDPWorker(RankWorker):
     """Trainer rank `rank` of `world_size`."""
 
     def __init__(self, plan: RunPlan, rank: int, world_size: int, fault: str | None = None) -> None:
-        self.plan = plan
-        self.rank = rank
-        self.world_size = world_size
-        self.maybe_fail = FaultInjector(fault, rank)
+        super().__init__(plan, rank, world_size, fault)
         self.model = None
         self.reference = None
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def master_address(self) -> tuple[str, int]:
-        from ...ray_utils import node_address
-
-        return node_address()
 
     def setup(self, master: tuple[str, int]) -> None:
         import torch.distributed as dist
