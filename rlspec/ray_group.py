@@ -8,9 +8,10 @@ dies, the call raises `RunError` with that actor's traceback within a fraction o
 waiting on ranks blocked in a collective with it. The data-parallel split of a batch over the ranks
 (`logprobs`, `forward_backward`) lives here too, so the backends differ only in their workers.
 
-Worker side, a backend's worker class takes `(plan, rank, world_size, fault)` and implements `pid`,
-`master_address`, `setup(master)`, `logprobs(part, num_chunks, reference)`, `forward_backward(shard, norm)`,
-`optimizer_step`, `run_sender`, `save`, `load`; `sharded_logprobs` and `FaultInjector` are its helpers.
+Driver side, `RankGroupBackend` is the `Backend` protocol over a `RankGroup`. Worker side, a backend's worker
+class subclasses `RankWorker` (its place in the group, the `FaultInjector` test hook, `pid`,
+`master_address`, stack dumps) and implements `setup(master)`, `logprobs(part, num_chunks, reference)`,
+`forward_backward(shard, norm)`, `optimizer_step`, `run_sender`, `save`, `load`; `sharded_logprobs` helps.
 """
 
 from __future__ import annotations
