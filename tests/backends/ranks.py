@@ -77,3 +77,30 @@ def actor_pids(root_pid: int, title: str) -> list[int]:
         except Exception:  # noqa: BLE001 - the process went away
             pass
     return pids
+
+
+def kill_a_rank_mid_run(backend: str, worker_title: str, out: Path) -> tuple[int, float, str]:
+    """Run tiny.yaml on 2 ranks of `backend`, SIGKILL one rank actor after step 2; return the run's exit code,
+    the seconds from the kill to the exit, and its stderr."""
+    import time
+
+    proc = rlspec_run(backend, out, "algorithm.steps=200")
+    try:
+        deadline = time.monotonic() + 300
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.5)
+        pids = actor_pids(proc.pid, worker_title)
+        assert len(pids) == 2, pids
+        os.kill(max(pids), 9)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"\nkilled a {backend} trainer rank; the run exited with {proc.returncode} after {elapsed:.1f} s; stderr ends:\n"
+          + "\n".join(line for line in err.splitlines() if "rlspec" in line or "died" in line.lower())[-1500:])
+    return proc.returncode, elapsed, err

@@ -8,9 +8,7 @@ run `rlspec run` in subprocesses. The cross-backend cases themselves are the con
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import time
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from rlspec.grpo import LossNorm
 from rlspec.ray_group import FAULT_ENV
 from rlspec.spec import compile_plan, load_spec
 from rlspec.sync import build_transport
-from tests.backends.ranks import (TINY, actor_pids, fixed_batch, max_weight_diff, reference_trainer, rlspec_run,
+from tests.backends.ranks import (TINY, kill_a_rank_mid_run, fixed_batch, max_weight_diff, reference_trainer, rlspec_run,
                                   run_steps)
 
 pytestmark = pytest.mark.distributed
@@ -176,25 +174,7 @@ def test_cli_run_and_exact_resume(tmp_path):
 
 def test_watchdog_killed_rank_stops_run(tmp_path):
     """SIGKILL a trainer rank actor mid-run: exit 1 within 30 s, naming the dead rank."""
-    out = tmp_path / "killed"
-    proc = rlspec_run("fsdp", out, "algorithm.steps=200")
-    try:
-        deadline = time.monotonic() + 300
-        metrics = out / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert proc.poll() is None, proc.communicate()[1][-4000:]
-            assert time.monotonic() < deadline, "the run did not reach step 2"
-            time.sleep(0.5)
-        pids = actor_pids(proc.pid, "FSDPWorker")
-        assert len(pids) == 2, pids
-        os.kill(max(pids), 9)
-        killed = time.monotonic()
-        _, err = proc.communicate(timeout=60)
-        elapsed = time.monotonic() - killed
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    print(f"\nkilled a trainer rank; the run exited with {proc.returncode} after {elapsed:.1f} s")
-    assert proc.returncode == 1, err[-4000:]
+    returncode, elapsed, err = kill_a_rank_mid_run("fsdp", "FSDPWorker", tmp_path / "killed")
+    assert returncode == 1, err[-4000:]
     assert elapsed < 30
     assert "run failed: trainer rank" in err and "died" in err, err[-4000:]
