@@ -250,6 +250,15 @@ class RankWorker(StackReporter):
     def pid(self) -> int:
         return os.getpid()
 
+    def place(self) -> torch.device:
+        """This rank's torch threads and device (on CUDA, Ray exposes exactly this actor's GPU as device 0)."""
+        if self.plan.spec.hardware.num_threads:
+            torch.set_num_threads(self.plan.spec.hardware.num_threads)
+        if self.plan.placement.device != "cuda":
+            return torch.device("cpu")
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+
     def master_address(self) -> tuple[str, int]:
         """This rank's node address and a free port, where rank 0 hosts the process-group rendezvous."""
         from .ray_utils import node_address

@@ -88,17 +88,13 @@ class DeepSpeedWorker(RankWorker):
         import deepspeed
 
         spec = self.plan.spec
-        if spec.hardware.num_threads:
-            torch.set_num_threads(spec.hardware.num_threads)
-        cuda = self.plan.placement.device == "cuda"
-        if cuda:
-            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU
+        self.device = self.place()
+        cuda = self.device.type == "cuda"
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0" if cuda else str(self.rank),
                           LOCAL_WORLD_SIZE="1" if cuda else str(self.world_size))
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
                                    timeout=timedelta(minutes=30), rank=self.rank, world_size=self.world_size)
-        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         self.loss_cfg = LossConfig.from_algorithm(spec.algorithm)
         self.tokenizer = load_tokenizer(spec.model) if self.rank == 0 else None
         model = load_model(spec.model, spec.algorithm.seed)

@@ -68,12 +68,8 @@ class FSDPWorker(RankWorker):
         from torch.distributed.device_mesh import init_device_mesh
 
         spec = self.plan.spec
-        if spec.hardware.num_threads:
-            torch.set_num_threads(spec.hardware.num_threads)
-        cuda = self.plan.placement.device == "cuda"
-        if cuda:
-            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU
-        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        self.device = self.place()
+        cuda = self.device.type == "cuda"
         # On CUDA, gloo beside NCCL for collectives on host tensors: with CPUOffloadPolicy the gradients, and
         # so the grad-norm reduction, live on the host.
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
