@@ -36,7 +36,8 @@ from typing import Iterator
 from .backend import Backend
 from .batch import TrainBatch
 from .errors import RunError
-from .loop import _Timer, metrics_row, rollout_batch, served_version, update
+from .loop import metrics_row, rollout_batch, served_version, update
+from .metrics import PhaseTimer
 from .spec import RunPlan
 from .tasks import Task
 
@@ -52,7 +53,7 @@ class PooledBatch:
     batch: TrainBatch
     policy_version: int
     """Trainer steps behind the weights that sampled every sequence of the batch (one engine call)."""
-    timer: _Timer
+    timer: PhaseTimer
     """The rollout loop's gen and reward times for this batch."""
     counters: dict[str, float]
 
@@ -151,7 +152,7 @@ def rollout_loop(plan: RunPlan, engine: LockedEngine, task: Task, pool: Pool, pa
         for step in range(start_step, spec.algorithm.steps):
             if not pool.wait_for_version(step - spec.rollout.max_staleness):
                 return
-            timer = _Timer()
+            timer = PhaseTimer()
             batch, counters = rollout_batch(plan, engine, task, step, pad_id, timer)
             if not pool.put(PooledBatch(step, batch, engine.sampled_version, timer, counters)):
                 return
@@ -171,7 +172,7 @@ def async_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, 
     producer.start()
     try:
         for step in range(start_step, spec.algorithm.steps):
-            timer = _Timer()
+            timer = PhaseTimer()
             with timer("step"):
                 waiting = len(pool)
                 with timer("wait"):

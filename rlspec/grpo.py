@@ -105,7 +105,9 @@ def group_advantages(rewards: Tensor, group_size: int, norm: str = "group_std", 
     """Per-sequence advantages for rewards laid out group after group (shape [P * G]).
 
     `kept` ([P * G] bool, see `kept_samples`) restricts each group's mean and std to its kept members;
-    the others get 0 (their rewards may be NaN).
+    the others get 0 (their rewards may be NaN). A group whose (kept) rewards are all equal gets exactly 0:
+    in floating point its mean can differ from the rewards by an ulp, which `group_std` would blow up into
+    advantages of up to ~0.1, all of one sign — a push on every sampled token where there is nothing to learn.
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size}")
@@ -117,7 +119,8 @@ def group_advantages(rewards: Tensor, group_size: int, norm: str = "group_std", 
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if norm == "group_std":
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    return centred.view(-1)
+    tied = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    return torch.where(tied, 0.0, centred).view(-1)
 
 
 def _masked_group_advantages(rewards: Tensor, group_size: int, norm: str, eps: float, kept: Tensor) -> Tensor:
@@ -129,7 +132,9 @@ def _masked_group_advantages(rewards: Tensor, group_size: int, norm: str, eps: f
     if norm == "group_std":
         std = ((centred ** 2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
         centred = centred / (std + eps)
-    return centred.view(-1)
+    high = torch.where(mask, grouped, -torch.inf).amax(dim=1, keepdim=True)
+    low = torch.where(mask, grouped, torch.inf).amin(dim=1, keepdim=True)
+    return torch.where(high <= low, 0.0, centred).view(-1)
 
 
 def ragged_group_advantages(rewards: Tensor, group_sizes: list[int], norm: str = "group_std",

@@ -17,9 +17,7 @@ group's advantages are renormalised over the members left (`rlspec.grpo.kept_sam
 from __future__ import annotations
 
 import math
-import time
 import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -31,7 +29,7 @@ from .batch import TrainBatch
 from .checkpoints import Checkpoints
 from .errors import RunError
 from .grpo import LossNorm, group_advantages, kept_samples, ragged_group_advantages
-from .metrics import MetricsLog, peak_memory_gb
+from .metrics import MetricsLog, PhaseTimer, peak_memory_gb
 from .monitor import RunMonitor
 from .rollout.base import collate, engine_logprobs_tensor
 from .spec import RunPlan
@@ -46,17 +44,11 @@ class StepResult:
     batch: TrainBatch
     stats: dict[str, float]
     grad_norms: list[float]
+    skipped: int = 0
+    """Mini-batch updates skipped: nothing to learn (`nothing_to_learn`)."""
 
 
-class _Timer(dict):
-    @contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        yield
-        self[name] = self.get(name, 0.0) + time.perf_counter() - start
-
-
-def rollout_batch(plan: RunPlan, engine, task: Task, step: int, pad_id: int, timer: _Timer,
+def rollout_batch(plan: RunPlan, engine, task: Task, step: int, pad_id: int, timer: PhaseTimer,
                   gateway: AgentGateway | None = None) -> tuple[TrainBatch, dict[str, float]]:
     """Sample, score and collate one step's batch (prompts x group_size sequences; with an agent, the
     trajectories its gateway kept); also the step's counters (`reward/*`, the gateway's `agent/*`)."""
@@ -103,42 +95,60 @@ def check_reward_errors(scores: Scores, max_rate: float, step: int) -> None:
 
 
 def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
-    """All optimizer updates of one rollout batch (mini-batch after mini-batch)."""
-    if plan.batch.updates_per_batch > 1:
-        batch.old_logprobs = backend.logprobs(batch)
-    if plan.needs_reference_model:
-        batch.ref_logprobs = backend.logprobs(batch, reference=True)
+    """All optimizer updates of one rollout batch (mini-batch after mini-batch).
+
+    A mini-batch with nothing to learn (`nothing_to_learn`) is skipped when
+    `algorithm.skip_zero_advantage_updates` is on; `StepResult.skipped` counts them."""
     size = len(batch) // plan.batch.updates_per_batch  # env rollouts: rows vary per step (a multiple of this split)
+    starts = range(0, len(batch), size)
+    skip = plan.spec.algorithm.skip_zero_advantage_updates
+    todo = [start for start in starts if not (skip and nothing_to_learn(plan, batch.select(start, start + size)))]
+    if todo and plan.batch.updates_per_batch > 1:
+        batch.old_logprobs = backend.logprobs(batch)
+    if todo and plan.needs_reference_model:
+        batch.ref_logprobs = backend.logprobs(batch, reference=True)
     totals: dict[str, float] = {}
     grad_norms = []
-    for start in range(0, len(batch), size):
+    for start in todo:
         mini = batch.select(start, start + size)
         norm = LossNorm.of(mini.loss_mask, plan.spec.rollout.max_new_tokens)
         stats = backend.forward_backward(mini, norm)
         grad_norms.append(backend.optimizer_step())
         for key, value in stats.items():  # sums over mini-batches; a peak is a peak
             totals[key] = max(totals.get(key, 0.0), value) if key == "peak_mem_gb" else totals.get(key, 0.0) + value
-    return StepResult(batch, totals, grad_norms)
+    return StepResult(batch, totals, grad_norms, skipped=len(starts) - len(todo))
 
 
-def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, sync_bytes: int,
+def nothing_to_learn(plan: RunPlan, mini: TrainBatch) -> bool:
+    """True when the mini-batch's loss gradient is exactly zero: no KL term, and every sequence with loss tokens
+    has advantage 0 (its groups were all-equal: every member solved, or none did)."""
+    if plan.spec.algorithm.kl_coef:
+        return False
+    trained = mini.loss_mask.sum(-1) > 0
+    return not bool(mini.advantages[trained].any())
+
+
+def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: PhaseTimer, sync_bytes: int,
                 counters: dict[str, float] | None = None) -> dict:
     stats, batch = result.stats, result.batch
-    tokens = max(stats["tokens"], 1.0)
     updates = len(result.grad_norms)
+    if not updates:  # every update skipped: nothing was computed (the loss and its gradient were exactly 0)
+        stats = {"loss": 0.0, "tokens": 0.0, "clipped_tokens": 0.0}
+    tokens = max(stats["tokens"], 1.0)
     step_time = timer["step"]
     obtained = batch.rewards[torch.isfinite(batch.rewards)]  # a dropped sample has no reward, not 0
     trained = batch.loss_mask.sum(-1)
     trained = trained[trained > 0]
+    tis = batch.engine_logprobs is not None and updates
     return {
         "step": step,
         "reward/mean": float(obtained.mean()) if len(obtained) else math.nan,
         "reward/std": float(obtained.std()) if len(obtained) > 1 else 0.0,
-        "loss": stats["loss"] / updates,
-        "kl": stats["kl_sum"] / tokens if plan.needs_reference_model else None,
-        "grad_norm": sum(result.grad_norms) / updates,
+        "loss": stats["loss"] / max(updates, 1),
+        "kl": stats["kl_sum"] / tokens if plan.needs_reference_model and updates else None,
+        "grad_norm": sum(result.grad_norms) / max(updates, 1),
         "clip_frac": stats["clipped_tokens"] / tokens,
-        "entropy": stats["entropy_sum"] / tokens,
+        "entropy": stats["entropy_sum"] / tokens if updates else None,
         "response_len/mean": float(trained.mean()) if len(trained) else 0.0,
         "timing_s/gen": timer.get("gen", 0.0),
         "timing_s/reward": timer.get("reward", 0.0),
@@ -152,9 +162,9 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: _Timer, syn
         "sync/bytes": sync_bytes,
         "sync/gb_per_s": sync_bytes / 1e9 / timer["sync"] if sync_bytes and timer.get("sync") else 0.0,
         "mem/peak_gb": stats.get("peak_mem_gb") or peak_memory_gb(plan.placement.device),
-        "tis/ratio_mean": stats["is_ratio_sum"] / tokens if batch.engine_logprobs is not None else None,
-        "tis/clipped_frac": (stats["is_clipped_tokens"] / tokens
-                             if batch.engine_logprobs is not None and plan.spec.algorithm.tis_cap is not None else None),
+        "tis/ratio_mean": stats["is_ratio_sum"] / tokens if tis else None,
+        "tis/clipped_frac": stats["is_clipped_tokens"] / tokens if tis and plan.spec.algorithm.tis_cap is not None else None,
+        "train/skipped_updates": result.skipped,
         "reward/errors": 0.0,
         "reward/dropped": 0.0,
         **(counters or {}),
@@ -229,7 +239,7 @@ def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, w
     """One metrics row per step, each step in turn: generate (or run the environments' episodes), train, sync."""
     spec = plan.spec
     for step in range(start_step, spec.algorithm.steps):
-        timer = _Timer()
+        timer = PhaseTimer()
         with timer("step"):
             if envs is None:
                 batch, counters = rollout_batch(plan, engine, task, step, pad_id, timer, gateway)

@@ -6,6 +6,8 @@ import json
 import math
 import resource
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -14,10 +16,20 @@ METRIC_KEYS = (
     "step", "reward/mean", "reward/std", "loss", "kl", "grad_norm", "clip_frac", "entropy", "response_len/mean",
     "timing_s/gen", "timing_s/reward", "timing_s/train", "timing_s/sync", "timing_s/step", "perf/tokens_per_s",
     "perf/completion_tokens_per_s", "sync/bytes", "sync/gb_per_s", "mem/peak_gb", "reward/errors", "reward/dropped",
-    "tis/ratio_mean", "tis/clipped_frac",
+    "tis/ratio_mean", "tis/clipped_frac", "train/skipped_updates",
 )
 """Keys of every row. `rollout.mode=async` adds `async/staleness_mean`, `async/pool_size`, `timing_s/wait`;
 a task may add its own reward counters (the judge's `reward/judge_requests`, `reward/retries`, `reward/fallbacks`)."""
+
+
+class PhaseTimer(dict):
+    """Seconds per phase of one step (`gen`, `train`, ...): `with timer("gen"): ...` adds to `timer["gen"]`."""
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self[name] = self.get(name, 0.0) + time.perf_counter() - start
 
 
 def peak_memory_gb(device: str) -> float:

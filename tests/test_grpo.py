@@ -227,3 +227,17 @@ def test_chunked_logprobs_and_entropy_equal_the_plain_ones_with_gradients():
         (grad,) = torch.autograd.grad((logp * weights).sum(), logits)
         assert torch.equal(logp, plain) and torch.equal(entropy, token_entropy(logits, 0.7))
         assert torch.allclose(grad, grad_plain, atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("size", [3, 7, 8])
+def test_tied_groups_get_exactly_zero_advantage(size):
+    """0.925 * 8 rounds: the float mean is an ulp off, which group_std used to blow up to |A| ~ 0.06 on every member."""
+    rewards = torch.tensor([0.925] * size + [0.1] * size + [1.0] + [0.0] * (size - 1))
+    for norm in ("group_std", "none"):
+        got = group_advantages(rewards, size, norm)
+        assert got[:2 * size].tolist() == [0.0] * (2 * size)
+        assert got[2 * size] > 0
+        kept = torch.ones(3 * size, dtype=torch.bool)
+        kept[1] = False  # the masked path: the kept members are still all equal
+        masked = group_advantages(torch.where(kept, rewards, torch.nan), size, norm, kept=kept)
+        assert masked[:2 * size].tolist() == [0.0] * (2 * size)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rlspec.errors import RunError
-from rlspec.loop import _Timer, rollout_batch
+from rlspec.loop import rollout_batch
+from rlspec.metrics import PhaseTimer
 from rlspec.rollout.base import Rollout
 from rlspec.run import build_plan
 from rlspec.tasks import score
@@ -63,7 +64,7 @@ def test_score_counts_raises_and_non_finite_as_errors():
 
 def test_failed_samples_are_dropped_and_groups_renormalised(plan):
     # group 0 = samples 0-3 loses sample 1; group 1 = samples 4-7 loses 5 and 6, keeping 4 and 7
-    batch, counters = rollout_batch(plan, FixedEngine(), flaky_task(fail=(1, 5), nan=(6,)), 0, 0, _Timer())
+    batch, counters = rollout_batch(plan, FixedEngine(), flaky_task(fail=(1, 5), nan=(6,)), 0, 0, PhaseTimer())
     assert counters["reward/errors"] == 3 and counters["reward/dropped"] == 3
     kept = batch.loss_mask.sum(-1) > 0
     assert kept.tolist() == [True, False, True, True, True, False, False, True]
@@ -77,16 +78,16 @@ def test_failed_samples_are_dropped_and_groups_renormalised(plan):
 
 
 def test_a_group_with_one_member_left_is_dropped_whole(plan):
-    batch, counters = rollout_batch(plan, FixedEngine(), flaky_task(fail=(0, 1)), 0, 0, _Timer())
+    batch, counters = rollout_batch(plan, FixedEngine(), flaky_task(fail=(0, 1)), 0, 0, PhaseTimer())
     assert counters["reward/errors"] == 2 and counters["reward/dropped"] == 2
-    batch, counters = rollout_batch(plan, FixedEngine(), flaky_task(fail=(0,), nan=(1, 2)), 0, 0, _Timer())
+    batch, counters = rollout_batch(plan, FixedEngine(), flaky_task(fail=(0,), nan=(1, 2)), 0, 0, PhaseTimer())
     assert counters["reward/errors"] == 3 and counters["reward/dropped"] == 4  # sample 3 has no baseline left
     assert batch.loss_mask[:4].sum() == 0 and batch.loss_mask[4:].sum() > 0
 
 
 def test_past_the_error_rate_the_run_fails_naming_the_key(plan):
     with pytest.raises(RunError) as caught:
-        rollout_batch(plan, FixedEngine(), flaky_task(fail=(0, 3, 6), nan=(7,)), 7, 0, _Timer())  # 4/8 > 0.4
+        rollout_batch(plan, FixedEngine(), flaky_task(fail=(0, 3, 6), nan=(7,)), 7, 0, PhaseTimer())  # 4/8 > 0.4
     text = str(caught.value)
     assert "rollout.task.max_reward_error_rate=0.4" in text and "4 of 8" in text and "50.0%" in text
     assert "step 7" in text and "ConnectionError" in text and "flaky_reward" in text  # the failure's traceback

@@ -32,6 +32,7 @@ from torch import Tensor
 from ..batch import TrainBatch
 from ..errors import RunError
 from ..grpo import group_advantages
+from ..metrics import PhaseTimer
 from ..models import pad_token_id
 from ..policy import forward_logits
 from ..rollout.hf import top_p_filter
@@ -73,71 +74,80 @@ def sample_actions(model: torch.nn.Module, prompts: list[list[int]], pixel_value
     return torch.multinomial(top_p_filter(probs, top_p), 1, generator=generator).squeeze(-1).cpu()
 
 
-class EnvRollouts:
-    """Runs a step's episodes with the engine's model and collates them; holds the env groups between steps.
+SAMPLER_STRIDE = 1_000_003
+"""Engine i samples actions from seed + step + i * SAMPLER_STRIDE (one engine: the in-process run's stream)."""
 
-    Needs an engine with `model`, `tokenizer` (the model's processor) and `device` (the `hf` engine).
+
+def episode_seed(plan: RunPlan, step: int, group: int) -> int:
+    """Every episode of group `group` at `step` starts from this seed (whichever process runs it)."""
+    spec = plan.spec
+    return spec.algorithm.seed + step * spec.rollout.prompts_per_step + group
+
+
+class EpisodeRunner:
+    """Runs episodes of some of the step's groups with a policy model; lives where the model lives.
+
+    `group_ids` are this runner's groups (all of them in one process, or every `num_engines`-th on an
+    engine actor, `rlspec.rollout.remote.EngineWorker.run_episodes`). The env groups persist between steps.
     """
 
-    def __init__(self, plan: RunPlan, engine) -> None:
+    def __init__(self, plan: RunPlan, model: torch.nn.Module, processor, device, group_ids: list[int],
+                 sampler_index: int = 0) -> None:
         spec = plan.spec
         self.plan = plan
-        self.engine = engine
-        self.groups = [build_env_group(spec.rollout.env, spec.algorithm.group_size)
-                       for _ in range(spec.rollout.prompts_per_step)]
-        self.num_actions = self.groups[0].num_actions
-        processor = engine.tokenizer
+        self.model = model
+        self.device = torch.device(device)
+        self.group_ids = list(group_ids)
+        self.sampler_index = sampler_index
+        self.groups = {g: build_env_group(spec.rollout.env, spec.algorithm.group_size) for g in self.group_ids}
+        first = self.groups[self.group_ids[0]] if self.group_ids else build_env_group(spec.rollout.env, 1)
+        self.num_actions, self.max_steps = first.num_actions, first.max_steps
+        if not self.group_ids:
+            first.close()
         self.action_ids = torch.tensor(action_token_ids(processor.tokenizer, self.num_actions))
         self.encode = PromptEncoder(processor, spec.rollout.env.prompt_template)
         self.pad_id = pad_token_id(processor)
 
     def close(self) -> None:
-        for group in self.groups:
+        for group in self.groups.values():
             group.close()
 
-    def rollout_batch(self, step: int, timer) -> tuple[TrainBatch, dict]:
-        """Run the step's episodes; return the training rows and the `env/*` (and episode reward) metrics."""
+    def run(self, step: int) -> tuple[dict[int, list[Episode]], dict[int, str], dict[str, float]]:
+        """This runner's episodes of `step` by group, the groups that failed (with why), and `env`/`gen` seconds."""
         spec = self.plan.spec
-        num_groups, size = len(self.groups), spec.algorithm.group_size
-        episodes = [[Episode() for _ in range(size)] for _ in range(num_groups)]
+        timer = PhaseTimer()
+        episodes = {g: [Episode() for _ in range(spec.algorithm.group_size)] for g in self.group_ids}
         errors: dict[int, str] = {}
         observations: dict[tuple[int, int], Observation] = {}
         with timer("env"):
-            for g, group in enumerate(self.groups):
+            for g, group in self.groups.items():
                 try:
-                    for i, obs in enumerate(group.reset(self.seed(step, g))):
+                    for i, obs in enumerate(group.reset(episode_seed(self.plan, step, g))):
                         observations[(g, i)] = obs
                 except Exception as err:  # noqa: BLE001 - counted and logged, the group is dropped
                     errors[g] = f"reset: {err!r}"
-        generator = torch.Generator().manual_seed(spec.algorithm.seed + step)
-        model = self.engine.model
-        was_training = model.training
-        model.eval()
+        generator = torch.Generator().manual_seed(spec.algorithm.seed + step + SAMPLER_STRIDE * self.sampler_index)
+        was_training = self.model.training
+        self.model.eval()
         try:
             while observations:
                 keys = list(observations)
                 with timer("gen"):
                     prompts, pixels = self.encode([observations[k].image for k in keys],
                                                   [observations[k].instruction for k in keys])
-                    actions = sample_actions(model, prompts, pixels, self.action_ids, spec.rollout.temperature,
-                                             spec.rollout.top_p, self.pad_id, self.engine.device, generator)
+                    actions = sample_actions(self.model, prompts, pixels, self.action_ids, spec.rollout.temperature,
+                                             spec.rollout.top_p, self.pad_id, self.device, generator)
                 chosen = {k: (prompts[j], pixels[j], int(actions[j])) for j, k in enumerate(keys)}
                 observations = self._step(episodes, chosen, errors, timer)
         finally:
-            model.train(was_training)
-        for g, message in errors.items():
-            log.warning("env group %d (seed %d) failed at step %d and is dropped: %s", g, self.seed(step, g), step, message)
-        return self._collate(episodes, errors)
-
-    def seed(self, step: int, group: int) -> int:
-        spec = self.plan.spec
-        return spec.algorithm.seed + step * spec.rollout.prompts_per_step + group
+            self.model.train(was_training)
+        return episodes, errors, dict(timer)
 
     def _step(self, episodes, chosen, errors, timer) -> dict[tuple[int, int], Observation]:
         """Apply the chosen actions group by group; return the observations of the episodes still running."""
         running = {}
         with timer("env"):
-            for g, group in enumerate(self.groups):
+            for g, group in self.groups.items():
                 mine = {i: c for (gg, i), c in chosen.items() if gg == g}
                 if not mine or g in errors:
                     continue
@@ -157,6 +167,51 @@ class EnvRollouts:
                         running[(g, i)] = t.observation
         return running
 
+
+class EnvRollouts:
+    """A step's episodes -> its `TrainBatch` and `env/*` metrics, on the driver.
+
+    With an in-process engine (`model`, `tokenizer` = the model's processor, `device`: the `hf` engine) one
+    `EpisodeRunner` runs every group here; with engine actors (`run_episodes`, the Ray backends) each engine
+    runs its share of the groups next to its copy of the policy and only the episodes travel.
+    """
+
+    def __init__(self, plan: RunPlan, engine) -> None:
+        spec = plan.spec
+        self.plan = plan
+        self.engine = engine
+        self.runner = None
+        if not hasattr(engine, "run_episodes"):
+            self.runner = EpisodeRunner(plan, engine.model, engine.tokenizer, engine.device,
+                                        list(range(spec.rollout.prompts_per_step)))
+        processor = engine.tokenizer
+        self.num_actions, self.max_steps = ((self.runner.num_actions, self.runner.max_steps) if self.runner
+                                            else engine.env_info())
+        self.action_ids = torch.tensor(action_token_ids(processor.tokenizer, self.num_actions))
+        self.pad_id = pad_token_id(processor)
+
+    @property
+    def groups(self) -> list:
+        """The in-process env groups, in group order (empty with engine actors)."""
+        return [self.runner.groups[g] for g in sorted(self.runner.groups)] if self.runner else []
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+    def rollout_batch(self, step: int, timer) -> tuple[TrainBatch, dict]:
+        """Run the step's episodes; return the training rows and the `env/*` (and episode reward) metrics."""
+        if self.runner is not None:
+            episodes, errors, seconds = self.runner.run(step)
+        else:
+            episodes, errors, seconds = self.engine.run_episodes(step)
+        for name, value in seconds.items():
+            timer[name] = timer.get(name, 0.0) + value
+        for g, message in sorted(errors.items()):
+            log.warning("env group %d (seed %d) failed at step %d and is dropped: %s", g, episode_seed(self.plan, step, g),
+                        step, message)
+        return self._collate([episodes[g] for g in sorted(episodes)], {g: errors[g] for g in errors})
+
     def _collate(self, episodes: list[list[Episode]], errors: dict[int, str]) -> tuple[TrainBatch, dict]:
         spec = self.plan.spec
         kept = [g for g in range(len(episodes)) if g not in errors]
@@ -165,7 +220,7 @@ class EnvRollouts:
         rewards = torch.tensor([[ep.reward for ep in episodes[g]] for g in kept], dtype=torch.float32).view(-1)
         advantages = group_advantages(rewards, spec.algorithm.group_size, spec.algorithm.adv_norm, spec.algorithm.adv_eps)
         flat = [ep for g in kept for ep in episodes[g]]
-        weights = episode_weights([len(ep.actions) for ep in flat], spec.algorithm.loss_agg, self.groups[0].max_steps)
+        weights = episode_weights([len(ep.actions) for ep in flat], spec.algorithm.loss_agg, self.max_steps)
         rows = [(prompt, pixels, int(self.action_ids[a]), float(adv * w), float(ep.reward))
                 for ep, adv, w in zip(flat, advantages.tolist(), weights)
                 for prompt, pixels, a in zip(ep.prompts, ep.pixel_values, ep.actions)]

@@ -34,6 +34,26 @@ class EngineWorker(StackReporter):
         self.engine = HFEngine(model, load_tokenizer(spec.model), spec.rollout, device, spec.algorithm.micro_batch_size)
         self.engine.engine_index = index
         self.engine.num_engines = spec.hardware.num_rollout_engines
+        self.plan = plan
+        self.index = index
+        self.episodes = None
+
+    def _episode_runner(self):
+        """This engine's environments (`model.kind: vla`): every `num_engines`-th group of a step, made once."""
+        if self.episodes is None:
+            from ..envs.rollout import EpisodeRunner
+
+            groups = list(range(self.index, self.plan.spec.rollout.prompts_per_step, self.engine.num_engines))
+            self.episodes = EpisodeRunner(self.plan, self.engine.model, self.engine.tokenizer, self.engine.device,
+                                          groups, sampler_index=self.index)
+        return self.episodes
+
+    def run_episodes(self, step: int):
+        return self._episode_runner().run(step)
+
+    def env_info(self) -> tuple[int, int]:
+        runner = self._episode_runner()
+        return runner.num_actions, runner.max_steps
 
     def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
         return self.engine.generate(prompts, n, seed)
@@ -87,6 +107,21 @@ class RemoteEngines:
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         return self._first("logprobs", batch)
+
+    def run_episodes(self, step: int):
+        """Every engine runs its groups' episodes (`rlspec.envs.rollout.EpisodeRunner`) at once; merged by group.
+        The engines work side by side, so each phase's time is the slowest engine's."""
+        episodes, errors, seconds = {}, {}, {}
+        for mine, failed, timing in self._all("run_episodes", step):
+            episodes.update(mine)
+            errors.update(failed)
+            for name, value in timing.items():
+                seconds[name] = max(seconds.get(name, 0.0), value)
+        return episodes, errors, seconds
+
+    def env_info(self) -> tuple[int, int]:
+        """(number of actions, episode step limit) of the environment."""
+        return self._first("env_info")
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self._all("load_weights", [(n, t.detach().cpu()) for n, t in named_tensors])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlspec.envs import build_env_group
-from rlspec.loop import _Timer
+from rlspec.metrics import PhaseTimer
 from rlspec.spec import EnvSpec
 from tests.conftest import REPO
 
@@ -73,7 +73,7 @@ def test_env_rollout_collates_per_step_rows(runner_parts):
     plan, engine = runner_parts
     runner = EnvRollouts(plan, engine)
     try:
-        timer = _Timer()
+        timer = PhaseTimer()
         batch, metrics = runner.rollout_batch(0, timer)
     finally:
         runner.close()
@@ -107,7 +107,7 @@ def test_env_errors_are_counted_and_the_group_dropped(runner_parts, monkeypatch,
 
     monkeypatch.setattr(MiniGridGroup, "step", flaky)
     try:
-        batch, metrics = runner.rollout_batch(0, _Timer())
+        batch, metrics = runner.rollout_batch(0, PhaseTimer())
     finally:
         runner.close()
     assert metrics["env/errors"] == 2 and metrics["env/episodes"] == 2
