@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -59,8 +60,11 @@ class Episode:
 @torch.no_grad()
 def sample_actions(model: torch.nn.Module, prompts: list[list[int]], pixel_values: Tensor, action_ids: Tensor,
                    temperature: float, top_p: float, pad_id: int, device: torch.device,
-                   generator: torch.Generator) -> Tensor:
-    """One action index per prompt, sampled from softmax(logits[action ids] / temperature) at the prompt's end."""
+                   generator: torch.Generator | Sequence[torch.Generator]) -> Tensor:
+    """One action index per prompt, sampled from softmax(logits[action ids] / temperature) at the prompt's end.
+
+    `generator` is one CPU generator for all rows, or one per row (rows that share a generator in a run are
+    drawn together), so that a group's draws do not depend on which other groups share the forward."""
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -70,16 +74,22 @@ def sample_actions(model: torch.nn.Module, prompts: list[list[int]], pixel_value
     logits = forward_logits(model, input_ids.to(device), attention_mask.to(device), pixel_values.to(device))
     last = attention_mask.sum(-1).to(device) - 1
     logits = logits[torch.arange(len(prompts), device=device), last][:, action_ids.to(device)]
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(top_p_filter(probs, top_p), 1, generator=generator).squeeze(-1).cpu()
-
-
-SAMPLER_STRIDE = 1_000_003
-"""Engine i samples actions from seed + step + i * SAMPLER_STRIDE (one engine: the in-process run's stream)."""
+    probs = top_p_filter(torch.softmax(logits.float() / temperature, dim=-1), top_p).cpu()  # the generators are CPU ones
+    if isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    draws, start = [], 0
+    while start < len(probs):
+        end = start + 1
+        while end < len(probs) and generator[end] is generator[start]:
+            end += 1
+        draws.append(torch.multinomial(probs[start:end], 1, generator=generator[start]).squeeze(-1))
+        start = end
+    return torch.cat(draws)
 
 
 def episode_seed(plan: RunPlan, step: int, group: int) -> int:
-    """Every episode of group `group` at `step` starts from this seed (whichever process runs it)."""
+    """Every episode of group `group` at `step` starts from this seed, and the group's actions are drawn from a
+    generator seeded with it (whichever process runs the group)."""
     spec = plan.spec
     return spec.algorithm.seed + step * spec.rollout.prompts_per_step + group
 
@@ -91,14 +101,12 @@ class EpisodeRunner:
     engine actor, `rlspec.rollout.remote.EngineWorker.run_episodes`). The env groups persist between steps.
     """
 
-    def __init__(self, plan: RunPlan, model: torch.nn.Module, processor, device, group_ids: list[int],
-                 sampler_index: int = 0) -> None:
+    def __init__(self, plan: RunPlan, model: torch.nn.Module, processor, device, group_ids: list[int]) -> None:
         spec = plan.spec
         self.plan = plan
         self.model = model
         self.device = torch.device(device)
         self.group_ids = list(group_ids)
-        self.sampler_index = sampler_index
         self.groups = {g: build_env_group(spec.rollout.env, spec.algorithm.group_size) for g in self.group_ids}
         first = self.groups[self.group_ids[0]] if self.group_ids else build_env_group(spec.rollout.env, 1)
         self.num_actions, self.max_steps = first.num_actions, first.max_steps
@@ -126,7 +134,9 @@ class EpisodeRunner:
                         observations[(g, i)] = obs
                 except Exception as err:  # noqa: BLE001 - counted and logged, the group is dropped
                     errors[g] = f"reset: {err!r}"
-        generator = torch.Generator().manual_seed(spec.algorithm.seed + step + SAMPLER_STRIDE * self.sampler_index)
+        # One action sampler per group, seeded like its episodes: a group's draws are the same whichever process
+        # runs it and whichever groups share its forwards (any number of engines gives the same episodes).
+        samplers = {g: torch.Generator().manual_seed(episode_seed(self.plan, step, g)) for g in self.group_ids}
         was_training = self.model.training
         self.model.eval()
         try:
@@ -136,7 +146,7 @@ class EpisodeRunner:
                     prompts, pixels = self.encode([observations[k].image for k in keys],
                                                   [observations[k].instruction for k in keys])
                     actions = sample_actions(self.model, prompts, pixels, self.action_ids, spec.rollout.temperature,
-                                             spec.rollout.top_p, self.pad_id, self.device, generator)
+                                             spec.rollout.top_p, self.pad_id, self.device, [samplers[g] for g, _ in keys])
                 chosen = {k: (prompts[j], pixels[j], int(actions[j])) for j, k in enumerate(keys)}
                 observations = self._step(episodes, chosen, errors, timer)
         finally:

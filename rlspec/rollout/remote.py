@@ -44,8 +44,7 @@ class EngineWorker(StackReporter):
             from ..envs.rollout import EpisodeRunner
 
             groups = list(range(self.index, self.plan.spec.rollout.prompts_per_step, self.engine.num_engines))
-            self.episodes = EpisodeRunner(self.plan, self.engine.model, self.engine.tokenizer, self.engine.device,
-                                          groups, sampler_index=self.index)
+            self.episodes = EpisodeRunner(self.plan, self.engine.model, self.engine.tokenizer, self.engine.device, groups)
         return self.episodes
 
     def run_episodes(self, step: int):

@@ -178,3 +178,26 @@ def test_watchdog_killed_rank_stops_run(tmp_path):
     assert returncode == 1, err[-4000:]
     assert elapsed < 30
     assert "run failed: trainer rank" in err and "died" in err, err[-4000:]
+
+
+def test_vla_episodes_in_two_engines_equal_standalone(tmp_path):
+    """`model.kind: vla` on 2 ranks with the episodes split over 2 engine actors: the same episodes, losses and
+    success rates as the standalone backend's in-process run from the same seed."""
+    import subprocess
+
+    from tests.conftest import REPO, rlspec_cmd
+
+    args = ["run", str(REPO / "examples" / "vla_babyai.yaml"), "algorithm.steps=2", "rollout.prompts_per_step=2",
+            "algorithm.group_size=2", "rollout.env.max_steps=4", "algorithm.micro_batch_size=2", "--no-progress"]
+    rows = {}
+    for backend, extra in (("standalone", []), ("fsdp", ["hardware.num_trainer_ranks=2", "hardware.num_rollout_engines=2"])):
+        out = tmp_path / backend
+        proc = subprocess.run(rlspec_cmd(*args, "--backend", backend, "--out", str(out), *extra), capture_output=True,
+                              text=True, cwd=REPO, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        rows[backend] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for want, got in zip(rows["standalone"], rows["fsdp"], strict=True):
+        for key in ("env/success_rate", "env/episode_len", "env/rows", "reward/mean"):
+            assert got[key] == want[key], key
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4, abs=1e-6)
