@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU measurements quoted in the READMEs, as run on the GPU machine (no network) from the project root
+# with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
+# `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
+#   OUT=<dir> bash tests/gpu/measure.sh SECTION...
+# Sections: gputests fsdp1 nccl ipc async trl8 trl32. Each writes its log and metrics under $OUT.
+set -u
+ROOT=$PWD
+OUT=${OUT:?set OUT}
+source .devicepkgs/install.sh
+if [ ! -f /tmp/site/.rlspec ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicepkgs/extra/*.whl > $OUT/install.log 2>&1
+  python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/site . >> $OUT/install.log 2>&1
+  touch /tmp/site/.rlspec
+fi
+nvidia-smi -L >> $OUT/install.log
+cd /tmp  # not the project root: its ./rlspec (a source tree) would shadow the installed package
+RL="python3 -m rlspec.cli"
+BENCH=$ROOT/examples/bench_qwen0p5b.yaml
+
+keep() {  # copy a bench's per-backend metrics next to its log, as they are (bench.json comes only at the end)
+  local name=$1 dir=$2
+  for m in $dir/*/metrics.jsonl; do [ -f "$m" ] && cp "$m" "$OUT/${name}_$(basename $(dirname $m)).jsonl"; done
+  [ -f $dir/bench.json ] && cp $dir/bench.json $OUT/${name}_bench.json
+}
+
+for section in "$@"; do
+  start=$(date +%s)
+  echo "== $section" >> $OUT/results.txt
+  case $section in
+    gputests)  # the GPU-marked tests (engine log-probs vs trainer, sampler distribution, cuda_ipc, server graphs)
+      (cd $ROOT && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25) >> $OUT/results.txt ;;
+    fsdp1)  # issue 7: the three backends on one GPU
+      CUDA_VISIBLE_DEVICES=0 timeout 420 $RL bench $BENCH algorithm.steps=3 --backends standalone,deepspeed,fsdp \
+        --out /tmp/b_fsdp1 > $OUT/fsdp1.log 2>&1; echo "exit $?" >> $OUT/results.txt
+      keep fsdp1 /tmp/b_fsdp1; tail -8 $OUT/fsdp1.log >> $OUT/results.txt ;;
+    nccl)  # issue 8: the bridge's nccl push across 2 GPUs beside a raw broadcast of the same bytes
+      timeout 200 python3 -m rlspec.bench_sync --method nccl --repeats 5 --json $OUT/bench_nccl.json >> $OUT/results.txt 2>&1 ;;
+    ipc)  # issue 8: cuda_ipc push on one GPU beside a device-to-device copy of the same bytes
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.bench_sync --method cuda_ipc --repeats 10 \
+        --json $OUT/bench_ipc.json >> $OUT/results.txt 2>&1 ;;
+    async)  # issue 10: engine on its own GPU, nccl sync, the same spec synchronous and asynchronous
+      for mode in sync async; do
+        timeout 240 $RL bench $BENCH hardware=gpu2_separate sync.method=nccl algorithm.steps=6 rollout.mode=$mode \
+          rollout.max_staleness=1 --backends fsdp --out /tmp/b_$mode > $OUT/async_$mode.log 2>&1
+        echo "$mode exit $?" >> $OUT/results.txt; keep async_$mode /tmp/b_$mode; tail -4 $OUT/async_$mode.log >> $OUT/results.txt
+      done ;;
+    trl8|trl32)  # issue 9: the standalone engine beside TRL's GRPOTrainer, 8 or 32 prompts x 8
+      p=${section#trl}
+      CUDA_VISIBLE_DEVICES=0 timeout 480 $RL bench $BENCH rollout.prompts_per_step=$p --backends standalone --reference trl \
+        --out /tmp/b_$section > $OUT/$section.log 2>&1; echo "exit $?" >> $OUT/results.txt
+      keep $section /tmp/b_$section; tail -8 $OUT/$section.log >> $OUT/results.txt ;;
+    *) echo "unknown section $section" >> $OUT/results.txt ;;
+  esac
+  echo "-- $section took $(( $(date +%s) - start )) s" >> $OUT/results.txt
+done
