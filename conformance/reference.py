@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..batch import TrainBatch
-from ..grpo import LossConfig, LossNorm, policy_loss
+from ..grpo import LossConfig, LossNorm, policy_loss, read_stats
 from ..loop import update
 from ..policy import sequence_logprobs
 from ..spec import BackendCaps, Spec, compile_plan
@@ -95,7 +95,7 @@ def run_reference(spec: Spec, fixture: Fixture) -> CaseRun:
             grad_norms.append(grad_norm_and_clip(model.parameters(), algo.max_grad_norm))
             trainer.optimizer.step()
             trainer.optimizer.zero_grad(set_to_none=True)
-            stats["loss"] = float(loss.item())
+            stats = read_stats(stats) | {"loss": float(loss.item())}
             for key in totals:
                 totals[key] += stats[key]
             if algo.dual_clip_c is not None:

@@ -57,11 +57,25 @@ class TrainBatch:
     def to(self, device: torch.device | str) -> "TrainBatch":
         return self._map(lambda t: t.to(device))
 
-    def trimmed(self) -> "TrainBatch":
-        """Drop trailing columns that are padding in every sequence (saves compute per micro-batch)."""
-        length = int(self.attention_mask.sum(dim=0).nonzero().max().item()) + 1
+    def trimmed(self, length: int | None = None) -> "TrainBatch":
+        """Drop trailing columns that are padding in every sequence (saves compute per micro-batch); `length`,
+        when the caller knows it, saves reading it from the mask."""
+        if length is None:
+            length = self.real_length()
         return TrainBatch(**{f.name: (t[:, :length] if f.name in TOKEN_ALIGNED and t is not None else t)
                              for f in dataclasses.fields(self) for t in [getattr(self, f.name)]})
+
+    def real_length(self) -> int:
+        """Columns up to the last one that holds a real token in some sequence."""
+        return int(self.attention_mask.sum(dim=0).nonzero().max().item()) + 1
+
+    def micro_batches(self, size: int, device: torch.device | str) -> Iterator["TrainBatch"]:
+        """`chunks(size)`, each `trimmed()`, on `device`. The batch moves in one copy per tensor and the lengths
+        are read where the batch is, before it moves: on a GPU, no micro-batch waits for the device to drain
+        (a copy from pageable host memory, or `.item()` on a device tensor, would)."""
+        lengths = [mb.real_length() for mb in self.chunks(size)]
+        for mb, length in zip(self.to(device).chunks(size), lengths):
+            yield mb.trimmed(length)
 
     def chunks(self, size: int) -> Iterator["TrainBatch"]:
         """Consecutive slices of at most `size` sequences."""

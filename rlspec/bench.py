@@ -9,15 +9,19 @@ Columns: `perf/completion_tokens_per_s` (sampled tokens per second of the whole 
 `perf/tokens_per_s` (prompt + completion tokens per step second), the step's time split, peak memory,
 and `perf/train_mfu`, the train phase's model FLOPs utilisation:
 
-    train FLOPs = (passes_with_grad * 3 + passes_no_grad) * tokens * (2 * N + 2 * n_layers * s * d_attn)
+    train FLOPs = (3 + passes_no_grad) * tokens * (2 * N + 2 * n_layers * s * d_attn)
 
-N = parameters of the matmuls (every Linear, the LM head included; the embedding lookup is no matmul),
-tokens = prompt + completion tokens of the step (padding not counted), s = their mean length per sequence,
-d_attn = heads * head_dim; 2 * n_layers * s * d_attn is causal attention's QK^T and AV per token
-(context s/2 on average). One pass with gradient per update; forward + backward = 3 forwards (activation
-recomputation under gradient checkpointing is not counted). No-grad passes: old log-probs when
-updates_per_batch > 1, reference log-probs when kl_coef > 0. MFU = train FLOPs / (timing_s/train x the
-device's dense bf16 peak); reported for 16-bit models on a known GPU only.
+N = parameters of the matmuls (every Linear, the LM head included, counted once when tied to the
+embedding; the embedding lookup is no matmul), tokens = prompt + completion tokens of the step (padding
+not counted), s = their mean length per sequence, d_attn = heads * head_dim; 2 * n_layers * s * d_attn is
+causal attention's QK^T and AV per token (context s/2 on average). Every token goes through one forward
+with gradient and its backward per step, whatever `updates_per_batch` (each update trains on its share of
+the batch): forward + backward = 3 forwards. No-grad passes over all tokens: old log-probs when
+updates_per_batch > 1, reference log-probs when kl_coef > 0. Recomputation is not counted (this is MFU,
+not hardware FLOPs utilisation): neither the activations recomputed under gradient checkpointing (one more
+forward of the decoder) nor the LM head recomputed chunk by chunk in backward (`rlspec.grpo`, one more
+forward of the head). MFU = train FLOPs / (timing_s/train x the device's dense bf16 peak); reported for
+16-bit models on a known GPU only.
 
 `--reference trl` adds TRL's GRPOTrainer on the same spec (`rlspec.bench_trl` says what is matched).
 """
@@ -81,7 +85,7 @@ class TrainFlops:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.attn_width = config.num_hidden_layers * config.num_attention_heads * head_dim
         self.sequences = plan.batch.sequences_per_step
-        self.passes = 3 * plan.batch.updates_per_batch + int(plan.batch.updates_per_batch > 1) + int(plan.needs_reference_model)
+        self.passes = 3 + int(plan.batch.updates_per_batch > 1) + int(plan.needs_reference_model)
         self.peak = peak_tflops * 1e12
 
     def flops(self, tokens: float) -> float:

@@ -173,13 +173,15 @@ def aggregate(per_token: Tensor, loss_mask: Tensor, mode: str, norm: LossNorm) -
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor, norm: LossNorm,
                 cfg: LossConfig, ref_logp: Tensor | None = None,
-                engine_logp: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                engine_logp: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO loss of one shard (tensors [N, L] token-aligned; `advantages` [N]).
 
     `engine_logp` are the rollout engine's log-probs of the sampled tokens (for TIS). Returns the loss
     share (see `aggregate`) and *sums* over this shard's completion tokens, so that statistics add up
     across micro-batches and ranks: `clipped_tokens`, `kl_sum`, `tokens`, `is_ratio_sum` (pi_old / mu),
-    `is_clipped_tokens` (ratio above `tis_cap`).
+    `is_clipped_tokens` (ratio above `tis_cap`). The sums are 0-dim tensors on the loss's device, so that a
+    micro-batch loop reads them once per step (`read_stats`), not once per micro-batch (each read waits for
+    the device).
     """
     adv = advantages.unsqueeze(-1).to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
@@ -203,15 +205,23 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
     loss = aggregate(per_token, loss_mask, cfg.loss_agg, norm)
     with torch.no_grad():
         mask = loss_mask > 0
+        zero = loss_mask.new_zeros(())
         stats = {
-            "clipped_tokens": float(((clipped > unclipped) & mask).sum().item()),
-            "kl_sum": float((kl * loss_mask).sum().item()) if kl is not None else 0.0,
-            "tokens": float(mask.sum().item()),
-            "is_ratio_sum": float((is_ratio * loss_mask).sum().item()) if is_ratio is not None else 0.0,
-            "is_clipped_tokens": (float(((is_ratio > cfg.tis_cap) & mask).sum().item())
-                                  if is_ratio is not None and cfg.tis_cap is not None else 0.0),
+            "clipped_tokens": ((clipped > unclipped) & mask).sum(),
+            "kl_sum": (kl * loss_mask).sum() if kl is not None else zero,
+            "tokens": mask.sum(),
+            "is_ratio_sum": (is_ratio * loss_mask).sum() if is_ratio is not None else zero,
+            "is_clipped_tokens": (((is_ratio > cfg.tis_cap) & mask).sum()
+                                  if is_ratio is not None and cfg.tis_cap is not None else zero),
         }
     return loss, stats
+
+
+def read_stats(stats: dict[str, Tensor]) -> dict[str, float]:
+    """Statistic tensors as floats, in one device-to-host read; fp64, so a sum of fp32 sums is what adding
+    them as Python floats gives."""
+    values = torch.stack([v.detach().to(torch.float64) for v in stats.values()]).tolist()
+    return dict(zip(stats, values))
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
@@ -231,13 +241,14 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
 def token_logprobs_and_entropy(states: Tensor, input_ids: Tensor, temperature: float = 1.0,
                                head: torch.nn.Module | None = None,
                                chunk_elems: int = 1 << 25) -> tuple[Tensor, Tensor]:
-    """`token_logprobs` and `token_entropy` (entropy detached), computed over sequence chunks.
+    """`token_logprobs` and `token_entropy` (entropy detached), computed over chunks of positions.
 
-    `states` are the logits [N, L, V], or with `head` the final hidden states [N, L, H] and `head(h)` the
-    logits, so the full logits never exist: at a 152k vocabulary a batch of 64 x 270 tokens is 5 GB of bf16
-    logits and 10 GB per fp32 intermediate. Each chunk holds at most `chunk_elems` logits; under autograd a
-    chunk is recomputed in backward (checkpoint) rather than kept. The log-softmax is row-wise, and an input
-    that fits one chunk takes exactly the unchunked ops, so results on small inputs are bit-identical.
+    `states` are the logits [N, L, V], or with `head` (a `Linear`) the final hidden states [N, L, H] and
+    `head(h)` the logits, so the full logits never exist: at a 152k vocabulary a batch of 64 x 270 tokens is
+    5 GB of bf16 logits and 10 GB per fp32 intermediate. Each chunk holds at most `chunk_elems` logits, and
+    backward recomputes a chunk's logits from its states (`_ChunkedLogprobs`) rather than keeping them. The
+    log-softmax is row-wise, so chunked log-probs and entropies are bit-identical to the plain ones; an
+    input that fits one chunk takes exactly the unchunked ops (gradients included).
     """
     targets = input_ids[:, 1:]
     rows, length = targets.shape
@@ -247,41 +258,83 @@ def token_logprobs_and_entropy(states: Tensor, input_ids: Tensor, temperature: f
         logits = states if head is None else head(states)
         picked, entropy = _chunk_logprobs(logits[:, :-1], targets, temperature)
     else:
-        run = _checkpointed if torch.is_grad_enabled() else _chunk_logprobs
-        parts = [run(piece, target, temperature, head)
-                 for piece, target in zip(states[:, :-1].split(chunk, dim=1), targets.split(chunk, dim=1))]
-        picked, entropy = torch.cat([p for p, _ in parts], dim=1), torch.cat([e for _, e in parts], dim=1)
+        weight = None if head is None else head.weight
+        bias = None if head is None else head.bias
+        picked, entropy = _ChunkedLogprobs.apply(states[:, :-1], weight, bias, targets, temperature, chunk)
     return torch.nn.functional.pad(picked, (1, 0)), torch.nn.functional.pad(entropy, (1, 0))
 
 
-def _chunk_logprobs(states: Tensor, targets: Tensor, temperature: float, head: torch.nn.Module | None = None,
-                    with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+def _chunk_logprobs(states: Tensor, targets: Tensor, temperature: float,
+                    head=None) -> tuple[Tensor, Tensor]:
     # The fp32 logits are dropped once the log-softmax has run, and the entropy reuses exp(logp) in place:
     # a chunk's peak is two fp32 copies of its logits, not four.
     logits = _at_least_fp32(states if head is None else head(states))
     logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # x / 1.0 == x
     del logits
     picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp.exp().mul_(logp)).sum(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp().mul_(logp)).sum(-1)
     return picked, entropy
 
 
-def _checkpointed(states: Tensor, targets: Tensor, temperature: float,
-                  head: torch.nn.Module | None) -> tuple[Tensor, Tensor]:
-    """The chunk under activation checkpointing; the entropy (no gradient) is computed in the forward only,
-    not again when backward recomputes the chunk."""
-    from torch.utils.checkpoint import checkpoint
+class _ChunkedLogprobs(torch.autograd.Function):
+    """Log-probs and entropies of states [N, L, H] under `logits = states @ weight.T + bias` (or of logits
+    [N, L, V] when `weight` is None), `positions` columns at a time.
 
-    calls = []
+    Forward keeps only the states; backward recomputes each chunk's logits, takes the gradient
+    d logp_t / d z = (onehot(t) - softmax(z / T)) / T through the chunk and adds the weight's share in place.
+    So a chunk's fp32 logits live only while that chunk runs, and the weight gradient is one buffer rather
+    than one full-size tensor per chunk that autograd would sum (under `torch.utils.checkpoint` it also
+    kept each chunk's graph machinery and ran the forward's entropy again).
+    """
 
-    def run(chunk_states: Tensor, chunk_targets: Tensor) -> tuple[Tensor, Tensor | None]:
-        calls.append(None)
-        return _chunk_logprobs(chunk_states, chunk_targets, temperature, head, with_entropy=len(calls) == 1)
+    @staticmethod
+    def forward(ctx, states, weight, bias, targets, temperature, positions):
+        head = None if weight is None else (lambda x: torch.nn.functional.linear(x, weight, bias))
+        parts = [_chunk_logprobs(piece, target, temperature, head)
+                 for piece, target in zip(states.split(positions, dim=1), targets.split(positions, dim=1))]
+        ctx.save_for_backward(states, weight, bias, targets)
+        ctx.temperature, ctx.positions = temperature, positions
+        picked, entropy = torch.cat([p for p, _ in parts], dim=1), torch.cat([e for _, e in parts], dim=1)
+        ctx.mark_non_differentiable(entropy)
+        return picked, entropy
 
-    return checkpoint(run, states, targets, use_reentrant=False)
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_picked, _grad_entropy):
+        states, weight, bias, targets = ctx.saved_tensors
+        temperature, step = ctx.temperature, ctx.positions
+        grad_states = torch.empty_like(states) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        for start in range(0, states.shape[1], step):
+            cols = slice(start, start + step)
+            piece = states[:, cols]
+            logits = piece if weight is None else torch.nn.functional.linear(piece, weight, bias)
+            logits = _at_least_fp32(logits)
+            logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+            del logits
+            # The backward autograd runs for gather then log_softmax (then / T), op for op, so the gradients
+            # are autograd's bit for bit; a chunk's peak is three fp32 copies of its logits, as before.
+            grad = torch.zeros_like(logp).scatter_(-1, targets[:, cols].unsqueeze(-1),
+                                                  grad_picked[:, cols].to(logp.dtype).unsqueeze(-1))
+            grad = torch.ops.aten._log_softmax_backward_data(grad, logp, -1, logp.dtype)
+            del logp
+            if temperature != 1.0:
+                grad.div_(temperature)
+            grad = grad.to(states.dtype if weight is None else weight.dtype)
+            if weight is None:
+                if grad_states is not None:
+                    grad_states[:, cols] = grad
+                continue
+            if grad_states is not None:
+                grad_states[:, cols] = torch.matmul(grad, weight)
+            grad = grad.flatten(0, 1)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.t(), piece.flatten(0, 1))
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        return grad_states, grad_weight, grad_bias, None, None, None
 
 
 def _at_least_fp32(t: Tensor) -> Tensor:

@@ -95,26 +95,26 @@ def sequence_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: fl
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float, micro_batch_size: int,
                    device: torch.device | str) -> Tensor:
-    """[N, L] token log-probs of `batch` under `model`, computed micro-batch by micro-batch, on CPU."""
-    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-    for start in range(0, len(batch), micro_batch_size):
-        mb = batch.select(start, start + micro_batch_size).trimmed().to(device)
+    """[N, L] token log-probs of `batch` under `model`, computed micro-batch by micro-batch, returned on CPU
+    (gathered on `device`, then copied once)."""
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
+    for start, mb in zip(range(0, len(batch), micro_batch_size), batch.micro_batches(micro_batch_size, device)):
         logp, _ = sequence_logprobs(model, mb, temperature)
-        out[start:start + len(mb), :mb.input_ids.shape[1]] = logp.float().cpu()
-    return out
+        out[start:start + len(mb), :mb.input_ids.shape[1]] = logp.float()
+    return out.cpu()
 
 
 def micro_batch_loss(model: torch.nn.Module, mb: TrainBatch, norm: LossNorm, cfg: LossConfig,
-                     temperature: float) -> tuple[Tensor, dict[str, float]]:
-    """Forward one micro-batch and return its GRPO loss share and statistic sums."""
+                     temperature: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Forward one micro-batch and return its GRPO loss share and statistic sums (0-dim device tensors)."""
     logp, entropy = sequence_logprobs(model, mb, temperature)
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
     loss, stats = policy_loss(logp, old.to(logp.dtype), mb.advantages, mb.loss_mask.to(logp.dtype), norm, cfg,
                               None if mb.ref_logprobs is None else mb.ref_logprobs.to(logp.dtype),
                               None if mb.engine_logprobs is None else mb.engine_logprobs.to(logp.dtype))
     with torch.no_grad():
-        stats["entropy_sum"] = float((entropy * mb.loss_mask).sum().item())
-        stats["loss"] = float(loss.item())
+        stats["entropy_sum"] = (entropy * mb.loss_mask).sum()
+        stats["loss"] = loss.detach()
     return loss, stats
 
 
@@ -124,14 +124,19 @@ def accumulate(model: torch.nn.Module, shard: TrainBatch, micro_batch_size: int,
 
     `backward` receives the loss share of each micro-batch (see `rlspec.grpo.aggregate`): the caller
     scales it for its gradient reduction (e.g. x world size under an averaging all-reduce).
+
+    The statistics stay on the device, summed in fp64 (what adding them as Python floats gives), and are
+    read once at the end: the loop itself never waits for the device.
     """
-    totals = dict.fromkeys(STAT_KEYS, 0.0)
-    for mb in shard.chunks(micro_batch_size):
-        loss, stats = micro_batch_loss(model, mb.trimmed().to(device), norm, cfg, temperature)
+    totals = None
+    for mb in shard.micro_batches(micro_batch_size, device):
+        loss, stats = micro_batch_loss(model, mb, norm, cfg, temperature)
         backward(loss)
-        for key in STAT_KEYS:
-            totals[key] += stats[key]
-    return totals
+        part = torch.stack([stats[key].detach().to(torch.float64) for key in STAT_KEYS])
+        totals = part if totals is None else totals + part
+    if totals is None:
+        return dict.fromkeys(STAT_KEYS, 0.0)
+    return dict(zip(STAT_KEYS, totals.tolist()))
 
 
 def add_stats(*parts: dict[str, float]) -> dict[str, float]:

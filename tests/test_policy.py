@@ -30,3 +30,18 @@ def test_chunked_head_path_equals_full_logits_with_gradients():
 
 def test_wrapped_models_use_their_own_forward():
     assert _decoder_and_head(torch.nn.Linear(2, 2)) is None
+
+
+def test_chunked_head_gradients_equal_autograd_for_states_weight_and_bias():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(6, 13, bias=True)
+    hidden = torch.randn(2, 8, 6, requires_grad=True)
+    ids = torch.randint(0, 13, (2, 8))
+    weights = torch.randn(2, 8)
+    plain = token_logprobs(head(hidden), ids, 0.7)
+    want = torch.autograd.grad((plain * weights).sum(), (hidden, head.weight, head.bias))
+    logp, entropy = token_logprobs_and_entropy(hidden, ids, 0.7, head=head, chunk_elems=13 * 3)  # 3 rows a chunk
+    got = torch.autograd.grad((logp * weights).sum(), (hidden, head.weight, head.bias))
+    assert torch.allclose(logp, plain, atol=1e-6) and not entropy.requires_grad  # head(chunk): other matmul shapes
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-6, rtol=0)

@@ -1,0 +1,121 @@
+"""Where the train phase's time goes, on one GPU: `python -m rlspec.profile_train SPEC [overrides] [--steps N]`.
+
+Runs the spec's steps on the standalone backend (sample, score, `loop.update`) and, for the train phase of
+the steps after the first (warm-up), prints:
+
+- the train phase's median wall time and MFU as `rlspec bench` counts it; for the last step, the summed
+  GPU kernel time (over the wall time, how busy the GPU is: a low share means the host does not keep it fed);
+- peak device memory of the generation phase and of the train phase, each measured alone;
+- host-device synchronisations in the train phase (`torch.cuda.set_sync_debug_mode`), by the source line
+  that asked for them;
+- the last step's top CUDA kernels by their own GPU time (torch.profiler).
+
+The engine is not given the new weights between steps (no transport runs): with `sync.method=auto` on one
+GPU it shares the trainer's weights anyway, and the train phase is what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+import warnings
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlspec.profile_train", description=__doc__.splitlines()[0])
+    parser.add_argument("spec")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--steps", type=int, default=3, help="steps to run; the first is warm-up, not measured")
+    parser.add_argument("--rows", type=int, default=25, help="kernels to list")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_train needs a CUDA device")
+
+    from .backend import create_backend
+    from .bench import _train_flops
+    from .loop import _Timer, rollout_batch, update
+    from .models import pad_token_id
+    from .run import build_plan
+
+    plan, task = build_plan(args.spec, args.overrides, "standalone")
+    backend = create_backend("standalone")
+    backend.setup(plan)
+    engine = backend.rollout_engine()
+    pad_id = pad_token_id(engine.tokenizer)
+    flops = _train_flops(plan)
+    walls, mfus, syncs = [], [], collections.Counter()
+    peaks = {"gen": 0.0, "train": 0.0}
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA])
+    try:
+        for step in range(args.steps):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            batch, _ = rollout_batch(plan, engine, task, step, pad_id, _Timer())
+            torch.cuda.synchronize()
+            peaks["gen"] = max(peaks["gen"], torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+            last = step == args.steps - 1
+            if last:  # the kernel table and GPU time: the last step's train phase alone
+                profiler.start()
+            start = time.perf_counter()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    update(plan, backend, batch)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+            if last:
+                profiler.stop()
+            peaks["train"] = max(peaks["train"], torch.cuda.max_memory_allocated() / 2**30)
+            if step == 0:
+                continue  # warm-up
+            walls.append(wall)
+            syncs.update(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+            if flops is not None:
+                mfus.append(flops.flops(float(batch.attention_mask.sum())) / (wall * flops.peak))
+    finally:
+        backend.shutdown()
+    steps = len(walls)
+    if not steps:
+        raise SystemExit("run at least 2 steps (the first is warm-up)")
+    wall, busy = statistics.median(walls), _kernel_seconds(profiler)
+    print(f"train phase, median of {steps} step(s): {wall:.3f} s wall" +
+          (f", MFU {statistics.median(mfus):.1%}" if mfus else "") +
+          f"; last step: {walls[-1]:.3f} s wall, {busy:.3f} s of GPU kernels ({busy / walls[-1]:.0%} busy)")
+    print(f"peak memory: generation {peaks['gen']:.2f} GB, train {peaks['train']:.2f} GB")
+    print(f"host-device syncs in the train phase: {sum(syncs.values()) / steps:.0f} per step")
+    for where, count in syncs.most_common(15):
+        print(f"  {count / steps:6.0f}  {where}")
+    print(_kernel_table(profiler, args.rows))
+
+
+def _kernel_seconds(profiler) -> float:
+    """Summed GPU time of the recorded kernels and copies."""
+    return sum(_self_device_us(e) for e in profiler.key_averages() if _on_device(e)) / 1e6
+
+
+def _on_device(event) -> bool:
+    kind = getattr(event, "device_type", None)
+    return kind is not None and kind != torch.autograd.DeviceType.CPU
+
+
+def _self_device_us(event) -> float:
+    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+
+
+def _kernel_table(profiler, rows: int) -> str:
+    events = profiler.key_averages()
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    return events.table(sort_by=key, row_limit=rows, max_name_column_width=70)
+
+
+if __name__ == "__main__":
+    main()
