@@ -50,6 +50,11 @@ for section in "$@"; do
       CUDA_VISIBLE_DEVICES=0 timeout 480 $RL bench $BENCH rollout.prompts_per_step=$p --backends standalone --reference trl \
         --out /tmp/b_$section > $OUT/$section.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep $section /tmp/b_$section; tail -8 $OUT/$section.log >> $OUT/results.txt ;;
+    profile)  # issue 9: where the standalone train phase spends its time (kernels, host syncs, busy share)
+      for p in 8 32; do
+        CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.profile_train $BENCH rollout.prompts_per_step=$p --steps 3 \
+          > $OUT/profile_$p.txt 2>&1; echo "profile $p exit $?" >> $OUT/results.txt
+      done ;;
     *) echo "unknown section $section" >> $OUT/results.txt ;;
   esac
   echo "-- $section took $(( $(date +%s) - start )) s" >> $OUT/results.txt
