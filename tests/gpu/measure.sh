@@ -6,7 +6,8 @@
 # Sections: gputests fsdp1 nccl ipc async trl8 trl32. Each writes its log and metrics under $OUT.
 set -u
 ROOT=$PWD
-OUT=${OUT:?set OUT}
+FINAL=${OUT:?set OUT}
+OUT=/tmp/measure; mkdir -p $OUT  # everything lands here; $FINAL gets results.txt and one all.tgz after each section
 source .devicepkgs/install.sh
 if [ ! -f /tmp/site/.rlspec ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicepkgs/extra/*.whl > $OUT/install.log 2>&1
@@ -58,4 +59,5 @@ for section in "$@"; do
     *) echo "unknown section $section" >> $OUT/results.txt ;;
   esac
   echo "-- $section took $(( $(date +%s) - start )) s" >> $OUT/results.txt
+  cp $OUT/results.txt $FINAL/; tar -czf $FINAL/all.tgz -C $OUT .
 done
