@@ -10,7 +10,9 @@ Endpoints:
   sync: the weights are then of unknown version).
 - `POST /bridge/receive`: pickled `(fn, payload)` -> pickled result; needs `Authorization: Bearer TOKEN`.
 
-A bad request gets a 4xx whose `detail` names the field; a failing bridge call a 500 with the server's
+A bad request gets a 4xx whose `detail` names the field (and, where a spec setting decides it, e.g. a prompt
+longer than `rollout.max_prompt_tokens`, the `spec_key` and its `fix`, which a trainer's client turns back
+into the `SpecError` the colocated engine raises); a failing bridge call a 500 with the server's
 traceback. The engine is used by one request at a time (a lock); `/health` never waits for it.
 """
 
@@ -95,8 +97,9 @@ class EngineHost:
             with self.lock:
                 version = self.weight_version
                 rollout = view.generate(prompts, req.n, seed=seed)
-        except SpecError as err:  # a prompt longer than rollout.max_prompt_tokens
-            raise _bad("prompt", err.problem) from None
+        except SpecError as err:  # a prompt longer than rollout.max_prompt_tokens: the spec key and its fix go along
+            raise HTTPException(status_code=400, detail=[{"loc": ["body", "prompt"], "msg": err.problem,
+                                                          "spec_key": err.where, "fix": err.fix}]) from None
         eos, tok = self.engine.tokenizer.eos_token_id, self.engine.tokenizer
         choices = []
         for i, (prompt_ids, ids, logps, text) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids,
