@@ -110,3 +110,23 @@ def test_a_too_long_prompt_is_bad_input_naming_the_spec_key_on_both_sides(served
         served_engine.generate(["a" * 300], 2, seed=0)
     assert caught.value.where == "rollout.max_prompt_tokens"
     assert "raise rollout.max_prompt_tokens" in caught.value.fix and "rollout server at" in caught.value.problem
+
+
+def _thread_name(engine, payload):
+    import threading
+
+    return threading.current_thread().name
+
+
+def test_all_engine_work_runs_on_the_one_engine_thread_while_requests_overlap(served):
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, _, _ = served
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    named = client.post("/bridge/receive", content=pickle.dumps((_thread_name, None)), headers=auth)
+    assert pickle.loads(named.content) == "rlspec-engine"
+    body = {"prompt": ["ab=", "c="], "n": 2, "seed": 3, "max_tokens": 4, "logprobs": 1}
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda _: client.post("/v1/completions", json=body), range(2)))
+    assert all(o.status_code == 200 for o in outs)
+    assert outs[0].json()["choices"] == outs[1].json()["choices"]  # same seed, same engine, one at a time
