@@ -189,27 +189,32 @@ def check_mapping(own: list[tuple[str, Tensor]], written: list[str]) -> None:
 
 # --- byte checksums: the device-side fingerprint ------------------------------------------------------------
 
-def checksums(tensors: Sequence[Tensor]) -> Tensor:
+def checksums(tensors: Sequence[Tensor], words: Sequence[Tensor | None] | None = None) -> Tensor:
     """One int32 per tensor, computed where the tensors live with no host sync: the tensor's bytes read as
     32-bit words (as bytes when their count is not a multiple of 4) and summed modulo 2**32.
 
     Integer addition is exact and order-free, so equal bytes give equal checksums whatever the memory layout
     or the reduction's order, and changing any one element changes the checksum. One kernel per tensor and
     no float64 copies: this is the fingerprint for transports that move bytes unchanged (dtype included).
+    `words` (from `word_views`, for tensors whose storage stays put) saves the per-call view work.
     """
-    sums = []
-    for tensor in tensors:
-        flat = tensor.detach().reshape(-1)
-        if flat.numel() * flat.element_size() % 4 == 0:
-            if flat.data_ptr() % 4:  # a view at an odd offset (a flat parameter's slice): realign
-                flat = flat.clone()
-            words = flat.view(torch.uint8).view(torch.int32) if flat.element_size() == 1 else flat.view(torch.int32)
-        else:
-            words = flat.view(torch.uint8)
-        sums.append(words.sum(dtype=torch.int32))
-    if not sums:
-        return torch.zeros(0, dtype=torch.int32)
-    return torch.stack(sums)
+    words = word_views(tensors) if words is None else words
+    sums = [(w if w is not None else _words(t.detach().reshape(-1).clone())).sum(dtype=torch.int32)
+            for t, w in zip(tensors, words)]
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int32)
+
+
+def word_views(tensors: Sequence[Tensor]) -> list[Tensor | None]:
+    """Each tensor's bytes as the words `checksums` adds, as a view of its storage; None where that needs a
+    copy (bytes not contiguous, or not 4-byte aligned)."""
+    return [_words(t.detach()) if t.is_contiguous() else None for t in tensors]
+
+
+def _words(flat: Tensor) -> Tensor | None:
+    flat = flat.reshape(-1).view(torch.uint8)
+    if flat.numel() % 4:
+        return flat
+    return None if flat.data_ptr() % 4 else flat.view(torch.int32)
 
 
 def compare_checksums(names: Sequence[str], expected: Tensor, actual: Tensor) -> None:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import register
-from .base import SyncError, as_source, check_mapping, checksums, compare_checksums
+from .base import SyncError, as_source, check_mapping, checksums, compare_checksums, word_views
 
 ALIGN_BYTES = 16
 """Each tensor starts at a multiple of this in its bucket (vectorised copies, word checksums)."""
@@ -57,21 +57,20 @@ class Staging:
     own); `order` is the source index of every entry, bucket after bucket.
     """
 
-    def __init__(self, named: list[tuple[str, Tensor]], bucket_mb: int, layout_id: str, device=None) -> None:
+    def __init__(self, named: list[tuple[str, Tensor]], bucket_mb: int, layout_id: str) -> None:
         self.key = layout_key(named, bucket_mb)
         self.layout_id = layout_id
         limit = bucket_mb * (1 << 20)
         groups: list[list[int]] = []
-        open_group: dict[torch.dtype, tuple[list[int], list[int]]] = {}  # dtype -> (indices, [bytes])
+        filling: dict[torch.dtype, list[int]] = {}
+        sizes: dict[torch.dtype, int] = {}
         for i, (_, tensor) in enumerate(named):
             size = tensor.numel() * tensor.element_size()
-            indices, used = open_group.get(tensor.dtype, (None, [0]))
-            if indices is None or (indices and used[0] + size > limit):
-                indices, used = [], [0]
-                open_group[tensor.dtype] = (indices, used)
-                groups.append(indices)
-            indices.append(i)
-            used[0] += size
+            if tensor.dtype not in filling or sizes[tensor.dtype] + size > limit:
+                filling[tensor.dtype], sizes[tensor.dtype] = [], 0
+                groups.append(filling[tensor.dtype])
+            filling[tensor.dtype].append(i)
+            sizes[tensor.dtype] += size
         self.entries: list[list[tuple[str, tuple[int, ...], int, int]]] = []
         self.flats: list[Tensor] = []
         self.views: list[list[Tensor]] = []
@@ -84,12 +83,14 @@ class Staging:
                 name, tensor = named[i]
                 entries.append((name, tuple(tensor.shape), offset, tensor.numel()))
                 offset += -(-tensor.numel() // align) * align
-            flat = torch.empty(offset, dtype=dtype, device=device or named[group[0]][1].device)
+            flat = torch.empty(offset, dtype=dtype, device=named[group[0]][1].device)
             self.entries.append(entries)
             self.flats.append(flat)
             self.views.append([flat[o:o + n].view(shape) for _, shape, o, n in entries])
             self.sources.append(group)
         self.order = [i for group in groups for i in group]
+        self.staged = [view for views in self.views for view in views]  # entry order
+        self.words = word_views(self.staged)
         self.parts: list[dict] = []  # the exported handles (set by the sender half)
         self.nbytes = sum(t.numel() * t.element_size() for _, t in named)
 
@@ -97,9 +98,10 @@ class Staging:
         for views, sources in zip(self.views, self.sources):
             torch._foreach_copy_(views, [named[i][1] for i in sources])
 
-    def expected(self, named: list[tuple[str, Tensor]]) -> Tensor:
-        """Checksums of the sender's own tensors (not of the buckets), in entry order."""
-        return checksums([named[i][1] for i in self.order])
+    def expected(self) -> Tensor:
+        """Checksums of the staged tensors, in entry order (equal to the sources' after `copy_in`: the entries
+        are disjoint, which `__init__` lays out and the tests check)."""
+        return checksums(self.staged, self.words)
 
 
 class Receiver:
@@ -121,6 +123,8 @@ class Receiver:
                  zip(self.names, itertools.chain(*self.dsts), itertools.chain(*self.srcs)) if d.shape != s.shape]
         if wrong:
             raise SyncError(f"{len(wrong)} weight(s) have another shape on the engine than sent: {', '.join(wrong[:4])}")
+        self.weights = list(itertools.chain(*self.dsts))
+        self.words = word_views(self.weights)
         self.layout_id = layout_id
         self.engine = weakref.ref(engine)
 
@@ -129,7 +133,7 @@ class Receiver:
             torch._foreach_copy_(dsts, srcs)
 
     def verify(self, expected: Tensor) -> None:
-        compare_checksums(self.names, expected, checksums([t for dsts in self.dsts for t in dsts]))
+        compare_checksums(self.names, expected, checksums(self.weights, self.words))
 
 
 @register("cuda_ipc")
@@ -170,7 +174,7 @@ class CudaIpcTransport:
                              for flat, entries in zip(staging.flats, staging.entries)]
             _STAGED[channel] = staging
         staging.copy_in(named)
-        expected = staging.expected(named) if payload["verify"] else None
+        expected = staging.expected() if payload["verify"] else None
         device = named[0][1].device if named else torch.device("cuda", torch.cuda.current_device())
         torch.cuda.synchronize(device)  # the engine reads these bytes from another process
         return {"id": channel, "layout": staging.layout_id, "parts": staging.parts, "bytes": staging.nbytes,

@@ -10,6 +10,7 @@ from rlspec.models import load_model, load_tokenizer
 from rlspec.rollout.hf import HFEngine
 from rlspec.spec import ModelSpec, RolloutSpec
 from rlspec.sync import SyncError, checksums, compare_checksums
+from rlspec.sync.base import word_views
 from rlspec.sync.cuda_ipc import Receiver, Staging, layout_key
 
 
@@ -26,7 +27,7 @@ def _sync(staging: Staging, named, engine, receiver: Receiver | None = None) -> 
     staging.copy_in(named)
     receiver = receiver or Receiver(engine, staging.flats, staging.entries, staging.layout_id)
     receiver.copy()
-    receiver.verify(staging.expected(named))
+    receiver.verify(staging.expected())
     return receiver
 
 
@@ -37,9 +38,12 @@ def test_checksums_are_exact_layout_free_and_see_any_changed_element():
                torch.randn(0), torch.tensor(2.5, dtype=torch.float64)]
     copies = [t.contiguous().clone() for t in tensors]  # other storage, other alignment, contiguous
     assert torch.equal(checksums(tensors), checksums(copies))
+    # a copy for the view at an odd offset and the transposed one; the 14-byte tensor is read as bytes
+    assert [w is None for w in word_views(tensors[:3])] == [True, False, True]
+    assert torch.equal(checksums(copies, word_views(copies)), checksums(copies))
     names = [f"t{i}" for i in range(len(tensors))]
     compare_checksums(names, checksums(tensors), checksums(copies))
-    copies[0][500] = copies[0][500] * 1.0078125 + 1  # one element of an odd-length bf16 tensor
+    copies[0][500] = copies[0][500] * 1.0078125 + 1  # one element of the misaligned bf16 view
     copies[2][1, 3] = -copies[2][1, 3]  # a sign flip
     with pytest.raises(SyncError, match=r"2 weight\(s\) differ after sync: t0, t2 \(byte checksum of 't0'"):
         compare_checksums(names, checksums(tensors), checksums(copies))
@@ -52,6 +56,9 @@ def test_staging_lays_out_once_aligned_and_round_trips_every_weight():
     assert sorted(staging.order) == list(range(len(named)))
     for flat, entries in zip(staging.flats, staging.entries):
         assert all(offset * flat.element_size() % 16 == 0 for _, _, offset, _ in entries)
+        spans = [(o, o + n) for _, _, o, n in entries]
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])) and spans[-1][1] <= flat.numel()
+    assert all(w is not None for w in staging.words)  # aligned views: no copies at checksum time
     staging.copy_in(named)
     got = {name: flat[o:o + n].view(shape) for flat, entries in zip(staging.flats, staging.entries)
            for name, shape, o, n in entries}
@@ -78,7 +85,7 @@ def test_wrong_bytes_fail_verification_naming_the_weight():
     named = _weights()
     staging = Staging(named, bucket_mb=1, layout_id="L0")
     receiver = _sync(staging, named, engine)
-    expected = staging.expected(named)
+    expected = staging.expected()
     with torch.no_grad():
         dict(engine.named_weights())["model.norm.weight"][3] += 1.0  # a write that went astray
     with pytest.raises(SyncError, match=r"1 weight\(s\) differ after sync: model\.norm\.weight"):
