@@ -213,14 +213,19 @@ class CudaIpcTransport:
         _STAGED.pop(channel_id, None)
 
     def close(self) -> None:
-        for call in (lambda: self.engine.receive(CudaIpcTransport.forget, self.channel_id) if self.engine else None,
-                     lambda: self.source.run_sender(CudaIpcTransport.release, self.channel_id, gather=False)
-                     if self.source else None):
-            try:
-                call()
-            except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
-                pass
-        self.source = self.engine = None
+        """Drop the engine's mappings, then free the sender's buckets (in that order: memory still mapped by
+        the engine is freed only once the engine lets go of it)."""
+        engine, source, self.engine, self.source = self.engine, self.source, None, None
+        try:
+            if engine is not None:
+                engine.receive(CudaIpcTransport.forget, self.channel_id)
+        except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+            pass
+        try:
+            if source is not None:
+                source.run_sender(CudaIpcTransport.release, self.channel_id, gather=False)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _open(handle, device_index: int) -> Tensor:
