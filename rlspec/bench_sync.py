@@ -64,12 +64,22 @@ def _d2d_copy_s(nbytes: int, repeats: int) -> list[float]:
     return times[1:]
 
 
+def _table(result: dict) -> str:
+    """The medians side by side, for a log or a README."""
+    rows = [("push, sync.verify=true", "push_verified"), ("push, sync.verify=false", "push_unverified"),
+            (f"raw {result['raw_name']}", "raw")]
+    lines = [f"{result['method']} {result['model']} {result['dtype']} {result['bytes'] / 1e9:.2f} GB on {result['device']} "
+             f"(median of {result['repeats']})", f"{'':26} {'ms':>8} {'GB/s':>8}"]
+    lines += [f"{label:26} {result[key + '_s'] * 1e3:8.2f} {result[key + '_gb_per_s']:8.1f}" for label, key in rows]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m rlspec.bench_sync", description=__doc__.split("\n")[0])
     parser.add_argument("--method", choices=("cuda_ipc", "nccl"), required=True)
     parser.add_argument("--model", default="qwen2_0p5b_shape")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10, help="timed pushes per setting (their median is reported)")
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     server = ServerProcess(plan)
     server.start()
     result: dict = {"method": args.method, "model": args.model, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
-                    "device": torch.cuda.get_device_name(0) if cuda else "cpu", "gpus": torch.cuda.device_count()}
+                    "repeats": args.repeats, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "gpus": torch.cuda.device_count()}
     transport = build_transport(plan.sync_method, plan.spec.sync)
     try:
         client = ServerClient(server.url, server.token, 300, server.describe, transport=args.method)
@@ -145,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
         transport.close()
         server.stop()
     print(json.dumps(result, indent=1))
+    print(_table(result), file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

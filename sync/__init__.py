@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .base import (Bucket, LocalWeights, SyncError, Transport, WeightSource, as_source, buckets, collect_cpu,
-                   compare_fingerprints, fingerprint, is_adapter, verify_written, write_weights)
+from .base import (Bucket, LocalWeights, SyncError, Transport, WeightSource, as_source, buckets, check_mapping,
+                   checksums, collect_cpu, compare_checksums, compare_fingerprints, fingerprint, is_adapter,
+                   verify_written, write_weights)
 
 _REGISTRY: dict[str, Callable[..., Transport]] = {}
 _MODULES = {"shared": ".shared", "checkpoint": ".checkpoint", "ray": ".ray_store", "nccl": ".collective",
@@ -37,5 +38,6 @@ def build_transport(name: str, sync_spec, **options) -> Transport:
 
 
 __all__ = ["Bucket", "LocalWeights", "SyncError", "Transport", "WeightSource", "as_source", "buckets",
-           "build_transport", "collect_cpu", "compare_fingerprints", "fingerprint", "is_adapter", "register", "transport_class", "verify_written",
+           "build_transport", "check_mapping", "checksums", "collect_cpu", "compare_checksums",
+           "compare_fingerprints", "fingerprint", "is_adapter", "register", "transport_class", "verify_written",
            "write_weights"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterator, Protocol
+from typing import Callable, ClassVar, Iterator, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -160,6 +160,14 @@ def verify_written(engine, written: list[str], expected: dict | None,
     repeated name.
     """
     own = [(name, t) for name, t in engine.named_weights() if scope is None or scope(name)]
+    check_mapping(own, written)
+    if expected:
+        names = set(expected)
+        compare_fingerprints(expected, fingerprint((n, t) for n, t in own if n in names))
+
+
+def check_mapping(own: list[tuple[str, Tensor]], written: list[str]) -> None:
+    """The name half of `verify_written`, over the engine's weights `own` (in scope) and the names sent."""
     if not own:
         raise SyncError("the engine holds no weights this transport writes (for sync.method=lora: an engine "
                         "without LoRA adapters)")
@@ -177,9 +185,50 @@ def verify_written(engine, written: list[str], expected: dict | None,
                   (repeated, "name(s) written more than once")) if l]
         raise SyncError(f"the weight name mapping is not one-to-one ({len(own)} engine weights, "
                         f"{len(counts)} names sent): " + "; ".join(parts))
-    if expected:
-        names = set(expected)
-        compare_fingerprints(expected, fingerprint((n, t) for n, t in own if n in names))
+
+
+# --- byte checksums: the device-side fingerprint ------------------------------------------------------------
+
+def checksums(tensors: Sequence[Tensor], words: Sequence[Tensor | None] | None = None) -> Tensor:
+    """One int32 per tensor, computed where the tensors live with no host sync: the tensor's bytes read as
+    32-bit words (as bytes when their count is not a multiple of 4) and summed modulo 2**32.
+
+    Integer addition is exact and order-free, so equal bytes give equal checksums whatever the memory layout
+    or the reduction's order, and changing any one element changes the checksum. One kernel per tensor and
+    no float64 copies: this is the fingerprint for transports that move bytes unchanged (dtype included).
+    `words` (from `word_views`, for tensors whose storage stays put) saves the per-call view work.
+    """
+    words = word_views(tensors) if words is None else words
+    sums = [(w if w is not None else _words(t.detach().reshape(-1).clone())).sum(dtype=torch.int32)
+            for t, w in zip(tensors, words)]
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int32)
+
+
+def word_views(tensors: Sequence[Tensor]) -> list[Tensor | None]:
+    """Each tensor's bytes as the words `checksums` adds, as a view of its storage; None where that needs a
+    copy (bytes not contiguous, or not 4-byte aligned)."""
+    return [_words(t.detach()) if t.is_contiguous() else None for t in tensors]
+
+
+def _words(flat: Tensor) -> Tensor | None:
+    flat = flat.reshape(-1).view(torch.uint8)
+    if flat.numel() % 4:
+        return flat
+    return None if flat.data_ptr() % 4 else flat.view(torch.int32)
+
+
+def compare_checksums(names: Sequence[str], expected: Tensor, actual: Tensor) -> None:
+    """Raise `SyncError` naming every tensor whose checksum differs (one host sync when all agree)."""
+    expected = expected.to(actual.device)
+    if expected.shape != actual.shape:
+        raise SyncError(f"{len(actual)} checksums computed for {len(expected)} sent")
+    if torch.equal(expected, actual):
+        return
+    bad = (expected != actual).nonzero().flatten().tolist()
+    first = bad[0]
+    raise SyncError(f"{len(bad)} weight(s) differ after sync: {_names([names[i] for i in bad])} (byte checksum of "
+                    f"{names[first]!r}: {int(actual[first]) & 0xFFFFFFFF:#010x} on the engine, "
+                    f"{int(expected[first]) & 0xFFFFFFFF:#010x} sent)")
 
 
 def _names(names: list[str], limit: int = 8) -> str:

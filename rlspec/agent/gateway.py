@@ -44,13 +44,16 @@ POLL_S = 0.005
 
 
 class _EngineView:
-    """Lets `EngineHost` drive any `RolloutEngine`: the host re-creates its engine for each request as
-    ``type(engine)(model, tokenizer, spec, device, micro_batch_size)`` with the request's sampling settings;
-    here `model` is the wrapped engine, which samples with `spec` when it has one (a served engine)."""
+    """Lets `EngineHost` drive any `RolloutEngine`: the host asks its engine for a view with each request's
+    sampling settings (`with_spec`, as `HFEngine` has); here `model` is the wrapped engine, which samples
+    with `spec` when it has one (a served engine)."""
 
     def __init__(self, engine, tokenizer, spec, device="cpu", micro_batch_size: int = 1) -> None:
         self.model, self.tokenizer, self.spec = engine, tokenizer, spec
         self.device, self.micro_batch_size = device, micro_batch_size
+
+    def with_spec(self, spec) -> "_EngineView":
+        return _EngineView(self.model, self.tokenizer, spec, self.device, self.micro_batch_size)
 
     def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
         engine = self.model

@@ -13,6 +13,7 @@ Elsewhere, and for any other model, the plain loop below runs.
 
 from __future__ import annotations
 
+import copy
 from typing import Iterable
 
 import torch
@@ -78,6 +79,14 @@ class HFEngine:
             completion_logprobs.append(row_logp[:end])
             texts.append(self.tokenizer.decode([t for t in row[:end] if t < vocab], skip_special_tokens=True))
         return Rollout(prompt_ids, completions, completion_logprobs, texts)
+
+    def with_spec(self, spec: RolloutSpec) -> "HFEngine":
+        """This engine sampling with other settings (a server request's max_tokens, temperature, top_p): the
+        same model and the same CUDA-graph sampler, whose compiled blocks are then built once, not per request."""
+        self._fast_sampler()
+        view = copy.copy(self)
+        view.spec = spec
+        return view
 
     def _fast_sampler(self):
         """The CUDA-graph sampler when it can run this model here, else None (the plain loop)."""

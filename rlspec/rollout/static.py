@@ -223,6 +223,7 @@ class GraphSampler:
         # colocated trainer; a later capture of a seen shape skips warm-up and costs a few milliseconds.
         self.keep_graphs = keep_graphs
         self.generator = torch.Generator(device=self.device)
+        self._capture_stream = None
         self._states: dict[tuple, _State] = {}
         self._pointers: tuple[int, ...] = ()
         self._warmed: set[tuple] = set()
@@ -230,7 +231,20 @@ class GraphSampler:
     @torch.no_grad()
     def sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
                temperature: float, top_p: float, eos: int) -> tuple[Tensor, Tensor]:
-        """[B, T] tokens and log-probs on CPU, T <= max_new_tokens; ended rows carry `eos` onward (as `HFEngine`)."""
+        """[B, T] tokens and log-probs on CPU, T <= max_new_tokens; ended rows carry `eos` onward (as `HFEngine`).
+
+        On CUDA everything runs with the sampler's device as the calling thread's current device: a capture
+        records only the current device's capture stream, so kernels of a model on another device (a rollout
+        server on cuda:1, called from a worker thread whose current device is cuda:0) would run uncaptured
+        while the generator is in capture mode ("Offset increment outside graph capture").
+        """
+        if self.device.type != "cuda":
+            return self._sample(input_ids, attention_mask, seed, max_new_tokens, temperature, top_p, eos)
+        with torch.cuda.device(self.device):
+            return self._sample(input_ids, attention_mask, seed, max_new_tokens, temperature, top_p, eos)
+
+    def _sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
+                temperature: float, top_p: float, eos: int) -> tuple[Tensor, Tensor]:
         rows = input_ids.shape[0]
         limit = BATCH_BUCKETS[-1]
         parts = [self._sample_rows(input_ids[s:s + limit], attention_mask[s:s + limit], seed + s, max_new_tokens,
@@ -293,7 +307,9 @@ class GraphSampler:
             self._warm_up(state, temperature, top_p, eos)
         graph = torch.cuda.CUDAGraph()
         graph.register_generator_state(self.generator)
-        with torch.cuda.graph(graph):
+        if self._capture_stream is None:  # on the sampler's device, not the (process-wide) default one
+            self._capture_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.graph(graph, stream=self._capture_stream):
             self._step(state, temperature, top_p, eos)
         return graph
 

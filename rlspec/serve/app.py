@@ -10,8 +10,10 @@ Endpoints:
   sync: the weights are then of unknown version).
 - `POST /bridge/receive`: pickled `(fn, payload)` -> pickled result; needs `Authorization: Bearer TOKEN`.
 
-A bad request gets a 4xx whose `detail` names the field; a failing bridge call a 500 with the server's
-traceback. The engine is used by one request at a time (a lock); `/health` never waits for it.
+A bad request gets a 4xx whose `detail` names the field (and, where a spec setting decides it, e.g. a prompt
+longer than `rollout.max_prompt_tokens`, the `spec_key` and its `fix`, which a trainer's client turns back
+into the `SpecError` the colocated engine raises); a failing bridge call a 500 with the server's
+traceback. All engine work runs on one engine thread, in order; `/health` never waits for it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import dataclasses
 import hmac
 import os
 import pickle
+import queue
 import secrets
 import threading
 import time
 import traceback
+from concurrent.futures import Future
 from typing import Any, List, Optional, Union
 
 from fastapi import FastAPI, HTTPException, Request, Response
@@ -63,15 +67,48 @@ FAULT_ENV = "RLSPEC_SERVE_FAULT"
 joins a group); `hang_start`: the server never becomes healthy."""
 
 
+class EngineThread:
+    """One thread that runs all of the engine's work, in order.
+
+    CUDA state that a CUDA-graph sampler relies on is per thread (the current device and stream; a capture is
+    recorded from the thread that began it), so captures and replays must not hop between the web server's
+    worker threads. Requests and bridge calls queue here instead; `/health` never waits for it.
+    """
+
+    def __init__(self, device) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.device = device
+        threading.Thread(target=self._loop, name="rlspec-engine", daemon=True).start()
+
+    def _loop(self) -> None:
+        import torch
+
+        if self.device is not None and torch.device(self.device).type == "cuda":
+            torch.cuda.set_device(torch.device(self.device))
+        while True:
+            fn, args, done = self.jobs.get()
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn(*args))
+                except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                    done.set_exception(err)
+
+    def run(self, fn, *args):
+        """`fn(*args)` on the engine thread; blocks the caller until it returns (or raises)."""
+        done: Future = Future()
+        self.jobs.put((fn, args, done))
+        return done.result()
+
+
 class EngineHost:
-    """The engine behind the app: one request at a time, plus the weight version it serves."""
+    """The engine behind the app: one job at a time on its own thread, plus the weight version it serves."""
 
     def __init__(self, engine, model_name: str) -> None:
         fault = os.environ.get(FAULT_ENV, "")
         self.skip = fault.removeprefix("skip:") if fault.startswith("skip:") else None
         self.engine = engine
         self.model_name = model_name
-        self.lock = threading.Lock()
+        self.thread = EngineThread(getattr(engine, "device", None))
         self.weight_version: int | None = 0
         self.started = time.time()
 
@@ -89,14 +126,15 @@ class EngineHost:
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         spec = dataclasses.replace(self.engine.spec, max_new_tokens=req.max_tokens, temperature=req.temperature,
                                    top_p=req.top_p)
-        view = type(self.engine)(self.engine.model, self.engine.tokenizer, spec, self.engine.device,
-                                 self.engine.micro_batch_size)
+
+        def generate():
+            return self.weight_version, self.engine.with_spec(spec).generate(prompts, req.n, seed=seed)
+
         try:
-            with self.lock:
-                version = self.weight_version
-                rollout = view.generate(prompts, req.n, seed=seed)
-        except SpecError as err:  # a prompt longer than rollout.max_prompt_tokens
-            raise _bad("prompt", err.problem) from None
+            version, rollout = self.thread.run(generate)
+        except SpecError as err:  # a prompt longer than rollout.max_prompt_tokens: the spec key and its fix go along
+            raise HTTPException(status_code=400, detail=[{"loc": ["body", "prompt"], "msg": err.problem,
+                                                          "spec_key": err.where, "fix": err.fix}]) from None
         eos, tok = self.engine.tokenizer.eos_token_id, self.engine.tokenizer
         choices = []
         for i, (prompt_ids, ids, logps, text) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids,
@@ -117,12 +155,11 @@ class EngineHost:
     def receive(self, fn, payload) -> Any:
         if self.skip is not None and getattr(fn, "__qualname__", "") == self.skip:
             return None
-        with self.lock:
-            try:
-                return fn(self.engine, payload)
-            except BaseException:
-                self.weight_version = None  # a sync may have written part of the weights
-                raise
+        try:
+            return self.thread.run(fn, self.engine, payload)
+        except BaseException:
+            self.weight_version = None  # a sync may have written part of the weights
+            raise
 
 
 def build_app(host: EngineHost, token: str) -> FastAPI:

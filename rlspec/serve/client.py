@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 from torch import Tensor
 
 from ..batch import TrainBatch
-from ..errors import RunError
+from ..errors import RunError, SpecError
 from ..rollout.base import Rollout
 from . import TOKEN_ENV
 
@@ -52,6 +52,7 @@ class ServerClient:
         except httpx.HTTPError as err:
             raise RunError(f"{self.label} is unreachable during {what}: {type(err).__name__}: {err}{self.describe()}") from None
         if 400 <= response.status_code < 500:
+            _raise_spec_error(response, f"{self.label} refused {what}")
             raise RunError(f"{self.label} refused {what} ({response.status_code}): {response.text}")
         return response
 
@@ -108,6 +109,18 @@ class ServerClient:
 
     def close(self) -> None:
         self.http.close()
+
+
+def _raise_spec_error(response, context: str) -> None:
+    """A 4xx whose detail names a spec key (the input broke a spec limit, e.g. `rollout.max_prompt_tokens`)
+    is bad input, as in the colocated engine: raise that `SpecError` (exit 2)."""
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        return
+    for item in detail if isinstance(detail, list) else ():
+        if isinstance(item, dict) and item.get("spec_key"):
+            raise SpecError(item["spec_key"], f"{item.get('msg', '')} ({context})", item.get("fix", ""))
 
 
 # Engine halves of the plain engine calls (module-level so they pickle by reference).

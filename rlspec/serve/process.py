@@ -9,8 +9,6 @@ trainer is killed outright (SIGKILL runs no handler).
 
 from __future__ import annotations
 
-import dataclasses
-
 import atexit
 import os
 import secrets
@@ -47,11 +45,7 @@ def build_engine(plan: RunPlan):
     if plan.sync_method == "lora":
         model = apply_lora(model, spec.model, spec.algorithm.seed)
     model = model.to(device).eval().requires_grad_(False)
-    # The CUDA-graph decode is off in the server: on an H200 it failed there ("Offset increment outside graph
-    # capture encountered unexpectedly", from the sampler's generator) while it runs in-process; until that is
-    # understood the server samples with the plain KV-cache loop.
-    rollout = dataclasses.replace(spec.rollout, cuda_graph=False)
-    engine = HFEngine(model, load_tokenizer(spec.model), rollout, device, spec.algorithm.micro_batch_size)
+    engine = HFEngine(model, load_tokenizer(spec.model), spec.rollout, device, spec.algorithm.micro_batch_size)
     engine.engine_index, engine.num_engines = 0, 1
     return engine
 

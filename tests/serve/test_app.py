@@ -91,3 +91,42 @@ def test_bridge_needs_the_token_runs_engine_halves_and_reports_failures(served):
     assert client.get("/health").json()["weight_version"] is None
     assert client.post("/bridge/receive", content=b"junk", headers=auth).status_code == 400
     host.weight_version = 0
+
+
+def test_a_too_long_prompt_is_bad_input_naming_the_spec_key_on_both_sides(served):
+    from rlspec.serve.client import ServedEngine, ServerClient
+    from rlspec.spec import SpecError
+
+    client, _, engine = served
+    out = client.post("/v1/completions", json={"prompt": "a" * 300})
+    assert out.status_code == 400
+    detail = out.json()["detail"][0]
+    assert detail["loc"] == ["body", "prompt"] and detail["spec_key"] == "rollout.max_prompt_tokens"
+    assert "raise rollout.max_prompt_tokens" in detail["fix"]
+    remote = ServerClient("http://testserver", TOKEN)
+    remote.http = client  # the app in-process, through the trainer's own client code
+    served_engine = ServedEngine(remote, engine.tokenizer, engine.spec, starts_in_sync=True)
+    with pytest.raises(SpecError) as caught:
+        served_engine.generate(["a" * 300], 2, seed=0)
+    assert caught.value.where == "rollout.max_prompt_tokens"
+    assert "raise rollout.max_prompt_tokens" in caught.value.fix and "rollout server at" in caught.value.problem
+
+
+def _thread_name(engine, payload):
+    import threading
+
+    return threading.current_thread().name
+
+
+def test_all_engine_work_runs_on_the_one_engine_thread_while_requests_overlap(served):
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, _, _ = served
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    named = client.post("/bridge/receive", content=pickle.dumps((_thread_name, None)), headers=auth)
+    assert pickle.loads(named.content) == "rlspec-engine"
+    body = {"prompt": ["ab=", "c="], "n": 2, "seed": 3, "max_tokens": 4, "logprobs": 1}
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda _: client.post("/v1/completions", json=body), range(2)))
+    assert all(o.status_code == 200 for o in outs)
+    assert outs[0].json()["choices"] == outs[1].json()["choices"]  # same seed, same engine, one at a time

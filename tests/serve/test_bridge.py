@@ -181,3 +181,9 @@ def test_joined_server_survives_a_trainer_restart_and_a_resumed_run_pushes_first
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
+
+
+def test_a_prompt_over_max_prompt_tokens_through_the_server_exits_2_naming_the_key(tmp_path):
+    run = Run(tmp_path / "out", *BASE, *BRIDGE, "rollout.max_prompt_tokens=1")  # copy_char prompts have 2
+    assert run.wait() == 2, run.stderr()
+    assert "rollout.max_prompt_tokens" in run.stderr() and "raise rollout.max_prompt_tokens" in run.stderr()

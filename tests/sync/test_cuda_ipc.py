@@ -1,7 +1,10 @@
 """`cuda_ipc` on one GPU (skipped without CUDA): a rollout server on the trainer's GPU receives the weights
-through one IPC handle per bucket, verified; a source missing a tensor fails the sync naming it."""
+through one IPC handle per persistent bucket, verified, across pushes and a layout change; a source missing
+a tensor fails the sync naming it."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -47,6 +50,12 @@ def test_push_moves_every_weight_exactly(served):
             got = dict(engine.named_weights())
             assert all(torch.equal(got[n], t.cpu()) for n, t in model.state_dict().items())
         assert moved == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        transport.spec = replace(plan.spec.sync, bucket_mb=2)  # a new layout: new buckets, opened anew
+        with torch.no_grad():
+            model.model.norm.weight.add_(0.5)
+        transport.push(source, engine)
+        got = dict(engine.named_weights())
+        assert all(torch.equal(got[n], t.cpu()) for n, t in model.state_dict().items())
     finally:
         transport.close()
 
