@@ -27,6 +27,7 @@ keep() {  # copy a bench's per-backend metrics next to its log, as they are (ben
 
 for section in "$@"; do
   start=$(date +%s)
+  rm -rf /tmp/b_* /tmp/ds_*  # a warm machine keeps the last call's runs
   echo "== $section" >> $OUT/results.txt
   case $section in
     gputests)  # the GPU-marked tests (engine log-probs vs trainer, sampler distribution, cuda_ipc, server graphs)
@@ -48,7 +49,7 @@ for section in "$@"; do
       done ;;
     trl8|trl32)  # issue 9: the standalone engine beside TRL's GRPOTrainer, 8 or 32 prompts x 8
       p=${section#trl}
-      CUDA_VISIBLE_DEVICES=0 timeout 480 $RL bench $BENCH rollout.prompts_per_step=$p --backends standalone --reference trl \
+      CUDA_VISIBLE_DEVICES=0 timeout 480 $RL bench $BENCH rollout.prompts_per_step=$p --backends standalone ${REFERENCE---reference trl} \
         --out /tmp/b_$section > $OUT/$section.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep $section /tmp/b_$section; tail -8 $OUT/$section.log >> $OUT/results.txt ;;
     profile)  # issue 9: where the standalone train phase spends its time (kernels, host syncs, busy share)
