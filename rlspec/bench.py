@@ -93,8 +93,11 @@ class TrainFlops:
         return self.passes * tokens * (2 * self.matmul_params + 2 * mean_len * self.attn_width)
 
     def mfu(self, row: dict) -> float | None:
+        """None for a step that skipped updates (`train/skipped_updates`): its FLOPs were not spent."""
+        if row.get("train/skipped_updates") or not row["timing_s/train"] > 0:
+            return None
         tokens = row["perf/tokens_per_s"] * row["timing_s/step"]
-        return self.flops(tokens) / (row["timing_s/train"] * self.peak) if row["timing_s/train"] > 0 else None
+        return self.flops(tokens) / (row["timing_s/train"] * self.peak)
 
 
 def _train_flops(plan) -> TrainFlops | None:

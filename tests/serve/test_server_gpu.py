@@ -1,6 +1,8 @@
-"""The rollout server samples with the CUDA-graph decode (skipped without CUDA): two clients at once get
-completions with finite log-probs, on the trainer's GPU and (with 2 GPUs) on a GPU of its own, where the
-engine's device is not a worker thread's default one."""
+"""The rollout server on CUDA (skipped without it): two clients at once get completions with finite log-probs,
+on the trainer's GPU and (with 2 GPUs) on a GPU of its own, where the engine's device is not a worker thread's
+default one. The server samples with the plain KV-cache loop (`rlspec.serve.process.build_engine` turns the
+CUDA-graph decode off there): with it on, this check found the graph sampler unused on an H200, for a reason
+not yet found, so graphs in the server stay off until a GPU run shows them used and correct."""
 
 from __future__ import annotations
 
@@ -13,11 +15,6 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _uses_graphs(engine, _payload) -> bool:
-    sampler = engine._graph_sampler
-    return sampler is not None and sampler.use_graphs
-
-
 def _serve_and_complete(hardware, sync_method: str) -> None:
     from rlspec.backend import all_caps
     from rlspec.serve.client import ServerClient
@@ -27,7 +24,6 @@ def _serve_and_complete(hardware, sync_method: str) -> None:
     spec = Spec(model=ModelSpec(dtype="bfloat16"), rollout=RolloutSpec(max_new_tokens=16),
                 sync=SyncSpec(method=sync_method, timeout_s=60), hardware=hardware, backend="standalone")
     plan = compile_plan(spec, all_caps())
-    assert plan.spec.rollout.cuda_graph
     server = ServerProcess(plan)
     server.start()
     try:
@@ -55,22 +51,20 @@ def _serve_and_complete(hardware, sync_method: str) -> None:
             assert len(out["choices"]) == 12
             logps = [lp for c in out["choices"] for lp in c["logprobs"]["token_logprobs"]]
             assert logps and all(math.isfinite(lp) and lp <= 0 for lp in logps)
-        client = ServerClient(server.url, server.token, 600, server.describe)
-        assert client.receive(_uses_graphs, None), "the server sampled without CUDA graphs"
         log = server.log_path.read_text(errors="replace")
         assert "Offset increment" not in log, log
     finally:
         server.stop()
 
 
-def test_server_on_the_trainers_gpu_samples_with_cuda_graphs():
+def test_server_on_the_trainers_gpu_serves_two_clients():
     from rlspec.spec import HardwareSpec
 
     _serve_and_complete(HardwareSpec(device="cuda"), "cuda_ipc")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_server_on_its_own_gpu_samples_with_cuda_graphs():
+def test_server_on_its_own_gpu_serves_two_clients():
     from rlspec.spec import HardwareSpec
 
     _serve_and_complete(HardwareSpec(device="cuda", rollout="separate"), "nccl")
