@@ -86,10 +86,10 @@ class AlgorithmSpec(_Section):
     """Dual-clip bound c > 1 for negative advantages (verl uses 3.0); null disables it."""
     tis_cap: Optional[float] = None
     """Truncated importance sampling: weight each token's policy loss by min(pi_old / pi_engine, tis_cap) (stale or mismatched engine); null disables."""
-    skip_zero_advantage_updates: bool = True
+    skip_zero_advantage_updates: bool = False
     """Skip a mini-batch update whose every advantage is 0 (all groups solved or all failed) while kl_coef is 0:
     its gradient is exactly zero, but AdamW would still move the weights on momentum and weight decay. Counted
-    in `train/skipped_updates`; false steps anyway (verl/TRL behaviour)."""
+    in `train/skipped_updates`. Off by default: every step steps the optimizer, as in verl and TRL."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy; 0 builds no reference model."""
     kl_estimator: str = "k3"

@@ -42,7 +42,7 @@ def batch_of(advantages: list[float]) -> TrainBatch:
 def plan_with(*overrides: str):
     return build_plan(str(REPO / "examples" / "tiny.yaml"),
                       ["rollout.prompts_per_step=2", "algorithm.group_size=2", "algorithm.micro_batch_size=1",
-                       "algorithm.updates_per_batch=2", *overrides])[0]
+                       "algorithm.updates_per_batch=2", "algorithm.skip_zero_advantage_updates=true", *overrides])[0]
 
 
 def test_only_the_mini_batch_with_nothing_to_learn_is_skipped():
