@@ -37,7 +37,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# In CI: the clipping + checkpointing case (DeepSpeed's own gradient clipping is the known trap); the other two
+# overlap the conformance suite's deepspeed cases and run with `pytest -m slow`.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c == "sgd_sum_norm_clip_ckpt" else [pytest.mark.slow])
+                                  for c in sorted(CASES)])
 def test_matches_local_trainer_and_transports(ray_session, case):
     plan = make_plan("rollout.prompts_per_step=1", *CASES[case])
     batch = fixed_batch()
@@ -110,6 +113,7 @@ def test_cli_run_smoke_and_resume(tmp_path):
     assert diff < 1e-6
 
 
+@pytest.mark.slow  # the shared rank group's watchdog: fsdp's killed-rank test runs the same code in CI
 def test_watchdog_killed_rank_stops_run(tmp_path):
     """SIGKILL trainer rank actor mid-run: exit 1 within 30 s, naming the dead rank."""
     returncode, elapsed, err = kill_a_rank_mid_run("deepspeed", "DeepSpeedWorker", tmp_path / "killed")
@@ -118,6 +122,7 @@ def test_watchdog_killed_rank_stops_run(tmp_path):
     assert "run failed: trainer rank" in err and "died" in err, err[-4000:]
 
 
+@pytest.mark.slow  # fsdp's in-process fault test covers a raising rank's traceback in CI
 def test_watchdog_raising_rank_reports_traceback(tmp_path):
     """A rank that raises (test hook RLSPEC_FAULT_INJECT) stops the run with its Python traceback."""
     start = time.monotonic()
