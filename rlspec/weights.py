@@ -8,7 +8,7 @@ sharded weights; rank 0 runs the sender).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Protocol
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
 
 from torch import Tensor
 
@@ -56,3 +56,20 @@ def as_source(weights: "WeightSource | Callable[[], NamedTensors]") -> WeightSou
 def collect_cpu(named: NamedTensors, _payload: Any = None) -> list[tuple[str, Tensor]]:
     """Sender function that brings the full weights back as CPU copies (e.g. to the driver)."""
     return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named]
+
+
+def gather_groups(named: NamedTensors, limit_bytes: int,
+                  nbytes: Callable[[Tensor], int]) -> Iterator[list[tuple[str, Tensor]]]:
+    """Consecutive groups of (name, tensor) of at most `limit_bytes` by `nbytes` (a larger tensor alone): the
+    unit a sharded trainer gathers at once, so an export holds one group of full tensors, not the model."""
+    group: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        n = nbytes(tensor)
+        if group and size + n > limit_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, tensor))
+        size += n
+    if group:
+        yield group

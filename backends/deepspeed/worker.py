@@ -24,6 +24,7 @@ from ...policy import accumulate
 from ...ray_group import RankWorker, sharded_logprobs
 from ...spec import RunPlan
 from ...trainer import build_optimizer
+from ...weights import gather_groups
 
 ZERO_DIR = "optimizer_zero3"
 """DeepSpeed's own checkpoint (per-rank ZeRO partitions of weights and optimizer state) inside a save."""
@@ -149,17 +150,18 @@ class DeepSpeedWorker(RankWorker):
     # --- weights -------------------------------------------------------------------------------------
 
     def _full_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Full weights by the HF state-dict name (tied weights under each of their names), one ZeRO-3
-        gather per tensor on every rank; rank 0 gets copies, other ranks only take part."""
+        """Full weights by the HF state-dict name (tied weights under each of their names), gathered a group
+        of `sync.bucket_mb` at a time on every rank (one ZeRO-3 gather per group, not per tensor). Rank 0
+        yields copies, after the group is released again, so the extra memory is one group; the other ranks
+        only take part and yield nothing."""
         import deepspeed
 
-        module = self.engine.module
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            if hasattr(tensor, "ds_id"):
-                with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
-                    yield name, (tensor.data.detach().clone() if self.rank == 0 else tensor.data)
-            else:
-                yield name, tensor.detach()
+        for group in gather_groups(self.engine.module.state_dict(keep_vars=True).items(),
+                                   self.plan.spec.sync.bucket_mb << 20, _full_nbytes):
+            sharded = list({id(t): t for _, t in group if hasattr(t, "ds_id")}.values())  # tied: gathered once
+            with deepspeed.zero.GatheredParameters(sharded, modifier_rank=None):
+                copies = [(name, t.data.detach().clone()) for name, t in group] if self.rank == 0 else []
+            yield from copies
 
     def run_sender(self, fn, payload, gather: bool) -> Any:
         """A transport's sender half (see `rlspec.weights.WeightSource`): rank 0 runs it, all ranks gather."""
@@ -196,3 +198,8 @@ class DeepSpeedWorker(RankWorker):
                     if self.rank == 0:
                         tensor.data.copy_(weights[name].to(tensor.dtype))
         self.optimizer.refresh_fp32_params()
+
+
+def _full_nbytes(tensor: Tensor) -> int:
+    """Bytes of a tensor once gathered (a ZeRO-3 partitioned parameter reports its full size in `ds_numel`)."""
+    return getattr(tensor, "ds_numel", tensor.numel()) * tensor.element_size()

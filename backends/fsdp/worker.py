@@ -26,6 +26,7 @@ from ...policy import accumulate
 from ...ray_group import RankWorker, sharded_logprobs
 from ...spec import RunPlan
 from ...trainer import build_optimizer, merged_weights
+from ...weights import gather_groups
 
 STATE_DIR = "optimizer_dcp"
 """`torch.distributed.checkpoint` of the sharded fp32 parameters and optimizer state inside a save."""
@@ -147,17 +148,9 @@ class FSDPWorker(RankWorker):
         Gathered one bucket (`sync.bucket_mb`, or one larger tensor) at a time on every rank, so the extra
         memory is one bucket, not the model; rank 0 yields the tensors, other ranks only take part.
         """
-        limit = self.plan.spec.sync.bucket_mb << 20
-        pending: list[tuple[str, Tensor]] = []
-        size = 0
-        for name, tensor in merged_weights(self.model):
-            nbytes = tensor.numel() * self.dtype.itemsize
-            if pending and size + nbytes > limit:
-                yield from self._gather(pending)
-                size = 0
-            pending.append((name, tensor))
-            size += nbytes
-        yield from self._gather(pending)
+        for group in gather_groups(merged_weights(self.model), self.plan.spec.sync.bucket_mb << 20,
+                                   lambda t: t.numel() * self.dtype.itemsize):
+            yield from self._gather(group)
 
     def _gather(self, pending: list[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         """All-gather `pending` (emptied), cast to `model.dtype` before the gather to halve the traffic."""
