@@ -30,8 +30,18 @@ for section in "$@"; do
   rm -rf /tmp/b_* /tmp/ds_*  # a warm machine keeps the last call's runs
   echo "== $section" >> $OUT/results.txt
   case $section in
-    gputests)  # the GPU-marked tests (engine log-probs vs trainer, sampler distribution, cuda_ipc, server graphs)
-      (cd $ROOT && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25) >> $OUT/results.txt ;;
+    gputests)  # the GPU-marked tests (engine log-probs vs trainer, sampler distribution, cuda_ipc, the server)
+      # From a copy of tests/ and examples/: in the project root its ./rlspec source tree would shadow the
+      # installed package (the tests start `python -m rlspec.cli` subprocesses there).
+      rm -rf /tmp/gputests; mkdir -p /tmp/gputests; cp -r $ROOT/tests $ROOT/examples $ROOT/pyproject.toml /tmp/gputests/
+      (cd /tmp/gputests && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25) >> $OUT/results.txt ;;
+    dsync)  # issue 8: the deepspeed backend colocated on one GPU, its step's sync through cuda_ipc and through ray
+      for m in cuda_ipc ray; do
+        CUDA_VISIBLE_DEVICES=0 timeout 200 $RL run $ROOT/examples/tiny.yaml --backend deepspeed model=qwen2_0p5b_shape \
+          hardware=gpu1 sync.method=$m algorithm.steps=4 rollout.max_new_tokens=16 checkpoint.every_n_steps=0 \
+          checkpoint.save_optimizer=false --out /tmp/ds_$m --no-progress > $OUT/dsync_$m.log 2>&1
+        echo "$m exit $?" >> $OUT/results.txt; cp /tmp/ds_$m/metrics.jsonl $OUT/dsync_$m.jsonl 2>/dev/null
+      done ;;
     fsdp1)  # issue 7: the three backends on one GPU
       CUDA_VISIBLE_DEVICES=0 timeout 420 $RL bench $BENCH algorithm.steps=3 --backends standalone,deepspeed,fsdp \
         --out /tmp/b_fsdp1 > $OUT/fsdp1.log 2>&1; echo "exit $?" >> $OUT/results.txt
