@@ -213,7 +213,11 @@ def _placement(spec: Spec) -> Placement:
 def _resolve_sync(spec: Spec, caps: BackendCaps) -> str:
     method, hw = spec.sync.method, spec.hardware
     if method == "auto":
-        if caps.single_process and hw.rollout == "colocated":
+        overlapping = spec.rollout.mode == "async" and spec.rollout.max_staleness > 0
+        if caps.single_process and hw.rollout == "colocated" and overlapping:
+            # generation overlaps the update: the engine needs weights of its own (see `_check_async`)
+            method = "cuda_ipc" if hw.device == "cuda" else "checkpoint"
+        elif caps.single_process and hw.rollout == "colocated":
             method = "shared"
         elif spec.model.lora.r > 0 and "lora" in caps.sync_methods:
             method = "lora"

@@ -84,6 +84,14 @@ def test_auto_sync_resolution(backend, rollout, device, want):
     assert compile_plan(spec, CAPS).sync_method == want
 
 
+def test_auto_sync_gives_a_single_process_async_run_an_engine_of_its_own():
+    """Async generation overlaps the update, so `shared` weights would be read half-updated: auto picks a copy."""
+    spec = spec_with(backend="single", rollout={"mode": "async", "max_staleness": 1})
+    assert compile_plan(spec, CAPS).sync_method == "checkpoint"
+    spec = spec_with(backend="single", rollout={"mode": "async", "max_staleness": 0})
+    assert compile_plan(spec, CAPS).sync_method == "shared"  # no overlap: the synchronous run's numbers
+
+
 def test_gpu_placement_separate():
     spec = spec_with(backend="multi", hardware={"rollout": "separate", "device": "cuda", "num_trainer_ranks": 2},
                      rollout={"prompts_per_step": 8})
