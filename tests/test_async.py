@@ -70,7 +70,8 @@ def test_a_rollout_loop_failure_reaches_the_trainer_with_its_traceback():
 
 
 @pytest.mark.parametrize("overrides, key, needle", [
-    (["rollout.mode=async", "rollout.max_staleness=1"], "rollout.max_staleness", "sync.method=checkpoint"),
+    (["rollout.mode=async", "rollout.max_staleness=1", "sync.method=shared"], "rollout.max_staleness",
+     "sync.method=checkpoint"),
     (["rollout.mode=async", "rollout.max_staleness=1", "sync.method=checkpoint", "sync.every_n_steps=3"],
      "rollout.max_staleness", "rollout.max_staleness >= 2"),
     (["rollout.mode=later"], "rollout.mode", "sync, async"),
