@@ -34,3 +34,15 @@ def repo() -> Path:
 def rlspec_cmd(*args: str) -> list[str]:
     """The real entry point, in a subprocess."""
     return [sys.executable, "-m", "rlspec.cli", *args]
+
+
+def wait_for_metric_rows(proc, metrics: Path, rows: int, timeout_s: float = 300, poll_s: float = 0.5) -> None:
+    """Block until the run `proc` (a `subprocess.Popen` with piped stderr) has written `rows` lines of `metrics`;
+    fail with its stderr if it exits first, or after `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.exists() and metrics.read_text().count("\n") >= rows):
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, f"the run did not write {rows} metrics rows within {timeout_s} s"
+        time.sleep(poll_s)

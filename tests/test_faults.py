@@ -17,7 +17,7 @@ import torch
 from rlspec.cli import main
 from rlspec.metrics import read_metrics
 from rlspec.tasks import copy_char
-from tests.conftest import REPO, rlspec_cmd
+from tests.conftest import REPO, rlspec_cmd, wait_for_metric_rows
 
 TINY = str(REPO / "examples" / "tiny.yaml")
 SMALL = ["rollout.prompts_per_step=2", "algorithm.group_size=2", "algorithm.micro_batch_size=4", "rollout.max_new_tokens=4"]
@@ -121,12 +121,7 @@ def test_sigterm_checkpoints_then_exits_143_and_resume_continues(tmp_path):
     args = ["run", TINY, *SMALL, "algorithm.steps=30", "checkpoint.every_n_steps=0", "--out", str(out), "--no-progress"]
     proc = subprocess.Popen(rlspec_cmd(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        metrics = out / "metrics.jsonl"
-        deadline = time.monotonic() + 300
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for_metric_rows(proc, out / "metrics.jsonl", 2, poll_s=0.05)
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         _, err = proc.communicate(timeout=120)

@@ -220,7 +220,7 @@ class EnvRollouts:
         for g, message in sorted(errors.items()):
             log.warning("env group %d (seed %d) failed at step %d and is dropped: %s", g, episode_seed(self.plan, step, g),
                         step, message)
-        return self._collate([episodes[g] for g in sorted(episodes)], {g: errors[g] for g in errors})
+        return self._collate([episodes[g] for g in sorted(episodes)], errors)
 
     def _collate(self, episodes: list[list[Episode]], errors: dict[int, str]) -> tuple[TrainBatch, dict]:
         spec = self.plan.spec

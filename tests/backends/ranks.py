@@ -12,6 +12,7 @@ import torch
 from rlspec.batch import TrainBatch
 from rlspec.grpo import LossNorm
 from rlspec.trainer import LocalTrainer
+from tests.conftest import wait_for_metric_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -86,12 +87,7 @@ def kill_a_rank_mid_run(backend: str, worker_title: str, out: Path) -> tuple[int
 
     proc = rlspec_run(backend, out, "algorithm.steps=200")
     try:
-        deadline = time.monotonic() + 300
-        metrics = out / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert proc.poll() is None, proc.communicate()[1][-4000:]
-            assert time.monotonic() < deadline, "the run did not reach step 2"
-            time.sleep(0.5)
+        wait_for_metric_rows(proc, out / "metrics.jsonl", 2)
         pids = actor_pids(proc.pid, worker_title)
         assert len(pids) == 2, pids
         os.kill(max(pids), 9)
