@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from .backend import create_backend
     from .bench import _train_flops
-    from .loop import _Timer, rollout_batch, update
+    from .loop import rollout_batch, update
+    from .metrics import PhaseTimer
     from .models import pad_token_id
     from .run import build_plan
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         for step in range(args.steps):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            batch, _ = rollout_batch(plan, engine, task, step, pad_id, _Timer())
+            batch, _ = rollout_batch(plan, engine, task, step, pad_id, PhaseTimer())
             torch.cuda.synchronize()
             peaks["gen"] = max(peaks["gen"], torch.cuda.max_memory_allocated() / 2**30)
             torch.cuda.reset_peak_memory_stats()

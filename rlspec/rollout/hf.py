@@ -48,8 +48,8 @@ class HFEngine:
         self.micro_batch_size = micro_batch_size
         self._graph_sampler = None
 
-    @torch.no_grad()
-    def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
+    def encode(self, prompts: list[str], n: int) -> tuple[list[list[int]], Tensor, Tensor]:
+        """Each prompt's token ids `n` times, and the left-padded batch (`input_ids`, `attention_mask`) on the device."""
         encoded = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         for text, ids in zip(prompts, encoded):
             if len(ids) > self.spec.max_prompt_tokens:
@@ -60,6 +60,11 @@ class HFEngine:
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=self.device)
         attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=self.device)
+        return prompt_ids, input_ids, attention_mask
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
+        prompt_ids, input_ids, attention_mask = self.encode(prompts, n)
         was_training = self.model.training
         self.model.eval()
         try:

@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc async trl8 trl32. Each writes its log and metrics under $OUT.
+# Sections: gputests fsdp1 nccl ipc dsync async trl8 trl32 engine profile. Each writes its log and metrics under $OUT.
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}
@@ -62,6 +62,12 @@ for section in "$@"; do
       CUDA_VISIBLE_DEVICES=0 timeout 480 $RL bench $BENCH rollout.prompts_per_step=$p --backends standalone ${REFERENCE---reference trl} \
         --out /tmp/b_$section > $OUT/$section.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep $section /tmp/b_$section; tail -8 $OUT/$section.log >> $OUT/results.txt ;;
+    engine)  # issue 9: where the engine's generation time goes (prefill, capture, decode step, kernels), per sampler variant
+      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.profile_engine $BENCH > $OUT/engine_8.txt 2>&1
+      echo "engine 8 exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_8.txt | head -14 >> $OUT/results.txt
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.profile_engine $BENCH rollout.prompts_per_step=32 \
+        --variants plain,fused --rows 0 > $OUT/engine_32.txt 2>&1
+      echo "engine 32 exit $?" >> $OUT/results.txt; head -8 $OUT/engine_32.txt >> $OUT/results.txt ;;
     profile)  # issue 9: where the standalone train phase spends its time (kernels, host syncs, busy share)
       for p in 8 32; do
         CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.profile_train $BENCH rollout.prompts_per_step=$p --steps 3 \

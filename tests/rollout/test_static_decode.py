@@ -72,3 +72,32 @@ def test_sampling_follows_a_known_categorical():
 def test_unsupported_models_are_named():
     assert unsupported_reason(load_model(ModelSpec(), seed=0)) is None
     assert "model_type" in unsupported_reason(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("fuse, sdpa", [(True, False), (False, True), (True, True)])
+def test_fused_weights_and_sdpa_give_the_same_samples(model, fuse, sdpa):
+    """The fused q/k/v and gate/up matrices and the SDPA attention are the same forward: the same seed samples
+    the same tokens with the same log-probs as the plain blocks, and a weight change reaches the fused copies."""
+    def run(sampler):
+        engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=10, temperature=0.8), "cpu")
+        engine._fast_sampler = lambda: sampler
+        return engine.generate(["a=", "bcd=", "hello="], n=2, seed=3)
+
+    def assert_same(a, b):
+        assert a.completion_ids == b.completion_ids
+        diff = max(abs(x - y) for u, v in zip(a.completion_logprobs, b.completion_logprobs) for x, y in zip(u, v))
+        assert diff < 1e-5, diff
+
+    fast = GraphSampler(model, "cpu", use_graphs=False, check_every=4, fuse_weights=fuse, sdpa=sdpa, keep_graphs=True)
+    assert_same(run(fast), run(GraphSampler(model, "cpu", use_graphs=False, check_every=4)))
+    if fuse:  # the fused copies follow an in-place change of the module's weights (an optimizer step, a sync)
+        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.5)
+            assert_same(run(fast), run(GraphSampler(model, "cpu", use_graphs=False)))
+        finally:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(saved[n])

@@ -1,0 +1,174 @@
+"""Where the CUDA engine's generation time goes, on one GPU: `python -m rlspec.profile_engine SPEC [overrides]`.
+
+On the standalone backend's engine and the spec's rollout batch (`prompts_per_step x group_size` rows,
+`max_new_tokens` each), prints:
+
+- `engine.generate` wall time, median of `--repeats` (what `rlspec bench` reports as `timing_s/gen`, less the
+  reward), with the engine's default sampler;
+- for each sampler variant of `--variants`: the whole batch's wall time as the engine runs it (graphs captured
+  per batch), and its split: prefill, graph capture, one decode step (median over graph replays);
+- the weight-read floor of a decode step: the parameters' bytes over the device-to-device copy bandwidth;
+- the GPU kernels of the first variant's decode step, from graph replays and from the same step run eagerly
+  (torch.profiler).
+
+Variants (keyword arguments of `GraphSampler`): `plain` (compiled blocks, separate projections), `fused`
+(q/k/v and gate/up each one GEMM), `sdpa` (attention through `scaled_dot_product_attention`), `fused_sdpa`,
+`fused_eager` (fused, blocks not compiled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+
+VARIANTS = {
+    "plain": {"fuse_weights": False},
+    "fused": {"fuse_weights": True},
+    "sdpa": {"fuse_weights": False, "sdpa": True},
+    "fused_sdpa": {"fuse_weights": True, "sdpa": True},
+    "fused_eager": {"fuse_weights": True, "compile_blocks": False},
+}
+
+
+def _timed(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _split(sampler, input_ids, attention_mask, spec, eos: int, replays: int) -> dict[str, float]:
+    """Prefill, capture and per-step decode time of one batch shape (the sampler's internals, timed apart)."""
+    from .rollout.static import BATCH_BUCKETS, CACHE_STEP
+
+    rows, width = input_ids.shape
+    bucket = next(b for b in BATCH_BUCKETS if b >= rows)
+    length = math.ceil((width + spec.max_new_tokens) / CACHE_STEP) * CACHE_STEP
+    key = (bucket, length, spec.max_new_tokens, spec.temperature, spec.top_p, eos)
+    with torch.cuda.device(sampler.device):
+        if sampler.fuse:
+            sampler.decoder.fuse_weights()
+        sampler._states.pop(key, None)
+        capture = _timed(lambda: sampler._state(key), 1)[0]  # warmed shape: capture only
+        state = sampler._states[key]
+        prefill = statistics.median(_timed(lambda: sampler._prefill(state, input_ids, attention_mask, rows), 3))
+        replays = min(replays, spec.max_new_tokens)
+
+        def decode():
+            sampler._prefill(state, input_ids, attention_mask, rows)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(replays):
+                state.graph.replay()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) / replays
+
+        step = statistics.median(decode() for _ in range(3))
+    return {"prefill_ms": prefill * 1e3, "capture_ms": capture * 1e3, "decode_step_ms": step * 1e3,
+            "bucket": bucket, "cache_len": length, "prompt_width": width}
+
+
+def _kernels(sampler, input_ids, attention_mask, spec, eos: int, rows: int) -> str:
+    """Kernel tables of the decode step: graph replays, then the same step run eagerly."""
+    state = next(iter(sampler._states.values()))
+    out = []
+    with torch.cuda.device(sampler.device):
+        sampler._prefill(state, input_ids, attention_mask, input_ids.shape[0])
+        for title, run in (("graph replays", state.graph.replay),
+                           ("eager step (same step outside the graph)",
+                            lambda: sampler._step(state, spec.temperature, spec.top_p, eos))):
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(8):
+                    run()
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+            out.append(f"--- {title}, 8 steps ---\n" + events.table(sort_by=key, row_limit=rows, max_name_column_width=60))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlspec.profile_engine", description=__doc__.splitlines()[0])
+    parser.add_argument("spec")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--repeats", type=int, default=3, help="timed batches per setting (median reported)")
+    parser.add_argument("--variants", default="plain,fused,sdpa,fused_sdpa,fused_eager")
+    parser.add_argument("--replays", type=int, default=64, help="graph replays timed for the per-step figure")
+    parser.add_argument("--rows", type=int, default=30, help="kernels to list (0: no kernel tables)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_engine needs a CUDA device")
+
+    from .backend import create_backend
+    from .rollout.static import GraphSampler
+    from .run import build_plan
+
+    plan, task = build_plan(args.spec, args.overrides, "standalone")
+    spec = plan.spec.rollout
+    backend = create_backend("standalone")
+    backend.setup(plan)
+    try:
+        engine = backend.rollout_engine()
+        prompts = [p.text for p in task.sample(0, plan.batch.prompts_per_step)]
+        group = plan.spec.algorithm.group_size
+        eos = engine.tokenizer.eos_token_id
+        model = engine.model.eval()
+        _, input_ids, attention_mask = engine.encode(prompts, group)
+        print(f"{torch.cuda.get_device_name(0)}: {input_ids.shape[0]} rows x {spec.max_new_tokens} new tokens, "
+              f"prompt width {input_ids.shape[1]}, top_p {spec.top_p}, temperature {spec.temperature}")
+
+        engine.generate(prompts, group, seed=0)  # compile and warm up
+        gen = _timed(lambda: engine.generate(prompts, group, seed=1), args.repeats)
+        print(f"engine.generate (default sampler): median {statistics.median(gen):.3f} s "
+              f"({', '.join(f'{t:.3f}' for t in gen)})")
+
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=engine.device)
+        dst = torch.empty_like(src)
+        copy_s = statistics.median(_timed(lambda: dst.copy_(src), 5))
+        del src, dst
+        bandwidth = 2 * nbytes / copy_s  # a copy reads and writes
+        print(f"weights {nbytes / 1e9:.2f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+              f"weight-read floor of a decode step {nbytes / bandwidth * 1e3:.3f} ms")
+
+        first = None
+        print(f"{'variant':12} {'batch s':>8} {'prefill ms':>10} {'capture ms':>10} {'decode ms/step':>14}")
+        for name in args.variants.split(","):
+            sampler = GraphSampler(model, engine.device, keep_graphs=False, **VARIANTS[name])
+
+            def batch(seed=1, sampler=sampler):
+                sampler.sample(input_ids, attention_mask, seed, spec.max_new_tokens, spec.temperature, spec.top_p, eos)
+
+            try:
+                batch(0)  # compile, warm up
+                wall = statistics.median(_timed(batch, args.repeats))
+                sampler.keep_graphs = True
+                parts = _split(sampler, input_ids, attention_mask, spec, eos, args.replays)
+            except Exception as err:  # noqa: BLE001 - one variant failing must not hide the others' figures
+                print(f"{name:12} failed: {type(err).__name__}: {err}")
+                continue
+            print(f"{name:12} {wall:8.3f} {parts['prefill_ms']:10.2f} {parts['capture_ms']:10.1f} "
+                  f"{parts['decode_step_ms']:14.3f}   (bucket {parts['bucket']}, cache {parts['cache_len']})")
+            if first is None:
+                first = sampler
+            else:
+                sampler._states.clear()
+                sampler.decoder.unfuse_weights()
+        if first is not None and args.rows > 0:
+            print(_kernels(first, input_ids, attention_mask, spec, eos, args.rows))
+    finally:
+        backend.shutdown()
+
+
+if __name__ == "__main__":
+    main()
