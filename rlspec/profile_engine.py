@@ -45,6 +45,7 @@ def _timed(fn, repeats: int) -> list[float]:
     return times
 
 
+@torch.no_grad()
 def _split(sampler, input_ids, attention_mask, spec, eos: int, replays: int) -> dict[str, float]:
     """Prefill, capture and per-step decode time of one batch shape (the sampler's internals, timed apart)."""
     from .rollout.static import BATCH_BUCKETS, CACHE_STEP
@@ -76,6 +77,7 @@ def _split(sampler, input_ids, attention_mask, spec, eos: int, replays: int) -> 
             "bucket": bucket, "cache_len": length, "prompt_width": width}
 
 
+@torch.no_grad()
 def _kernels(sampler, input_ids, attention_mask, spec, eos: int, rows: int) -> str:
     """Kernel tables of the decode step: graph replays, then the same step run eagerly."""
     state = next(iter(sampler._states.values()))

@@ -89,6 +89,7 @@ class StaticDecoder:
         """Storage addresses a captured graph baked in; they change only if a weight is re-allocated."""
         return tuple(p.data_ptr() for p in self.model.parameters())
 
+    @torch.no_grad()
     def fuse_weights(self) -> None:
         """Keep each layer's q/k/v projections as one [q+k+v, hidden] matrix and gate/up as one [2 x ffn, hidden]
         (and refresh them from the module's current weights): a decode step then runs 2 GEMMs where it ran 5.
