@@ -9,11 +9,13 @@ ROOT=$PWD
 FINAL=${OUT:?set OUT}
 OUT=/tmp/measure; mkdir -p $OUT  # everything lands here; $FINAL gets results.txt and one all.tgz after each section
 source .devicepkgs/install.sh
-if [ ! -f /tmp/site/.rlspec ]; then
+if [ ! -f /tmp/site/.extra ]; then  # a warm machine keeps these from the last call
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicepkgs/extra/*.whl > $OUT/install.log 2>&1
-  python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/site . >> $OUT/install.log 2>&1
-  touch /tmp/site/.rlspec
+  touch /tmp/site/.extra
 fi
+# rlspec itself every call: the working tree changes between calls
+rm -rf /tmp/site/rlspec /tmp/site/rlspec-*.dist-info
+python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/site . >> $OUT/install.log 2>&1
 nvidia-smi -L >> $OUT/install.log
 cd /tmp  # not the project root: its ./rlspec (a source tree) would shadow the installed package
 RL="python3 -m rlspec.cli"
