@@ -13,7 +13,8 @@ On the standalone backend's engine and the spec's rollout batch (`prompts_per_st
 
 Variants (keyword arguments of `GraphSampler`): `plain` (compiled blocks, separate projections), `fused`
 (q/k/v and gate/up each one GEMM), `sdpa` (attention through `scaled_dot_product_attention`), `fused_sdpa`,
-`fused_eager` (fused, blocks not compiled).
+`fused_eager` (fused, blocks not compiled), `fused_layers` (fused, one compiled function per decoder layer
+instead of one per block), `fused_layers_sdpa`. Every compiled variant samples with the compiled race.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ VARIANTS = {
     "sdpa": {"fuse_weights": False, "sdpa": True},
     "fused_sdpa": {"fuse_weights": True, "sdpa": True},
     "fused_eager": {"fuse_weights": True, "compile_blocks": False},
+    "fused_layers": {"fuse_weights": True, "compile_layers": True},
+    "fused_layers_sdpa": {"fuse_weights": True, "compile_layers": True, "sdpa": True},
 }
 
 
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("spec")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--repeats", type=int, default=3, help="timed batches per setting (median reported)")
-    parser.add_argument("--variants", default="plain,fused,sdpa,fused_sdpa,fused_eager")
+    parser.add_argument("--variants", default="plain,fused,fused_sdpa,fused_layers,fused_layers_sdpa")
     parser.add_argument("--replays", type=int, default=64, help="graph replays timed for the per-step figure")
     parser.add_argument("--rows", type=int, default=30, help="kernels to list (0: no kernel tables)")
     args = parser.parse_args(argv)

@@ -77,6 +77,7 @@ class StaticDecoder:
         self.rotary = model.model.rotary_emb
         self.sdpa = sdpa
         self._compiled = None
+        self.race = None  # the compiled `exponential_race`, with the compiled blocks
         self._fused: list[tuple[Tensor, Tensor | None, Tensor]] | None = None
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self._qkv_sizes = (q_size, kv_size, kv_size)
@@ -190,58 +191,88 @@ class StaticDecoder:
             gate, up = F.linear(h, weights[0]), F.linear(h, weights[1])
         return x + F.linear(F.silu(gate) * up, weights[-1])
 
-    def _layer_weights(self, index: int, layer) -> tuple[tuple, tuple]:
-        attn, ffn = layer.self_attn, layer.mlp
-        if self._fused is not None:
-            wqkv, bqkv, w_gate_up = self._fused[index]
-            return (wqkv, bqkv), (w_gate_up, ffn.down_proj.weight)
-        return ((attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight,
-                 attn.v_proj.bias), (ffn.gate_proj.weight, ffn.up_proj.weight, ffn.down_proj.weight))
-
-    def compile_blocks(self) -> None:
-        """Fuse each block's elementwise work (norms, RoPE, softmax, SiLU) with torch.compile; shapes are static."""
-        self._compiled = tuple(torch.compile(f, dynamic=False) for f in self._blocks())
+    def compile_blocks(self, layers: bool = False) -> None:
+        """Fuse the elementwise work (norms, RoPE, softmax, SiLU, residual adds) with torch.compile; shapes are
+        static. `layers`: one compiled function per decoder layer (the K/V cache writes included, so fusion
+        crosses the block boundaries), compiled once and reused by every layer; else one per block."""
+        if layers:
+            self._compiled = torch.compile(self._layer, dynamic=False)
+        else:
+            blocks = tuple(torch.compile(f, dynamic=False) for f in self._blocks())
+            self._compiled = lambda *args: self._layer(*args, blocks=blocks)
+        self.race = torch.compile(exponential_race, dynamic=False)
 
     def uncompile_blocks(self) -> None:
         self._compiled = None
+        self.race = None
 
     def _blocks(self):
         return self._qkv, self._attention_block, self._mlp_block
+
+    def _layer(self, x: Tensor, weights: tuple, k_cache: Tensor, v_cache: Tensor, slots: Tensor, allowed: Tensor,
+               cos: Tensor, sin: Tensor, blocks=None) -> Tensor:
+        """One decoder layer; its K/V go to cache `slots`. `weights` from `_layer_weights`."""
+        qkv, attention, mlp = blocks or self._blocks()
+        norm1, qkv_weights, wo, bo, norm2, mlp_weights = weights
+        q, k, v = qkv(x, norm1, qkv_weights, cos, sin)
+        k_cache.index_copy_(2, slots, k)
+        v_cache.index_copy_(2, slots, v)
+        x = attention(x, q, k_cache, v_cache, allowed, wo, bo)
+        return mlp(x, norm2, mlp_weights)
+
+    def _layer_weights(self, index: int, layer) -> tuple:
+        attn, ffn = layer.self_attn, layer.mlp
+        if self._fused is not None:
+            wqkv, bqkv, w_gate_up = self._fused[index]
+            qkv, mlp = (wqkv, bqkv), (w_gate_up, ffn.down_proj.weight)
+        else:
+            qkv = (attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight,
+                   attn.v_proj.bias)
+            mlp = (ffn.gate_proj.weight, ffn.up_proj.weight, ffn.down_proj.weight)
+        return (layer.input_layernorm.weight, qkv, attn.o_proj.weight, attn.o_proj.bias,
+                layer.post_attention_layernorm.weight, mlp)
 
     def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
                 keys: list[Tensor], values: list[Tensor], compiled: bool = False) -> Tensor:
         """Logits [b, V] of the last of `ids` [b, T]; K/V of all T tokens go to cache `slots` [T].
 
-        `compiled` uses the torch.compile'd blocks (decode steps: one shape per graph); prefill shapes
-        vary with the prompt width, so prefill runs the plain blocks.
+        `compiled` uses the torch.compile'd layers or blocks (decode steps: one shape per graph); prefill
+        shapes vary with the prompt width, so prefill runs the plain ones.
         """
-        qkv, attention, mlp = self._compiled if compiled else self._blocks()
+        run = self._compiled if compiled and self._compiled is not None else self._layer
         body = self.model.model
         x = body.embed_tokens(ids)
         cos, sin = self._rope(positions, x.dtype)
         cos, sin = cos[:, None], sin[:, None]
         for index, (layer, k_cache, v_cache) in enumerate(zip(body.layers, keys, values)):
-            attn = layer.self_attn
-            qkv_weights, mlp_weights = self._layer_weights(index, layer)
-            q, k, v = qkv(x, layer.input_layernorm.weight, qkv_weights, cos, sin)
-            k_cache.index_copy_(2, slots, k)
-            v_cache.index_copy_(2, slots, v)
-            x = attention(x, q, k_cache, v_cache, allowed, attn.o_proj.weight, attn.o_proj.bias)
-            x = mlp(x, layer.post_attention_layernorm.weight, mlp_weights)
+            x = run(x, self._layer_weights(index, layer), k_cache, v_cache, slots, allowed, cos, sin)
         x = self._rms_norm(x[:, -1], body.norm.weight)
         return F.linear(x, self.model.get_output_embeddings().weight)
 
 
-def sample_from_logits(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """One token per row and the full log-softmax at `temperature` (the trainer's definition, before top-p).
+def sample_from_logits(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator,
+                       race=None) -> tuple[Tensor, Tensor]:
+    """One token per row and its log-probability under the full softmax at `temperature` (the trainer's
+    definition, before top-p).
 
     The exponential race `argmax(p / E)`, `E ~ Exp(1)` i.i.d., picks i with probability p_i / sum(p): a
-    categorical sample with static shapes and no host sync.
+    categorical sample with static shapes and no host sync. Without top-p it is `argmax(logits / T - log E)`
+    (`race`, which a caller may pass compiled: one pass over the logits and the noise, no [B, V] softmax).
     """
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(generator=generator)
+    if top_p >= 1.0:
+        return (race or exponential_race)(logits, noise, temperature)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    probs = top_p_filter(logp.exp(), top_p)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return torch.argmax(probs / noise, dim=-1), logp
+    token = torch.argmax(top_p_filter(logp.exp(), top_p) / noise, dim=-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def exponential_race(logits: Tensor, noise: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """`argmax(softmax(logits / T) / noise)` and the winner's log-probability, without forming the softmax."""
+    scaled = logits.float() / temperature
+    token = torch.argmax(scaled - noise.log(), dim=-1)
+    logp = scaled.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    return token, logp
 
 
 @dataclass
@@ -266,14 +297,14 @@ class GraphSampler:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, use_graphs: bool | None = None,
                  compile_blocks: bool | None = None, check_every: int = 8, keep_graphs: bool = False,
-                 fuse_weights: bool | None = None, sdpa: bool = False) -> None:
+                 fuse_weights: bool | None = None, sdpa: bool = False, compile_layers: bool = False) -> None:
         self.decoder = StaticDecoder(model, sdpa=sdpa)
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.compiled = self.use_graphs if compile_blocks is None else compile_blocks
         self.fuse = self.use_graphs if fuse_weights is None else fuse_weights
         if self.compiled:
-            self.decoder.compile_blocks()
+            self.decoder.compile_blocks(layers=compile_layers)
         self.check_every = check_every
         # Dropping the graphs (their KV cache and memory pool) after each batch gives that memory back to a
         # colocated trainer; a later capture of a seen shape skips warm-up and costs a few milliseconds.
@@ -414,10 +445,10 @@ class GraphSampler:
 
     def _step(self, state: _State, temperature: float, top_p: float, eos: int) -> None:
         """Sample from `state.logits`, record, then run the decoder on the sampled token (graph body)."""
-        token, logp = sample_from_logits(state.logits, temperature, top_p, self.generator)
+        token, logp = sample_from_logits(state.logits, temperature, top_p, self.generator, self.decoder.race)
         token = torch.where(state.done, torch.full_like(token, eos), token)
         state.out_tokens.index_copy_(1, state.step, token[:, None])
-        state.out_logps.index_copy_(1, state.step, logp.gather(-1, token[:, None]))
+        state.out_logps.index_copy_(1, state.step, logp[:, None])
         state.done.logical_or_(token == eos)
         state.valid.index_fill_(1, state.slot, True)
         allowed = state.valid[:, None, :]

@@ -68,7 +68,7 @@ for section in "$@"; do
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.profile_engine $BENCH > $OUT/engine_8.txt 2>&1
       echo "engine 8 exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_8.txt | head -14 >> $OUT/results.txt
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.profile_engine $BENCH rollout.prompts_per_step=32 \
-        --variants plain,fused --rows 0 > $OUT/engine_32.txt 2>&1
+        --variants fused,fused_layers --rows 0 > $OUT/engine_32.txt 2>&1
       echo "engine 32 exit $?" >> $OUT/results.txt; head -8 $OUT/engine_32.txt >> $OUT/results.txt ;;
     profile)  # issue 9: where the standalone train phase spends its time (kernels, host syncs, busy share)
       for p in 8 32; do
