@@ -26,6 +26,11 @@ PRESETS: dict[str, dict] = {
     "qwen2_0p5b_shape": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                              num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                              max_position_embeddings=4096, tie_word_embeddings=True),
+    # Qwen2-0.5B's tensor count (24 layers, 291 state-dict entries) at tiny_qwen2's width: a weight sync of it
+    # moves ~1 MB, so its time is the fixed per-push and per-tensor cost (`python -m rlspec.bench_sync`).
+    "qwen2_24l_tiny": dict(model_type="qwen2", vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=24, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, tie_word_embeddings=True),
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -6,10 +6,30 @@ tested on CPU) and one warm-up broadcast forces the communicator into existence.
 it lazily on the first broadcast and hung when a party was late; here every wait is bounded by
 `sync.timeout_s` and raises `SyncError`.
 
-A push runs the two halves concurrently: trainer rank 0 (next to the gathered weights) publishes each
-flat bucket's layout in the store and broadcasts the bucket; each engine reads the layout, allocates,
-receives and copies in by name. The last store entry carries the sender's fingerprints, so the engine
-verifies the whole sync (`verify_written`) before its half returns. The driver waits on both with a deadline.
+A push runs the two halves concurrently, and most of what they need is kept per channel (`sync.staging`):
+
+- The sender (trainer rank 0, next to the gathered weights) compares the export's names, shapes and dtypes
+  with the last push's. On a new layout it plans the buckets and writes the layout's description to the
+  store once; every push then writes only the layout's id (one store round trip), copies bucket after bucket
+  into two reused buffers (one fused copy each) and broadcasts it, bucket b+1 being copied while bucket b is
+  on the wire. With `sync.verify` it also broadcasts one int32 byte checksum per tensor, taken from the
+  staged bytes on the device.
+- Each engine reads the id; on a new layout it reads the description, checks the name mapping once (each
+  engine weight written exactly once, no unknown name, same shapes: `Receiver`) and keeps where each entry
+  lands. Then it receives bucket after bucket into two reused buffers, copying each into the engine's weights
+  (one fused copy) while the next one arrives. With `sync.verify` it compares the received checksums with
+  those of its own weights on the device, with one host sync; a refused mapping still takes part in the
+  push's broadcasts, so the group stays in step.
+
+That cached-layout path is for an in-process source (`LocalWeights`: the standalone trainer), whose export
+is the model's own tensors. A sharded trainer's export gathers a group at a time, and holding all of it to
+lay it out would put the whole model on rank 0: there each bucket is sent as it fills, with its description
+in the store (one store round trip per bucket), the engine copies it in by name, and the name mapping and
+byte checksums are checked at the end (`send_streamed` / `receive_streamed`).
+
+On CUDA nothing waits on the host between buckets (the copies and broadcasts are ordered by streams); each
+half ends with one bounded wait. A push's phase timings are in `last_push` (see `staging.push_report`).
+The driver waits on both halves with a deadline.
 
 The group lives in the processes that joined it (`_CHANNELS`, keyed by channel id and rank), because it
 must outlive the call that created it; `close` drops it on both sides.
@@ -19,6 +39,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,8 +47,13 @@ from datetime import timedelta
 import torch
 
 from . import register
-from .base import Bucket, SyncError, as_source, buckets, fingerprint, verify_written, write_weights
+from .base import Bucket, LocalWeights, SyncError, as_source, buckets, check_mapping, checksums, compare_checksums
+from .staging import Phases, Receiver, Staging, flat_buffers, layout_key, push_report
 
+SLOTS = 2
+"""Bucket buffers per side: bucket b+1 is copied while bucket b is on the wire; a side holds 2 x sync.bucket_mb."""
+POLL_S = 5e-5
+"""Sleep between polls of a CUDA event that ends a push's half."""
 FAILURE_GRACE_S = 3.0
 """After one half of a transfer fails, how long to wait for the other half's account of it."""
 _CHANNELS: dict[tuple[str, int], "_Channel"] = {}
@@ -39,13 +65,51 @@ class _Channel:
     group: object
     device: torch.device
     timeout_s: float
+    staging: Staging | None = None
+    """Sender (rank 0): the current layout's buckets."""
+    receiver: Receiver | None = None
+    """Engine ranks: the current layout's buckets and where each entry lands."""
+    layouts: int = 0
+
+    def start(self, tensor: torch.Tensor):
+        """Enqueue a broadcast from rank 0 (on CUDA it runs on the group's stream; nothing waits here)."""
+        try:
+            return self.group.broadcast([tensor], _broadcast_opts(0))
+        except Exception as err:  # noqa: BLE001 - any transport failure becomes a SyncError
+            raise SyncError(f"broadcast failed: {err}") from err
+
+    def after(self, work) -> None:
+        """What comes next runs after `work`: on CUDA the current stream waits for it (no host wait), on CPU this
+        thread does (bounded)."""
+        if self.device.type == "cuda":
+            work.wait()
+        else:
+            self.wait(work)
+
+    def wait(self, work) -> None:
+        try:
+            work.wait(timedelta(seconds=self.timeout_s))
+        except Exception as err:  # noqa: BLE001
+            raise SyncError(f"broadcast failed or exceeded sync.timeout_s={self.timeout_s}: {err}") from err
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        try:
-            work = self.group.broadcast([tensor], _broadcast_opts(0))
-            work.wait(timedelta(seconds=self.timeout_s))
-        except Exception as err:  # noqa: BLE001 - any transport failure becomes a SyncError
-            raise SyncError(f"broadcast failed or exceeded sync.timeout_s={self.timeout_s}: {err}") from err
+        self.wait(self.start(tensor))
+
+    def finish(self, works: list) -> None:
+        """Wait, on the host and at most `sync.timeout_s`, until `works` and everything enqueued before on the
+        current stream are done. On CUDA that is one event polled with short sleeps: `work.wait(timeout)` would
+        poll at a coarser step per bucket."""
+        for work in works:
+            self.after(work)
+        if self.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        deadline = time.monotonic() + self.timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise SyncError(f"broadcast did not complete within sync.timeout_s={self.timeout_s}")
+            time.sleep(POLL_S)
 
 
 def _broadcast_opts(root: int):
@@ -74,9 +138,26 @@ def _join(payload: dict, rank: int, device: torch.device) -> None:
     except Exception as err:  # noqa: BLE001
         raise SyncError(f"sync.method=nccl: rendezvous of {payload['world']} parties at {payload['host']}:{payload['port']} "
                         f"failed or exceeded sync.timeout_s={payload['timeout_s']}: {err}") from err
-    channel = _Channel(store, group, device, payload["timeout_s"])
+    channel = _Channel(dist.PrefixStore(f"{payload['id']}/sync", store), group, device, payload["timeout_s"])
     channel.broadcast(torch.zeros(1, device=device))  # creates the communicator now, not on the first push
     _CHANNELS[(payload["id"], rank)] = channel
+
+
+def _get(channel: _Channel, key: str, what: str) -> bytes:
+    try:
+        return bytes(channel.store.get(key))
+    except Exception as err:  # noqa: BLE001 - the store raises on its timeout
+        raise SyncError(f"sync.method=nccl: no {what} from trainer rank 0 within sync.timeout_s={channel.timeout_s}: "
+                        f"{err}") from err
+
+
+def _drain(channel: _Channel, flats: list[torch.Tensor], num_entries: int, verify: bool) -> None:
+    """Take part in a push's broadcasts without using them (the engine refused the layout), so sender and
+    engines stay in step."""
+    works = [channel.start(flat) for flat in flats]
+    if verify:
+        works.append(channel.start(torch.empty(num_entries, dtype=torch.int32, device=channel.device)))
+    channel.finish(works)
 
 
 @register("nccl")
@@ -87,6 +168,9 @@ class CollectiveTransport:
         self.engine = None
         self.channel_id: str | None = None
         self.version = 0
+        self.last_push: dict = {}
+        """The last push's timings (`push_report`); the two halves overlap."""
+        self._walls: dict[str, float] = {}
 
     def connect(self, engine, weights=None) -> None:
         if weights is None:
@@ -108,8 +192,15 @@ class CollectiveTransport:
         self.version += 1
         payload = {"id": self.channel_id, "version": self.version, "bucket_mb": self.spec.bucket_mb,
                    "verify": self.spec.verify}
-        sent, _ = self._both(CollectiveTransport.send, payload, CollectiveTransport.receive, payload, gather=True,
-                             source=as_source(weights), engine=engine)
+        source = as_source(weights)
+        # An in-process source (standalone) hands over its own tensors: the cached-layout path. A sharded
+        # trainer's export gathers a group at a time: streamed, so rank 0 holds one bucket, not the model.
+        send, receive = ((CollectiveTransport.send, CollectiveTransport.receive) if isinstance(source, LocalWeights)
+                         else (CollectiveTransport.send_streamed, CollectiveTransport.receive_streamed))
+        start = time.perf_counter()
+        sent, received = self._both(send, payload, receive, payload, gather=True, source=source, engine=engine)
+        self.last_push = push_report(time.perf_counter() - start, {"sender": (self._walls["sent"], sent),
+                                                                   "engine": (self._walls["received"], received)})
         return sent["bytes"]
 
     def _both(self, send_fn, send_payload, recv_fn, recv_payload, gather: bool, source=None, engine=None,
@@ -120,11 +211,13 @@ class CollectiveTransport:
         failed = threading.Event()
 
         def run(key, fn, *args):
+            start = time.perf_counter()
             try:
                 results[key] = fn(*args)
             except BaseException as err:  # noqa: BLE001 - handed to the driver thread
                 results[key + "_error"] = err
                 failed.set()
+            self._walls[key] = time.perf_counter() - start
 
         threads = [threading.Thread(target=run, args=("sent", source.run_sender, send_fn, send_payload, gather), daemon=True),
                    threading.Thread(target=run, args=("received", engine.receive, recv_fn, recv_payload), daemon=True)]
@@ -168,38 +261,138 @@ class CollectiveTransport:
 
     @staticmethod
     def send(named, payload) -> dict:
+        """Sender half (trainer rank 0): stage and broadcast bucket after bucket, then the checksums."""
         channel = _CHANNELS[(payload["id"], 0)]
-        expected, total, i = {}, 0, 0
-        for i, bucket in enumerate(buckets(named, payload["bucket_mb"])):
-            channel.store.set(f"{payload['version']}/{i}", json.dumps(bucket.meta()))
-            channel.broadcast(bucket.flat.to(channel.device))
-            if payload["verify"]:
-                expected.update(fingerprint(bucket.unpack()))
-            total += bucket.nbytes
-            i += 1
-        channel.store.set(f"{payload['version']}/{i}", json.dumps({"end": True, "expected": expected or None}))
-        return {"bytes": total}
+        phases = Phases()
+        named = [(name, tensor.detach()) for name, tensor in named]
+        phases.mark("export")
+        staging = channel.staging
+        if staging is None or staging.key != layout_key(named, payload["bucket_mb"]):
+            channel.staging = None  # free the old buckets first
+            channel.layouts += 1
+            staging = Staging(named, payload["bucket_mb"], str(channel.layouts), channel.device, SLOTS)
+            channel.store.set(f"layout/{staging.layout_id}", json.dumps(staging.description))
+            channel.staging = staging
+            phases.mark("layout")
+        else:
+            phases.mark("layout_check")
+        channel.store.set(f"push/{payload['version']}", staging.layout_id)
+        phases.mark("header")
+        works, sums = [], []
+        for b, flat in enumerate(staging.flats):
+            if b >= SLOTS:
+                channel.after(works[b - SLOTS])  # that bucket has left the buffer this one reuses
+            staging.copy_in(named, b)
+            phases.mark("stage")
+            works.append(channel.start(flat))
+            phases.mark("broadcast")
+            if payload["verify"]:  # reads the bucket while it is on the wire
+                sums.append(staging.expected(b))
+                phases.mark("checksum")
+        if payload["verify"]:
+            works.append(channel.start(torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int32, device=channel.device)))
+        channel.finish(works)
+        phases.mark("wait")
+        return {"bytes": staging.nbytes, "times": phases.times}
 
     @staticmethod
-    def receive(engine, payload) -> None:
+    def receive(engine, payload) -> dict:
+        """Engine half: learn the push's layout (its description only when new), receive bucket after bucket,
+        copying each into the engine's weights while the next one arrives, then verify."""
+        rank = 1 + getattr(engine, "engine_index", 0)
+        channel = _CHANNELS[(payload["id"], rank)]
+        phases = Phases()
+        layout_id = _get(channel, f"push/{payload['version']}", "push header").decode()
+        phases.mark("wait_sender")
+        receiver = channel.receiver
+        if receiver is None or receiver.layout_id != layout_id or receiver.engine() is not engine:
+            channel.receiver = None
+            layout = json.loads(_get(channel, f"layout/{layout_id}", "layout"))
+            flats = flat_buffers([(getattr(torch, b["dtype"]), b["numel"]) for b in layout], channel.device, SLOTS)
+            try:
+                receiver = Receiver(engine, flats, [b["entries"] for b in layout], layout_id)
+            except SyncError:
+                _drain(channel, flats, sum(len(b["entries"]) for b in layout), payload["verify"])
+                raise  # after the group is back in step, so the next push can use it
+            receiver.expected = torch.empty(len(receiver.names), dtype=torch.int32, device=channel.device)
+            channel.receiver = receiver
+            phases.mark("layout")
+        works, sums = [], []
+        for b, flat in enumerate(receiver.flats):
+            works.append(channel.start(flat))  # reusing a buffer waits for the copy out of it (stream order)
+            phases.mark("broadcast")
+            channel.after(works[-1])
+            phases.mark("arrive")
+            receiver.copy(b)
+            phases.mark("copy")
+            if payload["verify"]:  # while the next bucket is on the wire
+                sums.append(receiver.checksums(b))
+                phases.mark("checksum")
+        actual = None
+        if payload["verify"]:
+            works.append(channel.start(receiver.expected))
+            actual = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int32, device=channel.device)
+        channel.finish(works)  # bounded: the weights are in place when the push returns
+        phases.mark("wait")
+        if actual is not None:
+            receiver.verify(receiver.expected, actual)
+            phases.mark("verify")
+        return {"times": phases.times}
+
+    @staticmethod
+    def send_streamed(named, payload) -> dict:
+        """Sender half for a sharded trainer, whose export gathers a group at a time: each bucket is sent as it
+        fills, with its description in the store, so rank 0 never holds more than one bucket of the model."""
+        channel = _CHANNELS[(payload["id"], 0)]
+        phases = Phases()
+        sums, total, i = [], 0, 0
+        for i, bucket in enumerate(buckets(named, payload["bucket_mb"])):
+            phases.mark("export")
+            channel.store.set(f"{payload['version']}/{i}", json.dumps(bucket.meta()))
+            phases.mark("header")
+            flat = bucket.flat.to(channel.device)
+            channel.broadcast(flat)
+            phases.mark("broadcast")
+            if payload["verify"]:
+                sums.append(checksums([t for _, t in Bucket(flat, bucket.entries).unpack()]))
+                phases.mark("checksum")
+            total += bucket.nbytes
+            i += 1
+        expected = torch.cat(sums).tolist() if sums else None
+        channel.store.set(f"{payload['version']}/{i}", json.dumps({"end": True, "expected": expected}))
+        phases.mark("header")
+        return {"bytes": total, "times": phases.times}
+
+    @staticmethod
+    def receive_streamed(engine, payload) -> dict:
+        """Engine half of `send_streamed`: bucket after bucket, copied in by name; the name mapping and (with
+        `sync.verify`) the byte checksums are checked at the end."""
         channel = _CHANNELS[(payload["id"], 1 + getattr(engine, "engine_index", 0))]
+        phases = Phases()
+        own = list(engine.named_weights())
+        lookup = dict(own)
         i, written = 0, []
         while True:
-            try:
-                raw = channel.store.get(f"{payload['version']}/{i}")
-            except Exception as err:  # noqa: BLE001 - the store raises on its timeout
-                raise SyncError(f"sync.method=nccl: no bucket {i} from trainer rank 0 within sync.timeout_s="
-                                f"{channel.timeout_s}: {err}") from err
-            meta = json.loads(bytes(raw))
+            meta = json.loads(_get(channel, f"{payload['version']}/{i}", f"bucket {i}"))
+            phases.mark("wait_sender")
             if meta.get("end"):
-                if channel.device.type == "cuda":
-                    torch.cuda.synchronize(channel.device)  # the weights are in place when the push returns
-                verify_written(engine, written, meta["expected"])
-                return
+                break
             bucket = Bucket.empty_like_meta(meta, channel.device)
             channel.broadcast(bucket.flat)
-            write_weights(engine, bucket.unpack(), written)
+            phases.mark("broadcast")
+            pairs = [(lookup[name], t) for name, t in bucket.unpack() if name in lookup]
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
+            written += [name for name, *_ in bucket.entries]
+            phases.mark("copy")
             i += 1
+        channel.finish([])  # the weights are in place when the push returns
+        check_mapping(own, written)
+        if meta["expected"] is not None:
+            compare_checksums(written, torch.tensor(meta["expected"], dtype=torch.int32),
+                              checksums([lookup[name] for name in written]))
+        phases.mark("verify")
+        return {"times": phases.times}
 
     @staticmethod
     def leave(_target, channel_id) -> None:

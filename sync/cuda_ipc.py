@@ -16,6 +16,10 @@ trainer's GPU from the first push until `close()`; the engine holds only the map
 With `sync.verify`, the sender computes a byte checksum per tensor (`checksums`) from its own tensors and
 the engine compares it with the checksums of its weights after the copy, on the device, with one host sync.
 
+`Staging` and `Receiver` live in `sync/staging.py` (the `nccl` transport uses them too). Each push's phase
+timings (sender: export, layout, stage, checksum, sync; engine: copy, verify or sync; the bridge as
+`engine/call`) are in `last_push`.
+
 Both processes must see the same physical GPU; the handle carries the device's UUID and the engine
 refuses a handle from another device instead of reading the wrong memory.
 """
@@ -23,117 +27,25 @@ refuses a handle from another device instead of reading the wrong memory.
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
-import weakref
 
 import torch
 from torch import Tensor
 
 from . import register
-from .base import SyncError, as_source, check_mapping, checksums, compare_checksums, word_views
+from .base import SyncError, as_source
+from .staging import ALIGN_BYTES, Phases, Receiver, Staging, layout_key, push_report  # noqa: F401 - the names this module had
 
-ALIGN_BYTES = 16
-"""Each tensor starts at a multiple of this in its bucket (vectorised copies, word checksums)."""
-
-_STAGED: dict[str, "Staging"] = {}
+_STAGED: dict[str, Staging] = {}
 """Sender process: the persistent buckets of each channel."""
-_OPENED: dict[str, "Receiver"] = {}
+_OPENED: dict[str, Receiver] = {}
 """Engine process: the opened buckets of each channel."""
 _LAYOUTS = itertools.count()
 
 
 def _device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
-
-
-def layout_key(named: list[tuple[str, Tensor]], bucket_mb: int) -> tuple:
-    return bucket_mb, tuple((name, tuple(t.shape), t.dtype) for name, t in named)
-
-
-class Staging:
-    """Sender side: flat buckets of a fixed layout that each push refills.
-
-    `entries[b]` lists `(name, shape, offset, numel)` of bucket `b` (a tensor larger than a bucket gets its
-    own); `order` is the source index of every entry, bucket after bucket.
-    """
-
-    def __init__(self, named: list[tuple[str, Tensor]], bucket_mb: int, layout_id: str) -> None:
-        self.key = layout_key(named, bucket_mb)
-        self.layout_id = layout_id
-        limit = bucket_mb * (1 << 20)
-        groups: list[list[int]] = []
-        filling: dict[torch.dtype, list[int]] = {}
-        sizes: dict[torch.dtype, int] = {}
-        for i, (_, tensor) in enumerate(named):
-            size = tensor.numel() * tensor.element_size()
-            if tensor.dtype not in filling or sizes[tensor.dtype] + size > limit:
-                filling[tensor.dtype], sizes[tensor.dtype] = [], 0
-                groups.append(filling[tensor.dtype])
-            filling[tensor.dtype].append(i)
-            sizes[tensor.dtype] += size
-        self.entries: list[list[tuple[str, tuple[int, ...], int, int]]] = []
-        self.flats: list[Tensor] = []
-        self.views: list[list[Tensor]] = []
-        self.sources: list[list[int]] = []
-        for group in groups:
-            dtype = named[group[0]][1].dtype
-            align = max(1, ALIGN_BYTES // named[group[0]][1].element_size())
-            entries, offset = [], 0
-            for i in group:
-                name, tensor = named[i]
-                entries.append((name, tuple(tensor.shape), offset, tensor.numel()))
-                offset += -(-tensor.numel() // align) * align
-            flat = torch.empty(offset, dtype=dtype, device=named[group[0]][1].device)
-            self.entries.append(entries)
-            self.flats.append(flat)
-            self.views.append([flat[o:o + n].view(shape) for _, shape, o, n in entries])
-            self.sources.append(group)
-        self.order = [i for group in groups for i in group]
-        self.staged = [view for views in self.views for view in views]  # entry order
-        self.words = word_views(self.staged)
-        self.parts: list[dict] = []  # the exported handles (set by the sender half)
-        self.nbytes = sum(t.numel() * t.element_size() for _, t in named)
-
-    def copy_in(self, named: list[tuple[str, Tensor]]) -> None:
-        for views, sources in zip(self.views, self.sources):
-            torch._foreach_copy_(views, [named[i][1] for i in sources])
-
-    def expected(self) -> Tensor:
-        """Checksums of the staged tensors, in entry order (equal to the sources' after `copy_in`: the entries
-        are disjoint, which `__init__` lays out and the tests check)."""
-        return checksums(self.staged, self.words)
-
-
-class Receiver:
-    """Engine side: the sender's buckets (opened), and the engine tensor each entry is copied into.
-
-    Built once per layout: the name mapping is checked here, so a push only copies (and verifies bytes).
-    The engine's `named_weights()` must yield its live weight tensors, which are written in place.
-    """
-
-    def __init__(self, engine, flats: list[Tensor], entries: list[list], layout_id: str) -> None:
-        own = list(engine.named_weights())
-        self.names = [e[0] for bucket in entries for e in bucket]
-        check_mapping(own, self.names)
-        lookup = dict(own)
-        self.flats = flats  # keeps the mappings open
-        self.dsts = [[lookup[e[0]] for e in bucket] for bucket in entries]
-        self.srcs = [[flat[o:o + n].view(tuple(shape)) for _, shape, o, n in bucket] for flat, bucket in zip(flats, entries)]
-        wrong = [f"{name} {tuple(d.shape)} <- {tuple(s.shape)}" for name, d, s in
-                 zip(self.names, itertools.chain(*self.dsts), itertools.chain(*self.srcs)) if d.shape != s.shape]
-        if wrong:
-            raise SyncError(f"{len(wrong)} weight(s) have another shape on the engine than sent: {', '.join(wrong[:4])}")
-        self.weights = list(itertools.chain(*self.dsts))
-        self.words = word_views(self.weights)
-        self.layout_id = layout_id
-        self.engine = weakref.ref(engine)
-
-    def copy(self) -> None:
-        for dsts, srcs in zip(self.dsts, self.srcs):
-            torch._foreach_copy_(dsts, srcs)
-
-    def verify(self, expected: Tensor) -> None:
-        compare_checksums(self.names, expected, checksums(self.weights, self.words))
 
 
 @register("cuda_ipc")
@@ -143,15 +55,21 @@ class CudaIpcTransport:
         self.channel_id = f"rlspec-ipc-{uuid.uuid4().hex[:12]}"
         self.source = None
         self.engine = None
+        self.last_push: dict = {}
+        """The last push's timings (`push_report`)."""
 
     def connect(self, engine, weights=None) -> None:
         pass  # the buckets are laid out and exported on the first push
 
     def push(self, weights, engine) -> int:
         self.source, self.engine = as_source(weights), engine
+        start = time.perf_counter()
         sent = self.source.run_sender(CudaIpcTransport.send, {"id": self.channel_id, "bucket_mb": self.spec.bucket_mb,
                                                                "verify": self.spec.verify})
-        engine.receive(CudaIpcTransport.receive, sent)
+        sent_at = time.perf_counter()
+        received = engine.receive(CudaIpcTransport.receive, sent)
+        done = time.perf_counter()
+        self.last_push = push_report(done - start, {"sender": (sent_at - start, sent), "engine": (done - sent_at, received)})
         return sent["bytes"]
 
     @staticmethod
@@ -160,7 +78,9 @@ class CudaIpcTransport:
         weights' layout is new), synchronise, and describe them."""
         from torch.multiprocessing.reductions import reduce_tensor
 
+        phases = Phases()
         named = [(name, tensor.detach()) for name, tensor in named]
+        phases.mark("export")
         off_gpu = next((t.device for _, t in named if not t.is_cuda), None)
         if off_gpu is not None:
             raise SyncError(f"sync.method=cuda_ipc: the trainer's weights are on {off_gpu}, not a GPU "
@@ -173,16 +93,24 @@ class CudaIpcTransport:
             staging.parts = [{"handle": reduce_tensor(flat), "entries": entries}
                              for flat, entries in zip(staging.flats, staging.entries)]
             _STAGED[channel] = staging
+            phases.mark("layout")
+        else:
+            phases.mark("layout_check")
         staging.copy_in(named)
+        phases.mark("stage")
         expected = staging.expected() if payload["verify"] else None
+        phases.mark("checksum")
         device = named[0][1].device if named else torch.device("cuda", torch.cuda.current_device())
         torch.cuda.synchronize(device)  # the engine reads these bytes from another process
+        expected = None if expected is None else expected.cpu()
+        phases.mark("sync")
         return {"id": channel, "layout": staging.layout_id, "parts": staging.parts, "bytes": staging.nbytes,
-                "expected": None if expected is None else expected.cpu(), "device_uuid": _device_uuid(device)}
+                "expected": expected, "device_uuid": _device_uuid(device), "times": phases.times}
 
     @staticmethod
-    def receive(engine, payload) -> None:
+    def receive(engine, payload) -> dict:
         """Engine half: open the buckets if their layout is new, copy into the engine's weights, verify."""
+        phases = Phases()
         device = torch.device(getattr(engine, "device", "cpu"))
         if device.type != "cuda":
             raise SyncError(f"sync.method=cuda_ipc: the engine runs on {device}, not on the trainer's GPU")
@@ -196,11 +124,16 @@ class CudaIpcTransport:
             receiver = Receiver(engine, [_open(part["handle"], index) for part in payload["parts"]],
                                 [part["entries"] for part in payload["parts"]], payload["layout"])
             _OPENED[payload["id"]] = receiver
+            phases.mark("layout")
         receiver.copy()
+        phases.mark("copy")
         if payload["expected"] is not None:
             receiver.verify(payload["expected"])  # waits for the copies
+            phases.mark("verify")
         else:
             torch.cuda.synchronize(device)  # the copies are done before the sender refills its buckets
+            phases.mark("sync")
+        return {"times": phases.times}
 
     @staticmethod
     def forget(_engine, channel_id) -> None:

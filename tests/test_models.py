@@ -22,7 +22,7 @@ def test_half_billion_shape_preset_has_qwen2_0p5b_size():
         model = AutoModelForCausalLM.from_config(preset_config("qwen2_0p5b_shape"))
     count = sum(p.numel() for p in model.parameters())
     assert 480e6 < count < 510e6, count  # Qwen2-0.5B: 494M with tied embeddings
-    assert set(PRESETS) == {"tiny_qwen2", "qwen2_0p5b_shape"}
+    assert set(PRESETS) == {"tiny_qwen2", "qwen2_0p5b_shape", "qwen2_24l_tiny"}
 
 
 def test_byte_tokenizer_roundtrip():

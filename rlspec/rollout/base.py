@@ -40,8 +40,9 @@ class RolloutEngine(Protocol):
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Copy weights in by name."""
 
-    def receive(self, fn, payload) -> None:
-        """Run a sync transport's engine half, `fn(engine, payload)`, where the engine's weights live."""
+    def receive(self, fn, payload):
+        """Run a sync transport's engine half, `fn(engine, payload)`, where the engine's weights live; return its
+        result (a transport's timings; a list of them for several engines)."""
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
         """The engine's current weights (for verifying a sync)."""

@@ -137,9 +137,9 @@ class HFEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         copy_weights(self.model, named_tensors)
 
-    def receive(self, fn, payload) -> None:
-        """Run a sync transport's engine half, `fn(self, payload)`, here."""
-        fn(self, payload)
+    def receive(self, fn, payload):
+        """Run a sync transport's engine half, `fn(self, payload)`, here; return what it returns (its timings)."""
+        return fn(self, payload)
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
         return self.model.state_dict().items()

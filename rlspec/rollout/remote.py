@@ -125,8 +125,8 @@ class RemoteEngines:
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self._all("load_weights", [(n, t.detach().cpu()) for n, t in named_tensors])
 
-    def receive(self, fn, payload) -> None:
-        self._all("receive", fn, payload)
+    def receive(self, fn, payload) -> list:
+        return self._all("receive", fn, payload)
 
     def named_weights(self) -> list[tuple[str, Tensor]]:
         return self._first("named_weights")

@@ -56,3 +56,98 @@ def test_rendezvous_times_out_instead_of_hanging():
 def test_connect_without_weight_source_is_refused():
     with pytest.raises(SyncError, match="weight source"):
         build_transport("nccl", SyncSpec(method="nccl")).connect(_AbsentEngine())
+
+
+class _Streamed:
+    """A weight source that is not in this process's hands (as a sharded trainer's): the streamed path."""
+
+    def __init__(self, export) -> None:
+        self.export = export
+
+    def run_sender(self, fn, payload, gather: bool = True):
+        return fn((item for item in self.export()) if gather else None, payload)
+
+
+def _source(kind: str, export):
+    return LocalWeights(export) if kind == "local" else _Streamed(export)
+
+
+def _same(engine, trainer) -> None:
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, trainer.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("kind", ["local", "streamed"])
+def test_layout_changes_between_pushes_are_followed(kind):
+    from dataclasses import replace
+
+    trainer = load_model(ModelSpec(), 0)
+    engine = _engine(1)
+    spec = SyncSpec(method="nccl", bucket_mb=1, timeout_s=20)
+    transport = build_transport("nccl", spec)
+    everything = _source(kind, lambda: trainer.state_dict().items())
+    one_alias = _source(kind, lambda: ((n, t) for n, t in trainer.state_dict().items() if n != "lm_head.weight"))
+    try:
+        transport.connect(engine, everything)
+        for source, bucket_mb in ((everything, 1), (everything, 1), (one_alias, 1), (one_alias, 2), (everything, 2)):
+            transport.spec = replace(spec, bucket_mb=bucket_mb)
+            with torch.no_grad():
+                trainer.model.norm.weight.add_(0.5)
+                trainer.model.embed_tokens.weight.add_(0.25)  # tied: lm_head follows
+            transport.push(source, engine)
+            _same(engine, trainer)
+        report = transport.last_push
+        assert report["total_s"] > 0 and report["engine/call"] >= 0 and report["sender/call"] >= 0
+        assert {"sender/broadcast", "sender/checksum", "engine/broadcast", "engine/copy"} <= set(report)
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("kind", ["local", "streamed"])
+def test_a_refused_mapping_names_the_tensor_and_leaves_the_channel_usable(kind):
+    trainer = load_model(ModelSpec(), 0)
+    engine = _engine(1)
+    transport = build_transport("nccl", SyncSpec(method="nccl", bucket_mb=1, timeout_s=20))
+    good = _source(kind, lambda: trainer.state_dict().items())
+    missing = _source(kind, lambda: ((n, t) for n, t in trainer.state_dict().items() if n != "model.norm.weight"))
+    renamed = _source(kind, lambda: (("model.norm.weights" if n == "model.norm.weight" else n, t)
+                                     for n, t in trainer.state_dict().items()))
+    try:
+        transport.connect(engine, good)
+        start = time.monotonic()
+        with pytest.raises(SyncError, match=r"1 engine weight\(s\) never written: model\.norm\.weight"):
+            transport.push(missing, engine)
+        with pytest.raises(SyncError, match=r"does not have: model\.norm\.weights"):
+            transport.push(renamed, engine)
+        assert time.monotonic() - start < 10  # both halves finished: no side waited for its timeout
+        transport.push(good, engine)  # the group is still in step
+        _same(engine, trainer)
+    finally:
+        transport.close()
+
+
+def test_verification_names_a_weight_whose_bytes_went_astray(monkeypatch):
+    from rlspec.sync.staging import Receiver
+
+    trainer = load_model(ModelSpec(), 0)
+    engine = _engine(1)
+    transport = build_transport("nccl", SyncSpec(method="nccl", bucket_mb=1, timeout_s=20))
+    source = LocalWeights(lambda: trainer.state_dict().items())
+    copy = Receiver.copy
+
+    def astray(self, bucket=None):
+        copy(self, bucket)
+        with torch.no_grad():
+            engine.model.model.norm.weight[3] += 1.0
+
+    try:
+        transport.connect(engine, source)
+        transport.push(source, engine)
+        monkeypatch.setattr(Receiver, "copy", astray)
+        with pytest.raises(SyncError, match=r"differ after sync: model\.norm\.weight"):
+            transport.push(source, engine)
+        transport.spec = SyncSpec(method="nccl", bucket_mb=1, timeout_s=20, verify=False)
+        transport.push(source, engine)  # unverified: not noticed, and no checksum is computed
+        assert "engine/checksum" not in transport.last_push
+    finally:
+        transport.close()
