@@ -32,11 +32,12 @@ for section in "$@"; do
   rm -rf /tmp/b_* /tmp/ds_*  # a warm machine keeps the last call's runs
   echo "== $section" >> $OUT/results.txt
   case $section in
-    gputests)  # the GPU-marked tests (engine log-probs vs trainer, sampler distribution, cuda_ipc, the server)
+    gputests)  # the GPU-marked tests (engine log-probs vs trainer, sampler distribution, cuda_ipc, the server);
+      # GPUTESTS=<paths> runs a subset
       # From a copy of tests/ and examples/: in the project root its ./rlspec source tree would shadow the
       # installed package (the tests start `python -m rlspec.cli` subprocesses there).
       rm -rf /tmp/gputests; mkdir -p /tmp/gputests; cp -r $ROOT/tests $ROOT/examples $ROOT/pyproject.toml /tmp/gputests/
-      (cd /tmp/gputests && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25) >> $OUT/results.txt ;;
+      (cd /tmp/gputests && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPUTESTS:-tests} 2>&1 | tail -25) >> $OUT/results.txt ;;
     dsync)  # issue 8: the deepspeed backend colocated on one GPU, its step's sync through cuda_ipc and through ray
       for m in cuda_ipc ray; do
         CUDA_VISIBLE_DEVICES=0 timeout 200 $RL run $ROOT/examples/tiny.yaml --backend deepspeed model=qwen2_0p5b_shape \
