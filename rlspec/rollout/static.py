@@ -3,14 +3,18 @@
 `StaticDecoder` is a small forward pass for Llama-style decoders (Qwen2, Llama, Mistral without a
 sliding window) that reads the transformers module's own weight tensors — weights still arrive by HF
 name through `HFEngine.load_weights`, and a colocated trainer's in-place optimizer steps are seen
-directly. Its numerics follow transformers' eager attention (scores in the model dtype, softmax in
-fp32) so the engine's log-probs agree with the trainer's within bf16 rounding.
+directly. Without `sdpa` its attention follows transformers' eager attention (scores in the model dtype,
+softmax in fp32); with it (the CUDA default) it is `scaled_dot_product_attention`; either way the engine's
+log-probs agree with the trainer's within bf16 rounding (`tests/test_gpu.py`). On CUDA it also runs each
+layer's q/k/v and gate/up projections as one GEMM each, over fused copies refreshed before every batch
+(`fuse_weights`), and compiles one function per decoder layer.
 
 `GraphSampler` runs one rollout batch:
 
     prefill (row chunks, eager) -> logits
     repeat max_new_tokens times:  [one CUDA graph replay]
-        logp = log_softmax(logits / T); p = top_p(exp(logp)); token = argmax(p / Exp(1) noise)
+        top_p = 1: token = argmax(logits / T - log E), logp = logits[token] / T - logsumexp(logits / T)
+        top_p < 1: logp = log_softmax(logits / T); token = argmax(top_p(exp(logp)) / E)      (E ~ Exp(1))
         finished rows emit the end token; record token and logp[token]
         write K/V of `token` into the next cache slot; logits = forward(token)
     every `check_every` steps: stop if every row has finished (the only host sync)
