@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 
-TOKEN_ALIGNED = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "ref_logprobs")
+TOKEN_ALIGNED = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "ref_logprobs", "engine_logprobs")
 """The [N, L] fields (the others are per sequence, [N] or [N, ...])."""
 
 
