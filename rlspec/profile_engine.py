@@ -20,11 +20,12 @@ instead of one per block), `fused_layers_sdpa`. Every compiled variant samples w
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
 import torch
+
+from .profile_train import kernel_table, standalone_backend
 
 VARIANTS = {
     "plain": {"fuse_weights": False},
@@ -51,12 +52,11 @@ def _timed(fn, repeats: int) -> list[float]:
 @torch.no_grad()
 def _split(sampler, input_ids, attention_mask, spec, eos: int, replays: int) -> dict[str, float]:
     """Prefill, capture and per-step decode time of one batch shape (the sampler's internals, timed apart)."""
-    from .rollout.static import BATCH_BUCKETS, CACHE_STEP
+    from .rollout.static import graph_key
 
     rows, width = input_ids.shape
-    bucket = next(b for b in BATCH_BUCKETS if b >= rows)
-    length = math.ceil((width + spec.max_new_tokens) / CACHE_STEP) * CACHE_STEP
-    key = (bucket, length, spec.max_new_tokens, spec.temperature, spec.top_p, eos)
+    key = graph_key(input_ids.shape, spec.max_new_tokens, spec.temperature, spec.top_p, eos)
+    bucket, length = key[:2]
     with torch.cuda.device(sampler.device):
         if sampler.fuse:
             sampler.decoder.fuse_weights()
@@ -96,9 +96,7 @@ def _kernels(sampler, input_ids, attention_mask, spec, eos: int, rows: int) -> s
                 for _ in range(8):
                     run()
                 torch.cuda.synchronize()
-            events = prof.key_averages()
-            key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-            out.append(f"--- {title}, 8 steps ---\n" + events.table(sort_by=key, row_limit=rows, max_name_column_width=60))
+            out.append(f"--- {title}, 8 steps ---\n" + kernel_table(prof, rows, 60))
     return "\n".join(out)
 
 
@@ -114,14 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine needs a CUDA device")
 
-    from .backend import create_backend
     from .rollout.static import GraphSampler
-    from .run import build_plan
 
-    plan, task = build_plan(args.spec, args.overrides, "standalone")
+    plan, task, backend = standalone_backend(args.spec, args.overrides)
     spec = plan.spec.rollout
-    backend = create_backend("standalone")
-    backend.setup(plan)
     try:
         engine = backend.rollout_engine()
         prompts = [p.text for p in task.sample(0, plan.batch.prompts_per_step)]

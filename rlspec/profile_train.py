@@ -35,16 +35,12 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("profile_train needs a CUDA device")
 
-    from .backend import create_backend
     from .bench import _train_flops
     from .loop import rollout_batch, update
     from .metrics import PhaseTimer
     from .models import pad_token_id
-    from .run import build_plan
 
-    plan, task = build_plan(args.spec, args.overrides, "standalone")
-    backend = create_backend("standalone")
-    backend.setup(plan)
+    plan, task, backend = standalone_backend(args.spec, args.overrides)
     engine = backend.rollout_engine()
     pad_id = pad_token_id(engine.tokenizer)
     flops = _train_flops(plan)
@@ -95,7 +91,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"host-device syncs in the train phase: {sum(syncs.values()) / steps:.0f} per step")
     for where, count in syncs.most_common(15):
         print(f"  {count / steps:6.0f}  {where}")
-    print(_kernel_table(profiler, args.rows))
+    print(kernel_table(profiler, args.rows))
+
+
+def standalone_backend(spec: str, overrides: list[str]):
+    """The plan, task and set-up standalone backend of `spec` with `overrides` (the profilers' common start)."""
+    from .backend import create_backend
+    from .run import build_plan
+
+    plan, task = build_plan(spec, overrides, "standalone")
+    backend = create_backend("standalone")
+    backend.setup(plan)
+    return plan, task, backend
 
 
 def _kernel_seconds(profiler) -> float:
@@ -112,10 +119,11 @@ def _self_device_us(event) -> float:
     return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
 
 
-def _kernel_table(profiler, rows: int) -> str:
+def kernel_table(profiler, rows: int, name_width: int = 70) -> str:
+    """A finished torch.profiler's events, the `rows` largest by their own GPU time."""
     events = profiler.key_averages()
     key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    return events.table(sort_by=key, row_limit=rows, max_name_column_width=70)
+    return events.table(sort_by=key, row_limit=rows, max_name_column_width=name_width)
 
 
 if __name__ == "__main__":

@@ -279,6 +279,14 @@ def exponential_race(logits: Tensor, noise: Tensor, temperature: float) -> tuple
     return token, logp
 
 
+def graph_key(shape: tuple[int, int], max_new_tokens: int, temperature: float, top_p: float, eos: int) -> tuple:
+    """The (batch bucket, cache length, sampling settings) a [rows, prompt width] batch is captured under."""
+    rows, width = shape
+    bucket = next(b for b in BATCH_BUCKETS if b >= rows)
+    length = math.ceil((width + max_new_tokens) / CACHE_STEP) * CACHE_STEP
+    return bucket, length, max_new_tokens, temperature, top_p, eos
+
+
 @dataclass
 class _State:
     """Static buffers of one (batch bucket, cache length) graph; replays read and write only these."""
@@ -354,11 +362,8 @@ class GraphSampler:
 
     def _sample_rows(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
                      temperature: float, top_p: float, eos: int) -> tuple[Tensor, Tensor]:
-        rows, width = input_ids.shape
-        bucket = next(b for b in BATCH_BUCKETS if b >= rows)
-        length = math.ceil((width + max_new_tokens) / CACHE_STEP) * CACHE_STEP
-        key = (bucket, length, max_new_tokens, temperature, top_p, eos)
-        state = self._state(key)
+        rows = input_ids.shape[0]
+        state = self._state(graph_key(input_ids.shape, max_new_tokens, temperature, top_p, eos))
         self.generator.manual_seed(seed)  # after a capture, whose warm-up steps draw from the generator
         self._prefill(state, input_ids, attention_mask, rows)
         steps = 0
