@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     from .serve.process import ServerProcess
     from .spec import HardwareSpec, ModelSpec, RolloutSpec, Spec, SyncSpec, compile_plan
     from .sync import LocalWeights, build_transport
+    from .weights import state_items
 
     needed = 2 if args.method == "nccl" else 1
     cuda = args.device == "cuda"
@@ -130,8 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = "cuda:0" if cuda else "cpu"
     model = load_model(plan.spec.model, plan.spec.algorithm.seed + 1).to(device).eval()  # not the server's weights
 
-    def export():  # a generator, as a trainer's `export_weights` is: the state-dict walk is the sender's "export"
-        yield from model.state_dict().items()
+    def export():  # as the standalone trainer's `export_weights`: a generator over the model's kept state views
+        yield from state_items(model)
 
     source = LocalWeights(export)
     num_tensors = len(model.state_dict())

@@ -18,6 +18,7 @@ from .grpo import LossConfig, LossNorm
 from .models import apply_lora, copy_weights, load_model, load_tokenizer, read_safetensors_dir, save_hf
 from .policy import accumulate, batch_logprobs
 from .spec import AlgorithmSpec, ModelSpec
+from .weights import state_items
 
 OPTIMIZER_FILE = "optimizer.pt"
 ADAPTER_DIR = "adapter"
@@ -88,8 +89,12 @@ class LocalTrainer:
         return norm
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Full policy weights by base-model name (LoRA adapters merged in)."""
-        yield from full_state_dict(self.model).items()
+        """Full policy weights by base-model name (LoRA adapters merged in); without LoRA, views of the
+        model's own tensors (`state_items`: no state-dict walk per sync)."""
+        if hasattr(self.model, "peft_config"):
+            yield from full_state_dict(self.model).items()
+        else:
+            yield from state_items(self.model)
 
     def export_adapters(self) -> Iterator[tuple[str, Tensor]]:
         """The LoRA adapter tensors alone, by PEFT state-dict name (what `sync.method=lora` moves)."""

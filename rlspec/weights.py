@@ -8,8 +8,10 @@ sharded weights; rank 0 runs the sender).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
 
+import torch
 from torch import Tensor
 
 NamedTensors = Iterable[tuple[str, Tensor]]
@@ -73,3 +75,45 @@ def gather_groups(named: NamedTensors, limit_bytes: int,
         size += n
     if group:
         yield group
+
+
+_registrations = 0
+"""Bumped whenever any module anywhere registers a parameter, buffer or submodule (torch's global hooks)."""
+_watching = False
+_state_views: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, list[Tensor], list[tuple[str, Tensor]]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _registered(*_args) -> None:
+    global _registrations
+    _registrations += 1
+
+
+def state_items(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """`model.state_dict()` as `(name, detached tensor)` pairs, kept between calls: what a single-process
+    trainer exports at every sync.
+
+    Walking a 24-layer model's state dict costs about 2 ms of host time, as much as a third of a 1.26 GB
+    push over NVLink; checking the kept pairs costs about 0.05 ms. They are rebuilt when any parameter,
+    buffer or submodule was registered since (torch's global registration hooks see `module.weight =
+    Parameter(...)`, `load_state_dict(assign=True)`, wrapping) or a tensor's storage moved (`module.to`,
+    `param.data = ...`). In-place writes (optimizer steps, `copy_`) need nothing: the pairs are views.
+    Do not mutate the returned list.
+    """
+    global _watching
+    if not _watching:
+        from torch.nn.modules import module as nn_module
+
+        nn_module.register_module_parameter_registration_hook(_registered)
+        nn_module.register_module_buffer_registration_hook(_registered)
+        nn_module.register_module_module_registration_hook(_registered)
+        _watching = True
+    kept = _state_views.get(model)
+    if kept is not None:
+        generation, sources, items = kept
+        if generation == _registrations and all(s.data_ptr() == t.data_ptr() for s, (_, t) in zip(sources, items)):
+            return items
+    state = model.state_dict(keep_vars=True)
+    items = [(name, value.detach()) for name, value in state.items()]
+    _state_views[model] = (_registrations, list(state.values()), items)
+    return items

@@ -10,6 +10,7 @@ So engines know no transport, and backends know none either: they only yield wei
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterator, Protocol, Sequence
@@ -125,6 +126,24 @@ def compare_fingerprints(expected: dict, actual: dict, rtol: float = 1e-6) -> No
         a_s, a_q = actual[name]
         if abs(a_q - q) > rtol * max(1.0, abs(q)) or abs(a_s - s) > rtol * max(1.0, abs(q) ** 0.5):
             raise SyncError(f"weight {name!r} differs after sync: sum {a_s:.6g} vs {s:.6g}, sumsq {a_q:.6g} vs {q:.6g}")
+
+
+# --- a rollout server's engine thread ------------------------------------------------------------------------
+
+_engine_thread = threading.local()
+
+
+def bind_engine_thread(submit: Callable[..., None]) -> None:
+    """Called by a rollout server's engine thread on itself: `submit(fn, *args)` queues `fn(*args)` on that
+    thread and returns at once. A transport's engine half can then start a push as soon as the trainer's
+    side announces it (through the transport's own channel), before the trainer's bridge call arrives."""
+    _engine_thread.submit = submit
+
+
+def engine_thread_submit() -> Callable[..., None] | None:
+    """The current thread's `submit` when it is a rollout server's engine thread, else None (an in-process
+    engine, a Ray actor)."""
+    return getattr(_engine_thread, "submit", None)
 
 
 # --- the engine-side check that every sync ends with ------------------------------------------------------

@@ -41,13 +41,14 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 
 from . import register
-from .base import Bucket, LocalWeights, SyncError, as_source, buckets, check_mapping, checksums, compare_checksums
+from .base import (Bucket, LocalWeights, SyncError, as_source, buckets, check_mapping, checksums, compare_checksums,
+                   engine_thread_submit)
 from .staging import Phases, Receiver, Staging, flat_buffers, layout_key, push_report
 
 SLOTS = 2
@@ -56,6 +57,10 @@ POLL_S = 5e-5
 """Sleep between polls of a CUDA event that ends a push's half."""
 FAILURE_GRACE_S = 3.0
 """After one half of a transfer fails, how long to wait for the other half's account of it."""
+LISTEN_TIMEOUT = timedelta(days=1)
+"""How long one wait of a rollout server's listener for the next push header lasts (it then waits again)."""
+KEPT_OUTCOMES = 4
+"""Outcomes of listener-run pushes kept for a bridge call that has not come (yet)."""
 _CHANNELS: dict[tuple[str, int], "_Channel"] = {}
 
 
@@ -70,6 +75,40 @@ class _Channel:
     receiver: Receiver | None = None
     """Engine ranks: the current layout's buckets and where each entry lands."""
     layouts: int = 0
+    latest: int = 0
+    """Engine ranks: the newest push whose engine half has started here."""
+    outcomes: dict = field(default_factory=dict)
+    """Engine ranks in a rollout server: push version -> (ok, result or error) of an engine half the listener
+    ran, until the trainer's bridge call collects it."""
+    closed: bool = False
+
+    def run_listened(self, version: int, work) -> None:
+        """The listener's job: run push `version`'s engine half unless the bridge call already has, and keep its
+        outcome for the bridge call (a failure is raised too, so the server marks its weights unknown)."""
+        if version <= self.latest:
+            return
+        self.latest = version
+        try:
+            outcome = (True, work())
+        except BaseException as err:  # noqa: BLE001 - handed to the bridge call
+            outcome = (False, err)
+        self.outcomes[version] = outcome
+        for old in [v for v in self.outcomes if v <= version - KEPT_OUTCOMES]:
+            del self.outcomes[old]
+        if not outcome[0]:
+            raise outcome[1]
+
+    def run_called(self, version: int, work):
+        """The trainer's bridge call for push `version`: the listener's outcome, or `work()` run now."""
+        if version in self.outcomes:
+            ok, value = self.outcomes.pop(version)
+            if ok:
+                return value
+            raise value
+        if version <= self.latest:
+            raise SyncError(f"sync.method=nccl: push {version} already ran on this engine and its outcome is gone")
+        self.latest = version
+        return work()
 
     def start(self, tensor: torch.Tensor):
         """Enqueue a broadcast from rank 0 (on CUDA it runs on the group's stream; nothing waits here)."""
@@ -120,7 +159,7 @@ def _broadcast_opts(root: int):
     return opts
 
 
-def _join(payload: dict, rank: int, device: torch.device) -> None:
+def _join(payload: dict, rank: int, device: torch.device) -> _Channel:
     """Build this process's end of the group (rank 0 hosts the store) and run the warm-up broadcast."""
     import torch.distributed as dist
 
@@ -141,6 +180,39 @@ def _join(payload: dict, rank: int, device: torch.device) -> None:
     channel = _Channel(dist.PrefixStore(f"{payload['id']}/sync", store), group, device, payload["timeout_s"])
     channel.broadcast(torch.zeros(1, device=device))  # creates the communicator now, not on the first push
     _CHANNELS[(payload["id"], rank)] = channel
+    return channel
+
+
+def _listen(channel: _Channel, engine, payload: dict, submit) -> None:
+    """In a rollout server: wait for each push's header and queue its engine half on the engine thread at once,
+    so the engine posts its receives while the trainer's bridge call is still on its way (that call then
+    collects the outcome).
+
+    It has its own store connection, because a store client runs one call at a time and this one blocks (with
+    no timeout: a store timeout logs a warning each time, and pushes may be hours apart). It ends at the close
+    marker that `close` writes as the next header, or when the trainer's store is gone; a push it misses (its
+    header never came) is run by the bridge call itself, as on a Ray engine."""
+    import torch.distributed as dist
+
+    try:
+        client = dist.TCPStore(payload["host"], payload["port"], payload["world"], is_master=False,
+                               timeout=LISTEN_TIMEOUT, wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - the bridge calls run every push without it
+        return
+    store = dist.PrefixStore(f"{payload['id']}/sync", client)
+    version = channel.latest + 1
+    while not channel.closed:
+        version = max(version, channel.latest + 1)
+        try:
+            header = bytes(store.get(f"push/{version}"))
+        except dist.DistStoreError:  # waited LISTEN_TIMEOUT: wait again
+            continue
+        except Exception:  # noqa: BLE001 - the store's host (trainer rank 0) is gone
+            return
+        if channel.closed or json.loads(header).get("close"):
+            return
+        submit(channel.run_listened, version, lambda v=version, h=header: _receive(engine, channel, v, h))
+        version += 1
 
 
 def _get(channel: _Channel, key: str, what: str) -> bytes:
@@ -158,6 +230,52 @@ def _drain(channel: _Channel, flats: list[torch.Tensor], num_entries: int, verif
     if verify:
         works.append(channel.start(torch.empty(num_entries, dtype=torch.int32, device=channel.device)))
     channel.finish(works)
+
+
+def _receive(engine, channel: _Channel, version: int, header: bytes | None) -> dict:
+    """Engine half of a push: learn its layout (the description only when new), receive bucket after bucket,
+    copying each into the engine's weights while the next one arrives, then verify. `header` is the push's
+    store entry when the listener already read it."""
+    phases = Phases()
+    if header is None:
+        header = _get(channel, f"push/{version}", "push header")
+    head = json.loads(header)
+    layout_id, verify = head["layout"], head["verify"]
+    phases.mark("wait_sender")
+    receiver = channel.receiver
+    if receiver is None or receiver.layout_id != layout_id or receiver.engine() is not engine:
+        channel.receiver = None
+        layout = json.loads(_get(channel, f"layout/{layout_id}", "layout"))
+        flats = flat_buffers([(getattr(torch, b["dtype"]), b["numel"]) for b in layout], channel.device, SLOTS)
+        try:
+            receiver = Receiver(engine, flats, [b["entries"] for b in layout], layout_id)
+        except SyncError:
+            _drain(channel, flats, sum(len(b["entries"]) for b in layout), verify)
+            raise  # after the group is back in step, so the next push can use it
+        receiver.expected = torch.empty(len(receiver.names), dtype=torch.int32, device=channel.device)
+        channel.receiver = receiver
+        phases.mark("layout")
+    works, sums = [], []
+    for b, flat in enumerate(receiver.flats):
+        works.append(channel.start(flat))  # reusing a buffer waits for the copy out of it (stream order)
+        phases.mark("broadcast")
+        channel.after(works[-1])
+        phases.mark("arrive")
+        receiver.copy(b)
+        phases.mark("copy")
+        if verify:  # while the next bucket is on the wire
+            sums.append(receiver.checksums(b))
+            phases.mark("checksum")
+    actual = None
+    if verify:
+        works.append(channel.start(receiver.expected))
+        actual = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int32, device=channel.device)
+    channel.finish(works)  # bounded: the weights are in place when the push returns
+    phases.mark("wait")
+    if actual is not None:
+        receiver.verify(receiver.expected, actual)
+        phases.mark("verify")
+    return {"times": phases.times}
 
 
 @register("nccl")
@@ -257,14 +375,19 @@ class CollectiveTransport:
     @staticmethod
     def join_receiver(engine, payload) -> None:
         device = engine.device if payload["backend"] == "nccl" else torch.device("cpu")
-        _join(payload, 1 + getattr(engine, "engine_index", 0), device)
+        channel = _join(payload, 1 + getattr(engine, "engine_index", 0), device)
+        submit = engine_thread_submit()
+        if submit is not None:  # a rollout server: start each push when its header lands, not when the call does
+            threading.Thread(target=_listen, args=(channel, engine, payload, submit), name="rlspec-sync-listener",
+                             daemon=True).start()
 
     @staticmethod
+    @torch.no_grad()  # the staging copies read parameters: no autograd record, no per-tensor detach
     def send(named, payload) -> dict:
         """Sender half (trainer rank 0): stage and broadcast bucket after bucket, then the checksums."""
         channel = _CHANNELS[(payload["id"], 0)]
         phases = Phases()
-        named = [(name, tensor.detach()) for name, tensor in named]
+        named = list(named)
         phases.mark("export")
         staging = channel.staging
         if staging is None or staging.key != layout_key(named, payload["bucket_mb"]):
@@ -276,7 +399,8 @@ class CollectiveTransport:
             phases.mark("layout")
         else:
             phases.mark("layout_check")
-        channel.store.set(f"push/{payload['version']}", staging.layout_id)
+        channel.store.set(f"push/{payload['version']}", json.dumps({"layout": staging.layout_id,
+                                                                     "verify": payload["verify"]}))
         phases.mark("header")
         works, sums = [], []
         for b, flat in enumerate(staging.flats):
@@ -297,47 +421,10 @@ class CollectiveTransport:
 
     @staticmethod
     def receive(engine, payload) -> dict:
-        """Engine half: learn the push's layout (its description only when new), receive bucket after bucket,
-        copying each into the engine's weights while the next one arrives, then verify."""
-        rank = 1 + getattr(engine, "engine_index", 0)
-        channel = _CHANNELS[(payload["id"], rank)]
-        phases = Phases()
-        layout_id = _get(channel, f"push/{payload['version']}", "push header").decode()
-        phases.mark("wait_sender")
-        receiver = channel.receiver
-        if receiver is None or receiver.layout_id != layout_id or receiver.engine() is not engine:
-            channel.receiver = None
-            layout = json.loads(_get(channel, f"layout/{layout_id}", "layout"))
-            flats = flat_buffers([(getattr(torch, b["dtype"]), b["numel"]) for b in layout], channel.device, SLOTS)
-            try:
-                receiver = Receiver(engine, flats, [b["entries"] for b in layout], layout_id)
-            except SyncError:
-                _drain(channel, flats, sum(len(b["entries"]) for b in layout), payload["verify"])
-                raise  # after the group is back in step, so the next push can use it
-            receiver.expected = torch.empty(len(receiver.names), dtype=torch.int32, device=channel.device)
-            channel.receiver = receiver
-            phases.mark("layout")
-        works, sums = [], []
-        for b, flat in enumerate(receiver.flats):
-            works.append(channel.start(flat))  # reusing a buffer waits for the copy out of it (stream order)
-            phases.mark("broadcast")
-            channel.after(works[-1])
-            phases.mark("arrive")
-            receiver.copy(b)
-            phases.mark("copy")
-            if payload["verify"]:  # while the next bucket is on the wire
-                sums.append(receiver.checksums(b))
-                phases.mark("checksum")
-        actual = None
-        if payload["verify"]:
-            works.append(channel.start(receiver.expected))
-            actual = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int32, device=channel.device)
-        channel.finish(works)  # bounded: the weights are in place when the push returns
-        phases.mark("wait")
-        if actual is not None:
-            receiver.verify(receiver.expected, actual)
-            phases.mark("verify")
-        return {"times": phases.times}
+        """Engine half: the push's outcome (in a rollout server the listener may have run it already)."""
+        channel = _CHANNELS[(payload["id"], 1 + getattr(engine, "engine_index", 0))]
+        version = payload["version"]
+        return channel.run_called(version, lambda: _receive(engine, channel, version, None))
 
     @staticmethod
     def send_streamed(named, payload) -> dict:
@@ -395,17 +482,25 @@ class CollectiveTransport:
         return {"times": phases.times}
 
     @staticmethod
-    def leave(_target, channel_id) -> None:
-        for key in [k for k in _CHANNELS if k[0] == channel_id]:
-            del _CHANNELS[key]
+    def leave(_target, payload) -> None:
+        """Drop this process's end of the channel; trainer rank 0 also writes the close marker as the next push
+        header, which ends an engine's listener."""
+        for key in [k for k in _CHANNELS if k[0] == payload["id"]]:
+            channel = _CHANNELS.pop(key)
+            channel.closed = True
+            if key[1] == 0:
+                try:
+                    channel.store.set(f"push/{payload['next']}", json.dumps({"close": True}))
+                except Exception:  # noqa: BLE001 - the peer may be gone; the store then closes with this process
+                    pass
 
     def close(self) -> None:
         """Drop the group on both sides; best effort and bounded (a party may already be gone)."""
         if self.channel_id is None:
             return
-        channel_id, self.channel_id = self.channel_id, None
+        payload, self.channel_id = {"id": self.channel_id, "next": self.version + 1}, None
         try:
-            self._both(CollectiveTransport.leave, channel_id, CollectiveTransport.leave, channel_id, gather=False,
+            self._both(CollectiveTransport.leave, payload, CollectiveTransport.leave, payload, gather=False,
                        timeout_s=5.0)
         except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
             pass

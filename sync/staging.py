@@ -9,8 +9,8 @@ export against it (one tuple per tensor, no device work) and reuses everything b
   reusable buffers of the largest bucket's size (the sender then holds `slots` buckets, not the whole model).
 - `Receiver` (engine): the engine tensor each entry lands in and the bucket view it comes from, built once per
   layout after checking the name mapping (each engine weight written exactly once, no unknown name, same
-  shapes); a push is one fused copy per bucket, plus with `sync.verify` one checksum per tensor and one host
-  sync to compare them.
+  shapes); a push is one fused copy per bucket, plus with `sync.verify` one checksum per tensor (on CUDA one
+  graph replay per bucket: `BucketChecksums`) and one host sync to compare them.
 
 `Phases` times a push's steps on the host with `time.perf_counter` alone (no device synchronisation): device
 work that is only enqueued shows up in the phase that later waits for it.
@@ -114,6 +114,51 @@ def flat_buffers(buckets: Sequence[tuple[torch.dtype, int]], device: torch.devic
     return [pool[b % slots][:size].view(dtype) for b, ((dtype, _), size) in enumerate(zip(buckets, sizes))]
 
 
+class BucketChecksums:
+    """`checksums` of fixed tensors (storage that stays put), bucket by bucket.
+
+    On CUDA each bucket's reductions, one per tensor, are captured once in a CUDA graph and replayed: one launch
+    instead of about 60 per bucket. Launching them one by one cost about 3 to 5 ms of host time per 1.26 GB
+    push (291 tensors, H200) on each side. Elsewhere they are launched as they are.
+    """
+
+    def __init__(self, tensors: list[list[Tensor]], words: list[list[Tensor | None]]) -> None:
+        self.tensors, self.words = tensors, words
+        self.graphs: list | None = None
+        self.outs: list[Tensor] = []
+
+    def __call__(self, bucket: int | None = None) -> Tensor:
+        """The checksums of one bucket's tensors, or of all (in entry order), enqueued where they live."""
+        if bucket is None:
+            parts = [self(b) for b in range(len(self.tensors))]
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+        tensors = self.tensors[bucket]
+        if not tensors or tensors[0].device.type != "cuda":
+            return checksums(tensors, self.words[bucket])
+        if self.graphs is None:
+            self._capture()
+        self.graphs[bucket].replay()
+        return self.outs[bucket].clone()  # the next replay overwrites the graph's own output
+
+    def _capture(self) -> None:
+        device = self.tensors[0][0].device
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):  # warm-up outside the capture
+            for tensors, words in zip(self.tensors, self.words):
+                checksums(tensors, words)
+        current.wait_stream(side)
+        self.graphs, self.outs = [], []
+        for tensors, words in zip(self.tensors, self.words):
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads of this process (a server's web workers, a trainer's loops) may touch
+            # CUDA meanwhile; only this thread's calls must be capture-safe.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.outs.append(checksums(tensors, words))
+            self.graphs.append(graph)
+
+
 class Staging:
     """Sender side: flat buckets of a fixed layout that each push refills.
 
@@ -135,10 +180,8 @@ class Staging:
         self.flats = flat_buffers([(b["dtype"], b["numel"]) for b in plan], device, slots)
         self.views = [[flat[o:o + n].view(shape) for _, shape, o, n in entries]
                       for flat, entries in zip(self.flats, self.entries)]
-        self.bucket_words = [word_views(views) for views in self.views]
-        self.words = [w for words in self.bucket_words for w in words]  # entry order
+        self.checksums = BucketChecksums(self.views, [word_views(views) for views in self.views])
         self.order = [i for group in self.sources for i in group]
-        self.staged = [view for views in self.views for view in views]  # entry order
         self.parts: list[dict] = []  # transport-specific (cuda_ipc: the exported handles)
         self.nbytes = sum(t.numel() * t.element_size() for _, t in named)
 
@@ -150,9 +193,7 @@ class Staging:
     def expected(self, bucket: int | None = None) -> Tensor:
         """Checksums of the staged tensors, in entry order (all buckets, or only `bucket`): equal to the
         sources' after `copy_in`, the entries being disjoint (which `plan_buckets` lays out, the tests check)."""
-        if bucket is not None:
-            return checksums(self.views[bucket], self.bucket_words[bucket])
-        return checksums(self.staged, self.words)
+        return self.checksums(bucket)
 
 
 class Receiver:
@@ -177,7 +218,7 @@ class Receiver:
         if wrong:
             raise SyncError(f"{len(wrong)} weight(s) have another shape on the engine than sent: {', '.join(wrong[:4])}")
         self.cast = [f"{name} ({s.dtype} -> {d.dtype})" for name, d, s in pairs if d.dtype != s.dtype]
-        self.bucket_words = [word_views(dsts) for dsts in self.dsts]
+        self.sums = BucketChecksums(self.dsts, [word_views(dsts) for dsts in self.dsts])
         self.layout_id = layout_id
         self.engine = weakref.ref(engine)
 
@@ -192,9 +233,7 @@ class Receiver:
         if self.cast:
             raise SyncError(f"sync.verify compares bytes, and {len(self.cast)} weight(s) change dtype between trainer "
                             f"and engine: {', '.join(self.cast[:4])} (give both the same model.dtype, or verify=false)")
-        if bucket is not None:
-            return checksums(self.dsts[bucket], self.bucket_words[bucket])
-        return checksums(list(itertools.chain(*self.dsts)), list(itertools.chain(*self.bucket_words)))
+        return self.sums(bucket)
 
     def verify(self, expected: Tensor, actual: Tensor | None = None) -> None:
         """Compare the sender's checksums with the engine's (`actual`, or computed now): one host sync."""

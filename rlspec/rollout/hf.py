@@ -93,6 +93,17 @@ class HFEngine:
         view.spec = spec
         return view
 
+    def sampler_kind(self) -> str:
+        """How this engine samples: `cuda_graph`, or `plain (<why>)` (reported by a rollout server's `/health`)."""
+        if self.device.type != "cuda":
+            return "plain (not on CUDA)"
+        if not self.spec.cuda_graph:
+            return "plain (rollout.cuda_graph is false)"
+        from .static import unsupported_reason
+
+        reason = unsupported_reason(self.model)
+        return f"plain ({reason})" if reason else "cuda_graph"
+
     def _fast_sampler(self):
         """The CUDA-graph sampler when it can run this model here, else None (the plain loop)."""
         if self.device.type != "cuda" or not self.spec.cuda_graph:

@@ -2,7 +2,7 @@
 half of whichever `sync` transport the trainer uses, exactly as an in-process or Ray engine does.
 
 Endpoints:
-- `GET /health`: status, weight version, model, pid.
+- `GET /health`: status, weight version, model, pid, how the engine samples (`cuda_graph` or `plain (why)`).
 - `GET /v1/models`, `POST /v1/completions`: the OpenAI completions subset; each choice also carries
   `token_ids` and `prompt_token_ids`, and `logprobs.token_logprobs` are the engine's log-probs of the
   sampled tokens (log_softmax(logits / temperature), as the trainer computes them).
@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
-from typing import Any, List, Optional, Union
+from typing import Any, Callable, List, Optional, Union
 
 from fastapi import FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel, Field
@@ -75,16 +75,20 @@ class EngineThread:
     worker threads. Requests and bridge calls queue here instead; `/health` never waits for it.
     """
 
-    def __init__(self, device) -> None:
+    def __init__(self, device, on_submitted_error: Callable[[BaseException], None] | None = None) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.device = device
+        self.on_submitted_error = on_submitted_error
         threading.Thread(target=self._loop, name="rlspec-engine", daemon=True).start()
 
     def _loop(self) -> None:
         import torch
 
+        from ..sync.base import bind_engine_thread
+
         if self.device is not None and torch.device(self.device).type == "cuda":
             torch.cuda.set_device(torch.device(self.device))
+        bind_engine_thread(self.submit)
         while True:
             fn, args, done = self.jobs.get()
             if done.set_running_or_notify_cancel():
@@ -99,6 +103,18 @@ class EngineThread:
         self.jobs.put((fn, args, done))
         return done.result()
 
+    def submit(self, fn, *args) -> None:
+        """Queue `fn(*args)` without waiting for it: a sync's engine half that a transport starts on its own
+        (the trainer's bridge call collects the outcome). A failure goes to `on_submitted_error`."""
+        def guarded():
+            try:
+                fn(*args)
+            except BaseException as err:  # noqa: BLE001 - the bridge call reports it; the host marks the weights
+                if self.on_submitted_error is not None:
+                    self.on_submitted_error(err)
+
+        self.jobs.put((guarded, (), Future()))
+
 
 class EngineHost:
     """The engine behind the app: one job at a time on its own thread, plus the weight version it serves."""
@@ -108,7 +124,7 @@ class EngineHost:
         self.skip = fault.removeprefix("skip:") if fault.startswith("skip:") else None
         self.engine = engine
         self.model_name = model_name
-        self.thread = EngineThread(getattr(engine, "device", None))
+        self.thread = EngineThread(getattr(engine, "device", None), on_submitted_error=self._weights_unknown)
         self.weight_version: int | None = 0
         self.started = time.time()
 
@@ -152,13 +168,16 @@ class EngineHost:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
 
+    def _weights_unknown(self, _err: BaseException) -> None:
+        self.weight_version = None  # a sync may have written part of the weights
+
     def receive(self, fn, payload) -> Any:
         if self.skip is not None and getattr(fn, "__qualname__", "") == self.skip:
             return None
         try:
             return self.thread.run(fn, self.engine, payload)
-        except BaseException:
-            self.weight_version = None  # a sync may have written part of the weights
+        except BaseException as err:
+            self._weights_unknown(err)
             raise
 
 
@@ -167,7 +186,9 @@ def build_app(host: EngineHost, token: str) -> FastAPI:
 
     @app.get("/health")
     def health() -> dict:
+        sampler = getattr(host.engine, "sampler_kind", None)
         return {"status": "ok", "model": host.model_name, "weight_version": host.weight_version, "pid": os.getpid(),
+                "sampler": sampler() if sampler else None,
                 "uptime_s": round(time.time() - host.started, 3)}
 
     @app.get("/v1/models")

@@ -9,7 +9,6 @@ trainer is killed outright (SIGKILL runs no handler).
 
 from __future__ import annotations
 
-import dataclasses
 
 import atexit
 import os
@@ -47,12 +46,7 @@ def build_engine(plan: RunPlan):
     if plan.sync_method == "lora":
         model = apply_lora(model, spec.model, spec.algorithm.seed)
     model = model.to(device).eval().requires_grad_(False)
-    # The CUDA-graph decode stays off in the server. It once failed there on an H200 ("Offset increment outside
-    # graph capture", from the sampler's generator); the likely cause (capture on the worker thread's default
-    # device rather than the engine's) is fixed in `GraphSampler`, and all engine work now runs on one engine
-    # thread, but a GPU check of the server with graphs on has not passed yet (tests/serve/test_server_gpu.py).
-    rollout = dataclasses.replace(spec.rollout, cuda_graph=False)
-    engine = HFEngine(model, load_tokenizer(spec.model), rollout, device, spec.algorithm.micro_batch_size)
+    engine = HFEngine(model, load_tokenizer(spec.model), spec.rollout, device, spec.algorithm.micro_batch_size)
     engine.engine_index, engine.num_engines = 0, 1
     return engine
 

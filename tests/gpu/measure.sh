@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc dsync async trl8 trl32 engine profile. Each writes its log and metrics under $OUT.
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile. Each writes its log and metrics under $OUT.
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}
@@ -54,6 +54,12 @@ for section in "$@"; do
     ipc)  # issue 8: cuda_ipc push on one GPU beside a device-to-device copy of the same bytes
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.bench_sync --method cuda_ipc --repeats 10 \
         --json $OUT/bench_ipc.json >> $OUT/results.txt 2>&1 ;;
+    bridge)  # issue 8: standalone with its rollout server on GPU 1 (nccl bridge) beside standalone colocated on GPU 0
+      for mode in separate colocated; do
+        hw=$([ $mode = separate ] && echo "hardware=gpu2_separate sync.method=nccl" || echo "hardware=gpu1")
+        timeout 240 $RL bench $BENCH $hw algorithm.steps=5 --backends standalone --out /tmp/b_$mode > $OUT/bridge_$mode.log 2>&1
+        echo "$mode exit $?" >> $OUT/results.txt; keep bridge_$mode /tmp/b_$mode; tail -4 $OUT/bridge_$mode.log >> $OUT/results.txt
+      done ;;
     async)  # issue 10: engine on its own GPU, nccl sync, the same spec synchronous and asynchronous
       for mode in sync async; do
         timeout 240 $RL bench $BENCH hardware=gpu2_separate sync.method=nccl algorithm.steps=6 rollout.mode=$mode \

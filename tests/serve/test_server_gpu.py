@@ -1,8 +1,6 @@
-"""The rollout server on CUDA (skipped without it): two clients at once get completions with finite log-probs,
-on the trainer's GPU and (with 2 GPUs) on a GPU of its own, where the engine's device is not a worker thread's
-default one. The server samples with the plain KV-cache loop (`rlspec.serve.process.build_engine` turns the
-CUDA-graph decode off there): with it on, this check found the graph sampler unused on an H200, for a reason
-not yet found, so graphs in the server stay off until a GPU run shows them used and correct."""
+"""The rollout server on CUDA (skipped without it): two clients at once get completions with finite log-probs from
+the CUDA-graph decode, on the trainer's GPU and (with 2 GPUs) on a GPU of its own, where the engine's device is not
+a worker thread's default one."""
 
 from __future__ import annotations
 
@@ -13,6 +11,13 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
+
+
+def _uses_graphs(engine, _payload) -> str:
+    """Run in the server (a bridge call): whether the requests sampled through the graph sampler."""
+    sampler = engine._graph_sampler
+    return f"sampler={type(sampler).__name__} use_graphs={getattr(sampler, 'use_graphs', None)} " \
+           f"captured={len(getattr(sampler, '_warmed', ()) or ())} kind={engine.sampler_kind()}"
 
 
 def _serve_and_complete(hardware, sync_method: str) -> None:
@@ -51,20 +56,24 @@ def _serve_and_complete(hardware, sync_method: str) -> None:
             assert len(out["choices"]) == 12
             logps = [lp for c in out["choices"] for lp in c["logprobs"]["token_logprobs"]]
             assert logps and all(math.isfinite(lp) and lp <= 0 for lp in logps)
+        health = ServerClient(server.url, server.token, 60).health()
+        assert health["sampler"] == "cuda_graph", health
+        used = ServerClient(server.url, server.token, 60).receive(_uses_graphs, None)
+        assert "use_graphs=True" in used, used
         log = server.log_path.read_text(errors="replace")
         assert "Offset increment" not in log, log
     finally:
         server.stop()
 
 
-def test_server_on_the_trainers_gpu_serves_two_clients():
+def test_server_on_the_trainers_gpu_serves_two_clients_with_cuda_graphs():
     from rlspec.spec import HardwareSpec
 
     _serve_and_complete(HardwareSpec(device="cuda"), "cuda_ipc")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_server_on_its_own_gpu_serves_two_clients():
+def test_server_on_its_own_gpu_serves_two_clients_with_cuda_graphs():
     from rlspec.spec import HardwareSpec
 
     _serve_and_complete(HardwareSpec(device="cuda", rollout="separate"), "nccl")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -151,3 +152,53 @@ def test_verification_names_a_weight_whose_bytes_went_astray(monkeypatch):
         assert "engine/checksum" not in transport.last_push
     finally:
         transport.close()
+
+
+class _ServedLike:
+    """An engine behind a rollout server's engine thread whose bridge call for a push arrives only after the
+    trainer's half of that push has finished: only the server's listener can have started the engine half."""
+
+    num_engines = 1
+
+    def __init__(self, engine, sent: threading.Event) -> None:
+        from rlspec.serve.app import EngineThread
+
+        self.engine, self.sent = engine, sent
+        self.thread = EngineThread(None)
+
+    def receive(self, fn, payload):
+        from rlspec.sync.collective import CollectiveTransport
+
+        if fn is CollectiveTransport.receive:
+            assert self.sent.wait(20), "the trainer's half of the push waited for the bridge call"
+            self.sent.clear()
+        return self.thread.run(fn, self.engine, payload)
+
+
+def test_a_servers_listener_runs_the_push_before_the_bridge_call_arrives():
+    trainer = load_model(ModelSpec(), 0)
+    sent = threading.Event()
+
+    class Signalling(LocalWeights):
+        def run_sender(self, fn, payload, gather=True):
+            result = super().run_sender(fn, payload, gather)
+            if gather:
+                sent.set()
+            return result
+
+    served = _ServedLike(_engine(1), sent)
+    transport = build_transport("nccl", SyncSpec(method="nccl", bucket_mb=1, timeout_s=20))
+    source = Signalling(lambda: trainer.state_dict().items())
+    try:
+        transport.connect(served, source)
+        for _ in range(3):
+            with torch.no_grad():
+                trainer.lm_head.weight.add_(0.01)
+            transport.push(source, served)
+            _same(served.engine, trainer)
+    finally:
+        transport.close()
+    deadline = time.monotonic() + 10
+    while any(t.name == "rlspec-sync-listener" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "rlspec-sync-listener" for t in threading.enumerate()), "close left the listener running"

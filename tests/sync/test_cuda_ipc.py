@@ -70,3 +70,21 @@ def test_a_source_missing_one_tensor_fails_naming_it(served):
     transport = build_transport("cuda_ipc", plan.spec.sync)
     with pytest.raises(SyncError, match=r"never written: model\.norm\.weight"):
         transport.push(source, engine)
+
+
+def test_graph_replayed_checksums_equal_launched_ones_and_follow_the_bytes():
+    from rlspec.sync.base import checksums, word_views
+    from rlspec.sync.staging import BucketChecksums
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [[torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16) for n in (5, 64, 1000)],
+               [torch.randn(7, 3, device="cuda", generator=gen)]]
+    sums = BucketChecksums(tensors, [word_views(t) for t in tensors])
+    flat = [t for bucket in tensors for t in bucket]
+    assert torch.equal(sums(), checksums(flat))
+    assert sums.graphs is not None  # replayed, not launched
+    before = sums(0)
+    tensors[0][1].view(torch.int16)[3] += 1  # one bit pattern changes in place
+    after = sums(0)
+    assert torch.equal(after, checksums(tensors[0])) and not torch.equal(after[1], before[1])
+    assert torch.equal(after[[0, 2]], before[[0, 2]])

@@ -1,0 +1,43 @@
+"""`state_items`: the single-process trainer's export, kept between syncs, follows every change of the model."""
+
+from __future__ import annotations
+
+import torch
+
+from rlspec.models import load_model
+from rlspec.spec.schema import ModelSpec
+from rlspec.weights import state_items
+
+
+def _same_as_state_dict(model) -> None:
+    items = state_items(model)
+    state = model.state_dict()
+    assert [name for name, _ in items] == list(state)
+    for name, tensor in items:
+        assert tensor.data_ptr() == state[name].data_ptr() and torch.equal(tensor, state[name]), name
+        assert not tensor.requires_grad
+
+
+def test_kept_views_follow_in_place_writes_moves_and_replaced_parameters():
+    model = load_model(ModelSpec(), 0)
+    first = state_items(model)
+    assert state_items(model) is first  # nothing changed: no new walk
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)  # in place: the views see it
+    assert state_items(model) is first
+    _same_as_state_dict(model)
+
+    model.to(torch.float64)  # new storage under the same Parameter objects
+    moved = state_items(model)
+    assert moved is not first and moved[0][1].dtype == torch.float64
+    _same_as_state_dict(model)
+
+    layer = model.model.layers[0].mlp.up_proj
+    layer.weight = torch.nn.Parameter(torch.zeros_like(layer.weight))  # a new Parameter object
+    replaced = dict(state_items(model))
+    assert replaced["model.layers.0.mlp.up_proj.weight"].abs().sum() == 0
+    _same_as_state_dict(model)
+
+    model.model.norm.register_buffer("extra", torch.ones(2))  # a new persistent buffer
+    assert "model.norm.extra" in dict(state_items(model))
+    _same_as_state_dict(model)
