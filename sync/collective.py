@@ -27,6 +27,11 @@ lay it out would put the whole model on rank 0: there each bucket is sent as it 
 in the store (one store round trip per bucket), the engine copies it in by name, and the name mapping and
 byte checksums are checked at the end (`send_streamed` / `receive_streamed`).
 
+In a rollout server the engine half does not wait for the trainer's bridge call (HTTP, then a hand-off to the
+engine thread: about 1.3 ms on an H200 host) to start: a listener thread reads each push's header from the
+store as it lands and queues the engine half on the engine thread; the bridge call collects the outcome
+(`_Channel.run_listened` / `run_called`: whichever reaches the engine thread first runs the push, once).
+
 On CUDA nothing waits on the host between buckets (the copies and broadcasts are ordered by streams); each
 half ends with one bounded wait. A push's phase timings are in `last_push` (see `staging.push_report`).
 The driver waits on both halves with a deadline.
