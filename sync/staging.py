@@ -141,7 +141,7 @@ class BucketChecksums:
         return self.outs[bucket].clone()  # the next replay overwrites the graph's own output
 
     def _capture(self) -> None:
-        device = self.tensors[0][0].device
+        device = next(t.device for tensors in self.tensors for t in tensors)
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
