@@ -35,7 +35,7 @@ from torch import Tensor
 
 from . import register
 from .base import SyncError, as_source
-from .staging import ALIGN_BYTES, Phases, Receiver, Staging, layout_key, push_report  # noqa: F401 - the names this module had
+from .staging import Phases, Receiver, Staging, layout_key, push_report
 
 _STAGED: dict[str, Staging] = {}
 """Sender process: the persistent buckets of each channel."""

@@ -122,8 +122,9 @@ class BucketChecksums:
     push (291 tensors, H200) on each side. Elsewhere they are launched as they are.
     """
 
-    def __init__(self, tensors: list[list[Tensor]], words: list[list[Tensor | None]]) -> None:
-        self.tensors, self.words = tensors, words
+    def __init__(self, tensors: list[list[Tensor]]) -> None:
+        self.tensors = tensors
+        self.words = [word_views(bucket) for bucket in tensors]
         self.graphs: list | None = None
         self.outs: list[Tensor] = []
 
@@ -180,7 +181,7 @@ class Staging:
         self.flats = flat_buffers([(b["dtype"], b["numel"]) for b in plan], device, slots)
         self.views = [[flat[o:o + n].view(shape) for _, shape, o, n in entries]
                       for flat, entries in zip(self.flats, self.entries)]
-        self.checksums = BucketChecksums(self.views, [word_views(views) for views in self.views])
+        self.checksums = BucketChecksums(self.views)
         self.order = [i for group in self.sources for i in group]
         self.parts: list[dict] = []  # transport-specific (cuda_ipc: the exported handles)
         self.nbytes = sum(t.numel() * t.element_size() for _, t in named)
@@ -218,7 +219,7 @@ class Receiver:
         if wrong:
             raise SyncError(f"{len(wrong)} weight(s) have another shape on the engine than sent: {', '.join(wrong[:4])}")
         self.cast = [f"{name} ({s.dtype} -> {d.dtype})" for name, d, s in pairs if d.dtype != s.dtype]
-        self.sums = BucketChecksums(self.dsts, [word_views(dsts) for dsts in self.dsts])
+        self.sums = BucketChecksums(self.dsts)
         self.layout_id = layout_id
         self.engine = weakref.ref(engine)
 

@@ -9,7 +9,6 @@ trainer is killed outright (SIGKILL runs no handler).
 
 from __future__ import annotations
 
-
 import atexit
 import os
 import secrets

@@ -11,7 +11,7 @@ from rlspec.rollout.hf import HFEngine
 from rlspec.spec import ModelSpec, RolloutSpec
 from rlspec.sync import SyncError, checksums, compare_checksums
 from rlspec.sync.base import word_views
-from rlspec.sync.cuda_ipc import Receiver, Staging, layout_key
+from rlspec.sync.staging import Receiver, Staging, layout_key
 
 
 def _engine(seed: int = 1) -> HFEngine:
