@@ -36,7 +36,7 @@ from ..grpo import group_advantages
 from ..metrics import PhaseTimer
 from ..models import pad_token_id
 from ..policy import forward_logits
-from ..rollout.hf import top_p_filter
+from ..rollout.sampling import top_p_filter
 from ..spec import RunPlan
 from ..vla import PromptEncoder, action_token_ids
 from . import build_env_group

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..batch import position_ids
-from .hf import top_p_filter
+from .sampling import top_p_filter
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 BATCH_BUCKETS = tuple(2 ** i for i in range(11))  # 1 .. 1024 rows per graph

@@ -53,7 +53,7 @@ def test_collate_masks():
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
-    from rlspec.rollout.hf import top_p_filter
+    from rlspec.rollout.sampling import top_p_filter
 
     probs = torch.tensor([[0.1, 0.5, 0.3, 0.1]])
     assert torch.equal(top_p_filter(probs, 0.7), torch.tensor([[0.0, 0.5, 0.3, 0.0]]))
