@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..batch import TrainBatch
-from ..grpo import group_advantages
-from ..models import BYTE_VOCAB_SIZE, SPECIAL_TOKENS
+from ..core.batch import TrainBatch
+from ..core.grpo import group_advantages
+from ..models.base import BYTE_VOCAB_SIZE, SPECIAL_TOKENS
 from ..spec import AlgorithmSpec
 
 SEED = 1234
@@ -131,8 +131,8 @@ def build_vla_fixture(image_token_id: int, num_image_tokens: int, action_ids: li
 
 def vla_fixture() -> Fixture:
     """The VLA fixture for the `tiny_llava` preset and MiniGrid's 7 actions."""
+    from ..models.vla import load_processor, preset_config, action_token_ids
     from ..spec import ModelSpec
-    from ..vla import load_processor, preset_config, action_token_ids
 
     model = ModelSpec(preset="tiny_llava", kind="vla")
     config = preset_config(model.preset)
@@ -144,7 +144,7 @@ def dump_fixture(directory: Path, fixture: Fixture, specs: dict) -> None:
     """Write `fixture/`: the initial model (`save_pretrained`), the batch, and each case's algorithm section."""
     import dataclasses
 
-    from ..models import load_model, load_tokenizer, save_hf
+    from ..models.factory import load_model, load_tokenizer, save_hf
 
     directory.mkdir(parents=True, exist_ok=True)
     fixture.save(directory)

@@ -1,12 +1,12 @@
 """The reference: the simplest GRPO step there is, single process, fp32, and the backend runner beside it.
 
 The reference shares with the backends only what is under test elsewhere: the model factory, the
-optimizer factory and the loss formula (`rlspec.grpo`, tested against a per-token loop). It does not
-use the step template (`rlspec.loop.update`) or the micro-batch loop (`rlspec.policy.accumulate`): it
+optimizer factory and the loss formula (`rlspec.core.grpo`, tested against a per-token loop). It does not
+use the step template (`rlspec.core.step.update`) or the micro-batch loop (`rlspec.core.policy.accumulate`): it
 computes each whole optimizer-step mini-batch in one padded forward, so a backend's micro-batching,
 sharding and normalisation are compared with the plain formula, never with themselves.
 
-A backend runs through the real step template, `rlspec.loop.update`, driven only through the `Backend`
+A backend runs through the real step template, `rlspec.core.step.update`, driven only through the `Backend`
 protocol.
 """
 
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..batch import TrainBatch
-from ..grpo import LossConfig, LossNorm, policy_loss, read_stats
-from ..loop import update
-from ..policy import sequence_logprobs
+from ..core.batch import TrainBatch
+from ..core.grpo import LossConfig, LossNorm, policy_loss, read_stats
+from ..core.policy import sequence_logprobs
+from ..core.step import update
+from ..core.trainer import LocalTrainer, grad_norm_and_clip
 from ..spec import BackendCaps, Spec, compile_plan
-from ..trainer import LocalTrainer, grad_norm_and_clip
 from .fixture import Fixture
 
 

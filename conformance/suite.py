@@ -14,8 +14,8 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..backend import backend_class, backend_names
-from ..loop import update
+from ..core.backend import backend_class, backend_names
+from ..core.step import update
 from ..spec import BackendCaps, compile_plan
 from .cases import CASES, NUM_THREADS, Case, case_by_name, case_spec
 from .fixture import Fixture, build_fixture, dump_fixture, vla_fixture
@@ -206,7 +206,7 @@ def measure_sync(name: str, cls: type, spec, fixture: Fixture) -> tuple[float, f
 
     This is the one place that knows how a transport is built and fed; adapt it here if that changes.
     """
-    from ..backend import weight_source_of
+    from ..core.backend import weight_source_of
     from ..sync import build_transport
 
     plan = compile_plan(spec, {name: cls.caps})

@@ -108,7 +108,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from pathlib import Path
 
-        from .bench import bench, table
+        from .perf.bench import bench, table
         from .run import default_out_dir
         from .spec import load_spec
 

@@ -9,13 +9,14 @@ from typing import Sequence
 
 import torch
 
-from .backend import all_caps, backend_class, create_backend
-from .checkpoints import Checkpoints, check_resumable
+from .core.backend import all_caps, backend_class, create_backend
+from .core.loop import train
 from .errors import SpecError
-from .loop import train
-from .metrics import read_metrics
-from .models import check_model_spec, pad_token_id
-from .monitor import RUN_LOG, RunLog, RunMonitor
+from .models.base import pad_token_id
+from .models.factory import check_model_spec
+from .runtime.checkpoints import Checkpoints, check_resumable
+from .runtime.metrics import read_metrics
+from .runtime.monitor import RUN_LOG, RunLog, RunMonitor
 from .spec import RunPlan, compile_plan, load_spec
 from .tasks import Task, build_task
 

@@ -60,7 +60,7 @@ def _finite(value: float, where: str) -> None:
 
 @dataclass
 class AlgorithmSpec(_Section):
-    """GRPO hyper-parameters (the loss itself is `rlspec.grpo`)."""
+    """GRPO hyper-parameters (the loss itself is `rlspec.core.grpo`)."""
 
     group_size: int = 8
     """Completions sampled per prompt; advantages are normalised within each group."""

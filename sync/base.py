@@ -18,8 +18,8 @@ from typing import Callable, ClassVar, Iterator, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from ..core.weights import LocalWeights, NamedTensors, SenderFn, WeightSource, as_source, collect_cpu  # noqa: F401
 from ..errors import RunError
-from ..weights import LocalWeights, NamedTensors, SenderFn, WeightSource, as_source, collect_cpu  # noqa: F401
 
 class SyncError(RunError):
     """A transfer failed, timed out, or the engine's weights did not verify (a run failure: exit 1)."""

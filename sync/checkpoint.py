@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from ..models import read_safetensors_dir
+from ..models.factory import read_safetensors_dir
 from . import register
 from .base import as_source, buckets, fingerprint, verify_written, write_weights
 

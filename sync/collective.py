@@ -367,7 +367,7 @@ class CollectiveTransport:
 
     @staticmethod
     def address(_named, _payload) -> tuple[str, int, str]:
-        from rlspec.ray_utils import node_address
+        from rlspec.cluster.ray_utils import node_address
 
         host, port = node_address()
         return host, port, "cuda" if torch.cuda.is_available() else "cpu"

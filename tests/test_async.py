@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from rlspec.async_loop import Pool, PooledBatch
+from rlspec.core.async_loop import Pool, PooledBatch
 from rlspec.cli import main
 from rlspec.errors import RunError, SpecError
-from rlspec.metrics import read_metrics
+from rlspec.runtime.metrics import read_metrics
 from rlspec.run import build_plan, run
 from tests.conftest import REPO
 
@@ -153,7 +153,7 @@ def test_a_failing_rollout_loop_ends_the_run_with_exit_1_and_its_traceback(tmp_p
 
 
 def test_a_failing_trainer_ends_the_run_with_exit_1_and_stops_the_rollout_loop(tmp_path, monkeypatch, capsys):
-    from rlspec.trainer import LocalTrainer
+    from rlspec.core.trainer import LocalTrainer
 
     monkeypatch.chdir(REPO)
     steps = []

@@ -1,10 +1,10 @@
-"""The bench's train-phase FLOP count and MFU (`rlspec.bench.TrainFlops`)."""
+"""The bench's train-phase FLOP count and MFU (`rlspec.perf.bench.TrainFlops`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlspec.bench import TrainFlops
+from rlspec.perf.bench import TrainFlops
 from rlspec.run import build_plan
 from tests.conftest import REPO
 

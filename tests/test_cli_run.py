@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlspec.cli import _parser
-from rlspec.metrics import METRIC_KEYS, read_metrics
+from rlspec.runtime.metrics import METRIC_KEYS, read_metrics
 from tests.conftest import REPO, rlspec_cmd
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlspec.cli import main
-from rlspec.metrics import read_metrics
+from rlspec.runtime.metrics import read_metrics
 from rlspec.tasks import copy_char
 from tests.conftest import REPO, rlspec_cmd, wait_for_metric_rows
 
@@ -144,7 +144,7 @@ def test_sigterm_checkpoints_then_exits_143_and_resume_continues(tmp_path):
 
 def test_check_finite_unit():
     from rlspec.errors import RunError
-    from rlspec.monitor import check_finite
+    from rlspec.runtime.monitor import check_finite
 
     check_finite(3, {"step": 3, "loss": 0.5, "grad_norm": 1.0, "kl": None})
     with pytest.raises(RunError, match=r"step 3: non-finite grad_norm=inf"):

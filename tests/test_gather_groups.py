@@ -1,10 +1,10 @@
-"""`rlspec.weights.gather_groups`: the unit a sharded trainer gathers at once during an export."""
+"""`rlspec.core.weights.gather_groups`: the unit a sharded trainer gathers at once during an export."""
 
 from __future__ import annotations
 
 import torch
 
-from rlspec.weights import gather_groups
+from rlspec.core.weights import gather_groups
 
 
 def test_groups_keep_order_stay_under_the_limit_and_a_large_tensor_goes_alone():

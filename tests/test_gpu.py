@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from rlspec.metrics import read_metrics
+from rlspec.runtime.metrics import read_metrics
 from tests.conftest import REPO, rlspec_cmd
 
 pytestmark = pytest.mark.gpu
@@ -26,8 +26,9 @@ def test_standalone_bf16_run_on_cuda(tmp_path):
 
 
 def test_bf16_engine_and_trainer_logprobs_agree_on_cuda():
-    from rlspec.models import byte_tokenizer, load_model
-    from rlspec.policy import batch_logprobs
+    from rlspec.models.base import byte_tokenizer
+    from rlspec.models.factory import load_model
+    from rlspec.core.policy import batch_logprobs
     from rlspec.rollout.base import collate, engine_logprobs_tensor
     from rlspec.rollout.hf import HFEngine
     from rlspec.spec import ModelSpec, RolloutSpec
@@ -44,8 +45,9 @@ def test_bf16_engine_and_trainer_logprobs_agree_on_cuda():
 
 def test_graph_engine_logprobs_match_trainer_in_bf16():
     """token_mult_prob_error = mean over completion tokens of exp(|trainer - engine|) <= 1.01, at 0.5B shapes."""
-    from rlspec.models import byte_tokenizer, load_model
-    from rlspec.policy import batch_logprobs
+    from rlspec.models.base import byte_tokenizer
+    from rlspec.models.factory import load_model
+    from rlspec.core.policy import batch_logprobs
     from rlspec.rollout.base import collate, engine_logprobs_tensor
     from rlspec.rollout.hf import HFEngine
     from rlspec.spec import ModelSpec, RolloutSpec

@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from rlspec.grpo import (LossConfig, LossNorm, group_advantages, kept_samples, kl_penalty, policy_loss,
-                         token_entropy, token_logprobs, token_logprobs_and_entropy)
+from rlspec.core.grpo import (LossConfig, LossNorm, group_advantages, kept_samples, kl_penalty, policy_loss, token_entropy, token_logprobs, token_logprobs_and_entropy)
 
 
 def loop_advantages(rewards: list[float], group_size: int, norm: str, eps: float,
@@ -31,7 +30,7 @@ def loop_advantages(rewards: list[float], group_size: int, norm: str, eps: float
 
 
 def loop_loss(logp, old, ref, adv, mask, cfg: LossConfig, max_new_tokens: int, engine=None) -> float:
-    """The formulas of rlspec.grpo's docstring, one token at a time in plain Python floats."""
+    """The formulas of rlspec.core.grpo's docstring, one token at a time in plain Python floats."""
     per_seq_sums, per_seq_counts = [], []
     for i in range(len(logp)):
         total, count = 0.0, 0

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from rlspec.errors import SpecError
-from rlspec.metrics import read_metrics
+from rlspec.runtime.metrics import read_metrics
 from rlspec.spec import JudgeSpec, TaskSpec
 from rlspec.tasks import build_task, score
 from rlspec.tasks.base import Prompt

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlspec.models import PRESETS, byte_tokenizer, load_model, load_tokenizer, preset_config, save_hf
+from rlspec.models.factory import PRESETS, load_model, load_tokenizer, preset_config, save_hf
+from rlspec.models.base import byte_tokenizer
 from rlspec.spec import LoraSpec, ModelSpec
 
 
@@ -45,8 +46,8 @@ def test_local_directory_round_trip(tmp_path):
 
 def test_lora_export_is_the_merged_base_model():
     pytest.importorskip("peft")
-    from rlspec.trainer import full_state_dict
-    from rlspec.models import apply_lora
+    from rlspec.core.trainer import full_state_dict
+    from rlspec.models.factory import apply_lora
 
     spec = ModelSpec(lora=LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
     base = load_model(spec, 0)

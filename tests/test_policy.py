@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from rlspec.batch import position_ids
-from rlspec.grpo import token_entropy, token_logprobs, token_logprobs_and_entropy
-from rlspec.models import load_model
-from rlspec.policy import _decoder_and_head, forward_logits, forward_logprobs
+from rlspec.core.batch import position_ids
+from rlspec.core.grpo import token_entropy, token_logprobs, token_logprobs_and_entropy
+from rlspec.models.factory import load_model
+from rlspec.core.policy import _decoder_and_head, forward_logits, forward_logprobs
 from rlspec.spec import ModelSpec
 
 
@@ -53,9 +53,9 @@ def test_micro_batches_of_uneven_length_carry_every_token_aligned_field():
     """`micro_batches` trims each micro-batch to its own longest sequence; every [N, L] field (the engine's
     log-probs for TIS included) must be trimmed with it, or the loss fails on a shape mismatch (an agent's
     trajectories of different lengths did)."""
-    from rlspec.batch import TOKEN_ALIGNED, TrainBatch
-    from rlspec.grpo import LossConfig, LossNorm
-    from rlspec.policy import accumulate
+    from rlspec.core.batch import TOKEN_ALIGNED, TrainBatch
+    from rlspec.core.grpo import LossConfig, LossNorm
+    from rlspec.core.policy import accumulate
 
     model = load_model(ModelSpec(), seed=0)
     lengths = [9, 9, 5, 4]  # the second micro-batch of 2 is 4 columns shorter than the batch

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rlspec.errors import RunError
-from rlspec.loop import rollout_batch
-from rlspec.metrics import PhaseTimer
+from rlspec.core.step import rollout_batch
+from rlspec.runtime.metrics import PhaseTimer
 from rlspec.rollout.base import Rollout
 from rlspec.run import build_plan
 from rlspec.tasks import score

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from rlspec.batch import TrainBatch
-from rlspec.loop import metrics_row, nothing_to_learn, update
-from rlspec.metrics import PhaseTimer
+from rlspec.core.batch import TrainBatch
+from rlspec.core.step import metrics_row, nothing_to_learn, update
+from rlspec.runtime.metrics import PhaseTimer
 from rlspec.run import build_plan
 from tests.conftest import REPO
 

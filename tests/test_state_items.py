@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from rlspec.models import load_model
+from rlspec.models.factory import load_model
 from rlspec.spec.schema import ModelSpec
-from rlspec.weights import state_items
+from rlspec.core.weights import state_items
 
 
 def _same_as_state_dict(model) -> None:

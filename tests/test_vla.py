@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from rlspec.batch import TrainBatch
-from rlspec.models import load_model, load_tokenizer, save_hf
-from rlspec.policy import forward_logits, sequence_logprobs
+from rlspec.core.batch import TrainBatch
+from rlspec.models.factory import load_model, load_tokenizer, save_hf
+from rlspec.core.policy import forward_logits, sequence_logprobs
 from rlspec.spec import ModelSpec, SpecError
-from rlspec.vla import PromptEncoder, action_token_ids
+from rlspec.models.vla import PromptEncoder, action_token_ids
 from tests.conftest import REPO
 
 SPEC = ModelSpec(preset="tiny_llava", kind="vla")

@@ -1,7 +1,7 @@
 """`deepspeed`: DeepSpeed ZeRO-3 trainer ranks and `hf` rollout engines as Ray actors.
 
 The driver (this class) starts one `DeepSpeedWorker` actor per trainer rank and one `EngineWorker` per
-rollout engine through the shared rank group (`rlspec.ray_group.RankGroup`: placement group, process-group
+rollout engine through the shared rank group (`rlspec.cluster.ray_group.RankGroup`: placement group, process-group
 rendezvous, the watchdog, the data-parallel split of each batch). Weights leave the trainer only through
 `weight_source()`, which runs a `sync` transport's sender half inside the ranks (all ranks join the
 ZeRO-3 gather, rank 0 sends).
@@ -9,8 +9,8 @@ ZeRO-3 gather, rank 0 sends).
 
 from __future__ import annotations
 
+from ...cluster.ray_group import RankGroupBackend
 from ...errors import RunError
-from ...ray_group import RankGroupBackend
 from ...spec import BackendCaps, RunPlan
 
 

@@ -1,8 +1,8 @@
 """One DeepSpeed ZeRO-3 trainer rank, run as a Ray actor (the driver side is `backend.py`).
 
-Every rank builds the same initial model (`rlspec.models.load_model` with the plan's seed), wraps it with
-`deepspeed.initialize` and a torch optimizer from `rlspec.trainer.build_optimizer`, and runs the shared
-micro-batch loop `rlspec.policy.accumulate` on its shard. Anything that touches ZeRO-3 parameters
+Every rank builds the same initial model (`rlspec.models.factory.load_model` with the plan's seed), wraps it with
+`deepspeed.initialize` and a torch optimizer from `rlspec.core.trainer.build_optimizer`, and runs the shared
+micro-batch loop `rlspec.core.policy.accumulate` on its shard. Anything that touches ZeRO-3 parameters
 (forward, gather, save) is collective: the driver always calls all ranks together.
 """
 
@@ -17,14 +17,14 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from ...batch import TrainBatch
-from ...grpo import LossConfig, LossNorm
-from ...models import load_model, load_tokenizer, read_safetensors_dir, save_hf
-from ...policy import accumulate
-from ...ray_group import RankWorker, sharded_logprobs
+from ...cluster.ray_group import RankWorker, sharded_logprobs
+from ...core.batch import TrainBatch
+from ...core.grpo import LossConfig, LossNorm
+from ...core.policy import accumulate
+from ...core.trainer import build_optimizer
+from ...core.weights import gather_groups
+from ...models.factory import load_model, load_tokenizer, read_safetensors_dir, save_hf
 from ...spec import RunPlan
-from ...trainer import build_optimizer
-from ...weights import gather_groups
 
 ZERO_DIR = "optimizer_zero3"
 """DeepSpeed's own checkpoint (per-rank ZeRO partitions of weights and optimizer state) inside a save."""
@@ -164,7 +164,7 @@ class DeepSpeedWorker(RankWorker):
             yield from copies
 
     def run_sender(self, fn, payload, gather: bool) -> Any:
-        """A transport's sender half (see `rlspec.weights.WeightSource`): rank 0 runs it, all ranks gather."""
+        """A transport's sender half (see `rlspec.core.weights.WeightSource`): rank 0 runs it, all ranks gather."""
         if self.rank == 0:
             return fn(self._full_weights() if gather else None, payload)
         if gather:

@@ -1,9 +1,9 @@
 """One FSDP2 trainer rank, run as a Ray actor (the driver side is `backend.py`).
 
-Every rank builds the same initial model (`rlspec.models.load_model` with the plan's seed), adds LoRA
-adapters when `model.lora.r > 0` (`rlspec.models.apply_lora`), shards it with
+Every rank builds the same initial model (`rlspec.models.factory.load_model` with the plan's seed), adds LoRA
+adapters when `model.lora.r > 0` (`rlspec.models.factory.apply_lora`), shards it with
 `torch.distributed.fsdp.fully_shard` (each block named in the model's `_no_split_modules`, then the
-root) over a 1-D device mesh, and runs the shared micro-batch loop `rlspec.policy.accumulate` on its
+root) over a 1-D device mesh, and runs the shared micro-batch loop `rlspec.core.policy.accumulate` on its
 shard. Parameters are sharded fp32 masters; forward and backward run in `model.dtype`
 (`MixedPrecisionPolicy`), gradients are reduced in fp32. Anything that touches sharded parameters
 (forward, gather, save) is collective: the driver always calls all ranks together.
@@ -19,14 +19,15 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from ...batch import TrainBatch
-from ...grpo import LossConfig, LossNorm
-from ...models import DTYPES, apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_hf
-from ...policy import accumulate
-from ...ray_group import RankWorker, sharded_logprobs
+from ...cluster.ray_group import RankWorker, sharded_logprobs
+from ...core.batch import TrainBatch
+from ...core.grpo import LossConfig, LossNorm
+from ...core.policy import accumulate
+from ...core.trainer import build_optimizer, merged_weights
+from ...core.weights import gather_groups
+from ...models.base import DTYPES
+from ...models.factory import apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_hf
 from ...spec import RunPlan
-from ...trainer import build_optimizer, merged_weights
-from ...weights import gather_groups
 
 STATE_DIR = "optimizer_dcp"
 """`torch.distributed.checkpoint` of the sharded fp32 parameters and optimizer state inside a save."""
@@ -164,7 +165,7 @@ class FSDPWorker(RankWorker):
             yield full.pop()
 
     def run_sender(self, fn, payload, gather: bool) -> Any:
-        """A transport's sender half (see `rlspec.weights.WeightSource`): rank 0 runs it, all ranks gather."""
+        """A transport's sender half (see `rlspec.core.weights.WeightSource`): rank 0 runs it, all ranks gather."""
         if self.rank == 0:
             return fn(self._full_weights() if gather else None, payload)
         if gather:

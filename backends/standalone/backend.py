@@ -10,7 +10,7 @@
   OpenAI-compatible `/v1/completions`. A joined server may hold another run's weights, so the loop pushes
   before the first rollout.
 
-The trainer is `rlspec.trainer.LocalTrainer` — the same code the conformance suite uses as its reference.
+The trainer is `rlspec.core.trainer.LocalTrainer` — the same code the conformance suite uses as its reference.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from ...batch import TrainBatch
+from ...core.batch import TrainBatch
+from ...core.grpo import LossNorm
+from ...core.trainer import LocalTrainer
+from ...core.weights import LocalWeights
 from ...errors import RunError
-from ...grpo import LossNorm
-from ...models import apply_lora, copy_weights, load_model
+from ...models.factory import apply_lora, copy_weights, load_model
 from ...rollout.hf import HFEngine
 from ...spec import BackendCaps, RunPlan
-from ...trainer import LocalTrainer
-from ...weights import LocalWeights
 
 HEALTH_MARGIN_S = 10.0
 """Bridge calls may wait up to `sync.timeout_s` inside the server; the HTTP timeout allows for that."""

@@ -4,7 +4,7 @@ Per step, `prompts_per_step` seeds each start one group of `group_size` episodes
 the same seed). At every env step the policy sees the current image and the instruction (no history: the
 MiniGrid view is egocentric and the levels used here are solvable from it) and samples one action token
 from the softmax over the action ids at the rollout temperature — the same distribution the trainer's
-log-probs use (`rlspec.policy.sequence_logprobs` with `TrainBatch.action_vocab`).
+log-probs use (`rlspec.core.policy.sequence_logprobs` with `TrainBatch.action_vocab`).
 
 Training rows are per step (OpenVLA-RL / vlarl style): one row = prompt (image tokens + instruction) +
 the action token, carrying its episode's advantage (scaled so that `algorithm.loss_agg` treats an episode as the sequence, see
@@ -30,15 +30,15 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from ..batch import TrainBatch
+from ..core.batch import TrainBatch
+from ..core.grpo import group_advantages
+from ..core.policy import forward_logits
 from ..errors import RunError
-from ..grpo import group_advantages
-from ..metrics import PhaseTimer
-from ..models import pad_token_id
-from ..policy import forward_logits
+from ..models.base import pad_token_id
+from ..models.vla import PromptEncoder, action_token_ids
 from ..rollout.sampling import top_p_filter
+from ..runtime.metrics import PhaseTimer
 from ..spec import RunPlan
-from ..vla import PromptEncoder, action_token_ids
 from . import build_env_group
 from .base import Observation
 

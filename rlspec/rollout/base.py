@@ -8,7 +8,7 @@ from typing import Iterable, Protocol
 import torch
 from torch import Tensor
 
-from ..batch import TrainBatch
+from ..core.batch import TrainBatch
 
 
 @dataclass

@@ -19,9 +19,9 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from ..batch import TrainBatch, position_ids
-from ..models import copy_weights
-from ..policy import batch_logprobs
+from ..core.batch import TrainBatch, position_ids
+from ..core.policy import batch_logprobs
+from ..models.factory import copy_weights
 from ..spec import RolloutSpec, SpecError
 from .base import Rollout
 from .sampling import top_p_filter

@@ -1,7 +1,7 @@
 """Rollout engines as Ray actors, and the driver-side proxy that implements `RolloutEngine` over them.
 
 `EngineWorker` holds one `HFEngine` in its own process; `RemoteEngines` fans calls out to one or more
-workers through the watchdog (`rlspec.ray_utils.wait_all`), so a dead engine stops the run with its
+workers through the watchdog (`rlspec.cluster.ray_utils.wait_all`), so a dead engine stops the run with its
 traceback. With several engines, `generate` splits the prompts evenly (engine i samples with seed + i);
 `receive` runs a transport's engine half in every engine, where each carries `engine_index`.
 """
@@ -13,10 +13,10 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..batch import TrainBatch
-from ..models import load_model, load_tokenizer
+from ..core.batch import TrainBatch
+from ..models.factory import load_model, load_tokenizer
+from ..runtime.stall import StackReporter
 from ..spec import RunPlan
-from ..stall import StackReporter
 from .base import Rollout
 
 
@@ -85,17 +85,17 @@ class RemoteEngines:
         self.num_engines = len(self.actors)
 
     def _all(self, method: str, *args) -> list:
-        from ..ray_utils import call_all
+        from ..cluster.ray_utils import call_all
 
         return call_all(self.actors, self.labels, method, *args)
 
     def _first(self, method: str, *args) -> Any:
-        from ..ray_utils import wait_all
+        from ..cluster.ray_utils import wait_all
 
         return wait_all([getattr(self.actors[0], method).remote(*args)], self.labels[:1])[0]
 
     def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
-        from ..ray_utils import wait_all
+        from ..cluster.ray_utils import wait_all
 
         share = -(-len(prompts) // self.num_engines)
         parts = [(i, prompts[i * share:(i + 1) * share]) for i in range(self.num_engines)]
@@ -139,8 +139,8 @@ def start_engines(plan: RunPlan, bundles: Sequence[tuple[Any, int]], num_cpus: f
     """One `EngineWorker` per (placement group, bundle index) in `bundles`."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from ..ray_utils import wait_all
-    from ..stall import remote_class
+    from ..cluster.ray_utils import wait_all
+    from ..runtime.stall import remote_class
 
     remote_cls = remote_class(EngineWorker)
     actors = [remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1,

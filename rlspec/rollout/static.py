@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..batch import position_ids
+from ..core.batch import position_ids
 from .sampling import top_p_filter
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
@@ -312,7 +312,7 @@ class GraphSampler:
                  fuse_weights: bool | None = None, sdpa: bool | None = None, compile_layers: bool | None = None) -> None:
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        # The defaults on CUDA are the fastest measured (`python -m rlspec.profile_engine`, H200, 0.5B shape, 64
+        # The defaults on CUDA are the fastest measured (`python -m rlspec.perf.profile_engine`, H200, 0.5B shape, 64
         # rows: 1.43 ms a decode step fused + SDPA + per-layer compile, 1.98 ms with none of them).
         self.decoder = StaticDecoder(model, sdpa=self.use_graphs if sdpa is None else sdpa)
         self.compiled = self.use_graphs if compile_blocks is None else compile_blocks

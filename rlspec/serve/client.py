@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 
 from torch import Tensor
 
-from ..batch import TrainBatch
+from ..core.batch import TrainBatch
 from ..errors import RunError, SpecError
 from ..rollout.base import Rollout
 from . import TOKEN_ENV

@@ -34,7 +34,7 @@ def build_engine(plan: RunPlan):
     plan's engine device; with `sync.method=lora`, wrapped with the same adapters as the trainer."""
     import torch
 
-    from ..models import apply_lora, load_model, load_tokenizer
+    from ..models.factory import apply_lora, load_model, load_tokenizer
     from ..rollout.hf import HFEngine
 
     spec = plan.spec

@@ -9,7 +9,7 @@ import importlib.util
 
 import torch
 
-from rlspec.models import byte_tokenizer
+from rlspec.models.base import byte_tokenizer
 from rlspec.rollout.base import Rollout
 from rlspec.run import build_plan
 from rlspec.tasks import Prompt

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlspec.errors import RunError
-from rlspec.policy import batch_logprobs
+from rlspec.core.policy import batch_logprobs
 from rlspec.rollout.base import collate, engine_logprobs_tensor
 from rlspec.run import build_plan
 from rlspec.serve.process import build_engine

@@ -7,7 +7,7 @@ import torch
 
 from rlspec.agent import Call, ContextMismatch, assemble
 from rlspec.agent.calculator import CalculatorError, evaluate, format_number
-from rlspec.grpo import group_advantages, ragged_group_advantages
+from rlspec.core.grpo import group_advantages, ragged_group_advantages
 from rlspec.rollout.base import Rollout, collate
 
 EOS = 2

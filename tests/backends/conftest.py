@@ -11,7 +11,7 @@ import pytest
 def ray_session():
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from rlspec.ray_utils import start_ray
+    from rlspec.cluster.ray_utils import start_ray
 
     started = start_ray(None)
     yield

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from rlspec.batch import TrainBatch
-from rlspec.grpo import LossNorm
-from rlspec.trainer import LocalTrainer
+from rlspec.core.batch import TrainBatch
+from rlspec.core.grpo import LossNorm
+from rlspec.core.trainer import LocalTrainer
 from tests.conftest import wait_for_metric_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def fixed_batch(n: int = 8, prompt: int = 5, max_new: int = 8, seed: int = 0) ->
 
 
 def run_steps(trainer, plan, batch: TrainBatch, steps: int = 3) -> list[tuple[float, float, float]]:
-    """(loss, grad norm, kl) per step, with old and reference log-probs filled the way `rlspec.loop` does."""
+    """(loss, grad norm, kl) per step, with old and reference log-probs filled the way `rlspec.core.loop` does."""
     out = []
     for _ in range(steps):
         step = TrainBatch(**batch.tensors())

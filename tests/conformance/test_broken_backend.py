@@ -10,10 +10,10 @@ import pytest
 from torch import Tensor
 
 from rlspec.backends.standalone.backend import StandaloneBackend
-from rlspec.batch import TrainBatch
+from rlspec.core.batch import TrainBatch
 from rlspec.conformance import run_suite
-from rlspec.grpo import LossNorm
-from rlspec.policy import accumulate, add_stats
+from rlspec.core.grpo import LossNorm
+from rlspec.core.policy import accumulate, add_stats
 from rlspec.spec import BackendCaps, RunPlan
 
 NUM_FAKE_RANKS = 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlspec.backend import all_caps
+from rlspec.core.backend import all_caps
 from rlspec.conformance import CASES, Report, run_suite
 
 CAPS = all_caps()

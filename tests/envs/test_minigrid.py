@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlspec.envs import build_env_group
-from rlspec.metrics import PhaseTimer
+from rlspec.runtime.metrics import PhaseTimer
 from rlspec.spec import EnvSpec
 from tests.conftest import REPO
 
@@ -56,7 +56,7 @@ def test_step_limit_truncates():
 
 @pytest.fixture(scope="module")
 def runner_parts():
-    from rlspec.models import load_model, load_tokenizer
+    from rlspec.models.factory import load_model, load_tokenizer
     from rlspec.run import build_plan
 
     plan, _ = build_plan(str(REPO / "examples" / "vla_babyai.yaml"), [
@@ -119,7 +119,7 @@ def test_env_errors_are_counted_and_the_group_dropped(runner_parts, monkeypatch,
 def test_episode_weights_make_the_episode_the_sequence(loss_agg):
     """Per-step rows with weighted advantages give the aggregation's formula with episodes as sequences."""
     from rlspec.envs.rollout import episode_weights
-    from rlspec.grpo import LossConfig, LossNorm, policy_loss
+    from rlspec.core.grpo import LossConfig, LossNorm, policy_loss
 
     lengths, advantages, max_steps = [3, 1, 2], [0.5, -1.0, 0.25], 4
     weights = episode_weights(lengths, loss_agg, max_steps)

@@ -50,9 +50,9 @@ for section in "$@"; do
         --out /tmp/b_fsdp1 > $OUT/fsdp1.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep fsdp1 /tmp/b_fsdp1; tail -8 $OUT/fsdp1.log >> $OUT/results.txt ;;
     nccl)  # issue 8: the bridge's nccl push across 2 GPUs beside a raw broadcast of the same bytes
-      timeout 200 python3 -m rlspec.bench_sync --method nccl --repeats 5 --json $OUT/bench_nccl.json >> $OUT/results.txt 2>&1 ;;
+      timeout 200 python3 -m rlspec.perf.bench_sync --method nccl --repeats 5 --json $OUT/bench_nccl.json >> $OUT/results.txt 2>&1 ;;
     ipc)  # issue 8: cuda_ipc push on one GPU beside a device-to-device copy of the same bytes
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.bench_sync --method cuda_ipc --repeats 10 \
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.bench_sync --method cuda_ipc --repeats 10 \
         --json $OUT/bench_ipc.json >> $OUT/results.txt 2>&1 ;;
     bridge)  # issue 8: standalone with its rollout server on GPU 1 (nccl bridge) beside standalone colocated on GPU 0
       for mode in separate colocated; do
@@ -72,14 +72,14 @@ for section in "$@"; do
         --out /tmp/b_$section > $OUT/$section.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep $section /tmp/b_$section; tail -8 $OUT/$section.log >> $OUT/results.txt ;;
     engine)  # issue 9: where the engine's generation time goes (prefill, capture, decode step, kernels), per sampler variant
-      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.profile_engine $BENCH > $OUT/engine_8.txt 2>&1
+      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_engine $BENCH > $OUT/engine_8.txt 2>&1
       echo "engine 8 exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_8.txt | head -14 >> $OUT/results.txt
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.profile_engine $BENCH rollout.prompts_per_step=32 \
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH rollout.prompts_per_step=32 \
         --variants fused,fused_layers --rows 0 > $OUT/engine_32.txt 2>&1
       echo "engine 32 exit $?" >> $OUT/results.txt; head -8 $OUT/engine_32.txt >> $OUT/results.txt ;;
     profile)  # issue 9: where the standalone train phase spends its time (kernels, host syncs, busy share)
       for p in 8 32; do
-        CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.profile_train $BENCH rollout.prompts_per_step=$p --steps 3 \
+        CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=$p --steps 3 \
           > $OUT/profile_$p.txt 2>&1; echo "profile $p exit $?" >> $OUT/results.txt
       done ;;
     *) echo "unknown section $section" >> $OUT/results.txt ;;

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlspec.batch import TrainBatch
-from rlspec.models import byte_tokenizer, load_model
-from rlspec.policy import batch_logprobs
+from rlspec.core.batch import TrainBatch
+from rlspec.models.base import byte_tokenizer
+from rlspec.models.factory import load_model
+from rlspec.core.policy import batch_logprobs
 from rlspec.rollout.base import collate, engine_logprobs_tensor
 from rlspec.rollout.hf import HFEngine
 from rlspec.spec import ModelSpec, RolloutSpec

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlspec.models import byte_tokenizer, load_model
-from rlspec.policy import batch_logprobs
+from rlspec.models.base import byte_tokenizer
+from rlspec.models.factory import load_model
+from rlspec.core.policy import batch_logprobs
 from rlspec.rollout.base import collate, engine_logprobs_tensor
 from rlspec.rollout.hf import HFEngine
 from rlspec.rollout.static import GraphSampler, StaticDecoder, sample_from_logits, unsupported_reason

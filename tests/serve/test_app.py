@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from rlspec.models import load_model, load_tokenizer
+from rlspec.models.factory import load_model, load_tokenizer
 from rlspec.rollout.hf import HFEngine
 from rlspec.serve.app import EngineHost, build_app
 from rlspec.spec import ModelSpec, RolloutSpec

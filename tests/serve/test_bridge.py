@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rlspec.metrics import read_metrics
+from rlspec.runtime.metrics import read_metrics
 from tests.conftest import REPO, rlspec_cmd
 
 pytestmark = pytest.mark.distributed

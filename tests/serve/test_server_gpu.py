@@ -21,7 +21,7 @@ def _uses_graphs(engine, _payload) -> str:
 
 
 def _serve_and_complete(hardware, sync_method: str) -> None:
-    from rlspec.backend import all_caps
+    from rlspec.core.backend import all_caps
     from rlspec.serve.client import ServerClient
     from rlspec.serve.process import ServerProcess
     from rlspec.spec import ModelSpec, RolloutSpec, Spec, SyncSpec, compile_plan

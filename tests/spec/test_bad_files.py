@@ -34,7 +34,8 @@ def refused(capsys, out: Path, *args: str, spec: str = TINY) -> str:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny Hugging Face model directory: config, weights, tokenizer."""
-    from rlspec.models import byte_tokenizer, load_model, save_hf
+    from rlspec.models.base import byte_tokenizer
+    from rlspec.models.factory import load_model, save_hf
     from rlspec.spec.schema import ModelSpec
 
     path = tmp_path_factory.mktemp("model") / "tiny"
@@ -213,7 +214,7 @@ def resume_refused(capsys, run: Path) -> str:
 
 
 def test_resume_checkpoint_of_another_model(finished_run, tmp_path, capsys):
-    from rlspec.models import save_hf
+    from rlspec.models.factory import save_hf
 
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
@@ -237,7 +238,7 @@ def _smaller_model():
     """The tiny preset's architecture with one layer instead of two."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlspec.models import PRESETS
+    from rlspec.models.factory import PRESETS
 
     fields = {**PRESETS["tiny_qwen2"], "num_hidden_layers": 1}
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))

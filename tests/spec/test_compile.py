@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from rlspec.backend import all_caps
+from rlspec.core.backend import all_caps
 from rlspec.run import build_plan
 from rlspec.spec import BackendCaps, Spec, SpecError, compile_plan, load_spec
 from tests.conftest import REPO, rlspec_cmd

@@ -1,8 +1,8 @@
-"""`python -m rlspec.bench_sync` reports each push's phases: medians per phase, and a table of them."""
+"""`python -m rlspec.perf.bench_sync` reports each push's phases: medians per phase, and a table of them."""
 
 from __future__ import annotations
 
-from rlspec.bench_sync import _medians, _table
+from rlspec.perf.bench_sync import _medians, _table
 from rlspec.sync.staging import push_report
 
 

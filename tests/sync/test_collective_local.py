@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from rlspec.models import load_model, load_tokenizer
+from rlspec.models.factory import load_model, load_tokenizer
 from rlspec.rollout.hf import HFEngine
 from rlspec.spec.schema import ModelSpec, RolloutSpec, SyncSpec
 from rlspec.sync import LocalWeights, SyncError, build_transport

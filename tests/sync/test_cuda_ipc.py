@@ -14,8 +14,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def served():
-    from rlspec.backend import all_caps
-    from rlspec.models import load_tokenizer
+    from rlspec.core.backend import all_caps
+    from rlspec.models.factory import load_tokenizer
     from rlspec.serve.client import ServedEngine, ServerClient
     from rlspec.serve.process import ServerProcess
     from rlspec.spec import HardwareSpec, ModelSpec, Spec, SyncSpec, compile_plan
@@ -34,7 +34,7 @@ def served():
 
 
 def test_push_moves_every_weight_exactly(served):
-    from rlspec.models import load_model
+    from rlspec.models.factory import load_model
     from rlspec.sync import LocalWeights, build_transport
 
     plan, engine = served
@@ -61,7 +61,7 @@ def test_push_moves_every_weight_exactly(served):
 
 
 def test_a_source_missing_one_tensor_fails_naming_it(served):
-    from rlspec.models import load_model
+    from rlspec.models.factory import load_model
     from rlspec.sync import LocalWeights, SyncError, build_transport
 
     plan, engine = served

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlspec.models import load_model, load_tokenizer
+from rlspec.models.factory import load_model, load_tokenizer
 from rlspec.rollout.hf import HFEngine
 from rlspec.spec import ModelSpec, RolloutSpec
 from rlspec.sync import SyncError, checksums, compare_checksums

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlspec.models import load_model, load_tokenizer
+from rlspec.models.factory import load_model, load_tokenizer
 from rlspec.rollout.hf import HFEngine
 from rlspec.spec import LoraSpec, ModelSpec, RolloutSpec, SyncSpec
 from rlspec.sync import LocalWeights, SyncError, build_transport, verify_written, write_weights
-from rlspec.trainer import LocalTrainer
+from rlspec.core.trainer import LocalTrainer
 
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -18,7 +18,7 @@ def _engine(seed: int = 1, lora_r: int = 0) -> HFEngine:
     spec = ModelSpec(lora=LoraSpec(r=lora_r))
     model = load_model(spec, seed)
     if lora_r:
-        from rlspec.models import apply_lora
+        from rlspec.models.factory import apply_lora
 
         model = apply_lora(model, spec, seed)
     return HFEngine(model.eval(), load_tokenizer(spec), RolloutSpec(), "cpu")

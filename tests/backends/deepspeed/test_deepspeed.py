@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rlspec.backend import all_caps, create_backend
+from rlspec.core.backend import all_caps, create_backend
 from rlspec.spec import compile_plan, load_spec
 from rlspec.sync import build_transport
 from tests.backends.ranks import TINY, kill_a_rank_mid_run, fixed_batch, reference_trainer, rlspec_run, run_steps

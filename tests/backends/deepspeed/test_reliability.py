@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rlspec.metrics import read_metrics
+from rlspec.runtime.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[3]

@@ -13,10 +13,10 @@ import shutil
 import pytest
 import torch
 
-from rlspec.backend import all_caps, create_backend
+from rlspec.core.backend import all_caps, create_backend
 from rlspec.errors import RunError
-from rlspec.grpo import LossNorm
-from rlspec.ray_group import FAULT_ENV
+from rlspec.core.grpo import LossNorm
+from rlspec.cluster.ray_group import FAULT_ENV
 from rlspec.spec import compile_plan, load_spec
 from rlspec.sync import build_transport
 from tests.backends.ranks import (TINY, kill_a_rank_mid_run, fixed_batch, max_weight_diff, reference_trainer, rlspec_run,
@@ -84,7 +84,7 @@ def midsize_model(tmp_path_factory):
     bucket to be a small part of it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlspec.models import byte_tokenizer
+    from rlspec.models.base import byte_tokenizer
 
     path = tmp_path_factory.mktemp("midsize")
     config = AutoConfig.for_model("qwen2", vocab_size=2048, hidden_size=128, intermediate_size=512,

@@ -1,7 +1,7 @@
 """Model-side glue shared by every backend: forward to token log-probs, and the micro-batch loss loop.
 
 Backends differ in how they wrap the model (plain, FSDP2, ZeRO-3) and how they call backward; the
-forward, the loss (`rlspec.grpo`) and the accumulation of statistics are this one code path.
+forward, the loss (`rlspec.core.grpo`) and the accumulation of statistics are this one code path.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def accumulate(model: torch.nn.Module, shard: TrainBatch, micro_batch_size: int,
                temperature: float, backward: Callable[[Tensor], None], device: torch.device | str) -> dict[str, float]:
     """Run forward + `backward(loss)` over `shard` in micro-batches; return summed statistics.
 
-    `backward` receives the loss share of each micro-batch (see `rlspec.grpo.aggregate`): the caller
+    `backward` receives the loss share of each micro-batch (see `rlspec.core.grpo.aggregate`): the caller
     scales it for its gradient reduction (e.g. x world size under an averaging all-reduce).
 
     The statistics stay on the device, summed in fp64 (what adding them as Python floats gives), and are

@@ -33,13 +33,13 @@ import traceback
 from dataclasses import dataclass
 from typing import Iterator
 
+from ..errors import RunError
+from ..runtime.metrics import PhaseTimer
+from ..spec import RunPlan
+from ..tasks import Task
 from .backend import Backend
 from .batch import TrainBatch
-from .errors import RunError
-from .loop import metrics_row, rollout_batch, served_version, update
-from .metrics import PhaseTimer
-from .spec import RunPlan
-from .tasks import Task
+from .step import metrics_row, rollout_batch, served_version, update
 
 JOIN_TIMEOUT_S = 60.0
 """How long the trainer waits, when it leaves, for the rollout loop to finish a generation in flight."""

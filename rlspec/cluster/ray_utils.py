@@ -13,7 +13,7 @@ import socket
 import time
 from typing import Any, Sequence
 
-from .errors import RunError, SpecError
+from ..errors import RunError, SpecError
 
 POLL_S = 0.2
 """How often the watchdog looks at pending futures; an actor death is reported within about this."""
@@ -122,7 +122,7 @@ def kill_all(actors: Sequence[Any]) -> None:
 
 
 class ActorWeightSource:
-    """A `rlspec.weights.WeightSource` over trainer-rank actors: the sender half runs inside every rank.
+    """A `rlspec.core.weights.WeightSource` over trainer-rank actors: the sender half runs inside every rank.
 
     Each rank actor implements `run_sender(fn, payload, gather)`: all ranks join the collective gather of
     the full weights, rank 0 passes them to `fn`, and rank 0's result comes back.

@@ -10,7 +10,7 @@ Actions are tokens, as in OpenVLA: action `a` of an environment with N discrete 
 as `<image>` or `<pad>` come after it and are never used). For the byte tokenizer these are the bytes
 0xF9..0xFF, which never occur in UTF-8 text. The policy over actions is the softmax of the LM-head
 logits restricted to those N ids (as vlarl does for OpenVLA's 256 bins), in sampling and in training
-alike (`rlspec.policy`).
+alike (`rlspec.core.policy`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .spec import ModelSpec, SpecError
+from ..spec import ModelSpec, SpecError
 
 IMAGE_TOKEN = "<image>"
 
@@ -37,7 +37,7 @@ VLA_PRESETS: dict[str, dict] = {
 def _byte_processor(preset: dict):
     from transformers import CLIPImageProcessorPil, LlavaProcessor
 
-    from .models import byte_tokenizer
+    from .base import byte_tokenizer
 
     tokenizer = byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
@@ -54,7 +54,7 @@ def preset_config(name: str, attn_implementation: str = "eager"):
     """The `LlavaConfig` of a VLA preset (vocabulary: byte tokens + specials + `<image>`)."""
     from transformers import LlavaConfig
 
-    from .models import BYTE_VOCAB_SIZE
+    from .base import BYTE_VOCAB_SIZE
 
     preset = VLA_PRESETS[name]
     image_token_id = BYTE_VOCAB_SIZE  # the first id after the byte tokenizer's vocabulary
@@ -93,11 +93,11 @@ def load_processor(spec: ModelSpec):
 def load_model(spec: ModelSpec, seed: int, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForImageTextToText, LlavaForConditionalGeneration
 
-    from .models import _seeded
+    from .base import seeded
 
     if spec.path is None:
         config = preset_config(spec.preset, spec.attn_implementation)
-        with _seeded(seed):
+        with seeded(seed):
             return LlavaForConditionalGeneration._from_config(config, dtype=dtype,
                                                               attn_implementation=spec.attn_implementation)
     return AutoModelForImageTextToText.from_pretrained(spec.path, dtype=dtype,

@@ -19,11 +19,11 @@ with gradient and its backward per step, whatever `updates_per_batch` (each upda
 the batch): forward + backward = 3 forwards. No-grad passes over all tokens: old log-probs when
 updates_per_batch > 1, reference log-probs when kl_coef > 0. Recomputation is not counted (this is MFU,
 not hardware FLOPs utilisation): neither the activations recomputed under gradient checkpointing (one more
-forward of the decoder) nor the LM head recomputed chunk by chunk in backward (`rlspec.grpo`, one more
+forward of the decoder) nor the LM head recomputed chunk by chunk in backward (`rlspec.core.grpo`, one more
 forward of the head). MFU = train FLOPs / (timing_s/train x the device's dense bf16 peak); reported for
 16-bit models on a known GPU only.
 
-`--reference trl` adds TRL's GRPOTrainer on the same spec (`rlspec.bench_trl` says what is matched).
+`--reference trl` adds TRL's GRPOTrainer on the same spec (`rlspec.perf.bench_trl` says what is matched).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from typing import Sequence
 
 import torch
 
-from .metrics import read_metrics
-from .errors import RunError, SpecError
-from .run import build_plan
+from ..errors import RunError, SpecError
+from ..run import build_plan
+from ..runtime.metrics import read_metrics
 
 REFERENCES = ("trl",)
 # Dense bf16 peak of known GPUs, TFLOP/s (the vendors' datasheet numbers without sparsity).
@@ -70,7 +70,7 @@ class TrainFlops:
     def __init__(self, plan, peak_tflops: float) -> None:
         from transformers import AutoModelForCausalLM
 
-        from .models import preset_config
+        from ..models.factory import preset_config
 
         spec = plan.spec
         if spec.model.path is None:

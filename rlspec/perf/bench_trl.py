@@ -1,6 +1,6 @@
 """The bench's reference row from outside rlspec: TRL's `GRPOTrainer` (transformers `generate`) on the spec.
 
-Run as its own process by `rlspec bench --reference trl` (`python -m rlspec.bench_trl SPEC OUT [overrides]`);
+Run as its own process by `rlspec bench --reference trl` (`python -m rlspec.perf.bench_trl SPEC OUT [overrides]`);
 it writes `OUT/metrics.jsonl` with the bench's columns, one row per optimizer step.
 
 Matched with the rlspec run of the same spec: the model (same preset or path, dtype, attention kernel, seed,
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from .metrics import peak_memory_gb
-from .models import load_model, load_tokenizer
-from .run import build_plan
+from ..models.factory import load_model, load_tokenizer
+from ..run import build_plan
+from ..runtime.metrics import peak_memory_gb
 
 LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
 

@@ -1,4 +1,4 @@
-"""Where the CUDA engine's generation time goes, on one GPU: `python -m rlspec.profile_engine SPEC [overrides]`.
+"""Where the CUDA engine's generation time goes, on one GPU: `python -m rlspec.perf.profile_engine SPEC [overrides]`.
 
 On the standalone backend's engine and the spec's rollout batch (`prompts_per_step x group_size` rows,
 `max_new_tokens` each), prints:
@@ -52,7 +52,7 @@ def _timed(fn, repeats: int) -> list[float]:
 @torch.no_grad()
 def _split(sampler, input_ids, attention_mask, spec, eos: int, replays: int) -> dict[str, float]:
     """Prefill, capture and per-step decode time of one batch shape (the sampler's internals, timed apart)."""
-    from .rollout.static import graph_key
+    from ..rollout.static import graph_key
 
     rows, width = input_ids.shape
     key = graph_key(input_ids.shape, spec.max_new_tokens, spec.temperature, spec.top_p, eos)
@@ -101,7 +101,7 @@ def _kernels(sampler, input_ids, attention_mask, spec, eos: int, rows: int) -> s
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rlspec.profile_engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m rlspec.perf.profile_engine", description=__doc__.splitlines()[0])
     parser.add_argument("spec")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--repeats", type=int, default=3, help="timed batches per setting (median reported)")
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine needs a CUDA device")
 
-    from .rollout.static import GraphSampler
+    from ..rollout.static import GraphSampler
 
     plan, task, backend = standalone_backend(args.spec, args.overrides)
     spec = plan.spec.rollout

@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .errors import RunError, SpecError
+from ..errors import RunError, SpecError
 
 STATE_FILE = "trainer_state.json"
 
@@ -78,7 +78,7 @@ def step_of(checkpoint: Path) -> int:
 def check_resumable(checkpoint: Path, model_spec) -> int:
     """The step `checkpoint` was saved after; refuses (`SpecError` on `--resume`) a checkpoint whose state
     file is unreadable or whose weights are corrupt or belong to another model than `model_spec`'s."""
-    from .models import check_weights, preset_config, read_config
+    from ..models.factory import check_weights, preset_config, read_config
 
     fix = f"resume with the spec that wrote {checkpoint}, or remove that directory to resume from an earlier one"
     try:

@@ -3,7 +3,7 @@
 Driver side, `RankGroup` reserves one placement group (one bundle per trainer rank, its GPU on CUDA, plus
 the rollout engines' bundles), starts one worker actor per rank, hands every rank rank 0's address for the
 process-group rendezvous, places the engines (`rlspec.rollout.remote.start_engines`), and fans every
-`Backend` call out to the ranks through the watchdog (`rlspec.ray_utils.wait_all`): if any actor fails or
+`Backend` call out to the ranks through the watchdog (`rlspec.cluster.ray_utils.wait_all`): if any actor fails or
 dies, the call raises `RunError` with that actor's traceback within a fraction of a second, instead of
 waiting on ranks blocked in a collective with it. The data-parallel split of a batch over the ranks
 (`logprobs`, `forward_backward`) lives here too, so the backends differ only in their workers.
@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .batch import TrainBatch
-from .errors import RunError
-from .grpo import LossNorm
-from .policy import add_stats, batch_logprobs
-from .spec import RunPlan, SpecError
-from .stall import StackReporter
+from ..core.batch import TrainBatch
+from ..core.grpo import LossNorm
+from ..core.policy import add_stats, batch_logprobs
+from ..errors import RunError
+from ..runtime.stall import StackReporter
+from ..spec import RunPlan, SpecError
 
 CPUS_PER_ACTOR = 0.5
 """Fractional CPUs per actor on CPU: whole CPUs per actor deadlock a 2-core node (PLATFORM.md)."""
@@ -51,9 +51,9 @@ class RankGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from ..rollout.remote import start_engines
+        from ..runtime.stall import remote_class
         from .ray_utils import check_cluster_fits, start_ray, wait_all
-        from .rollout.remote import start_engines
-        from .stall import remote_class
 
         plan, hw = self.plan, self.plan.spec.hardware
         cuda = plan.placement.device == "cuda"
@@ -82,7 +82,7 @@ class RankGroup:
         # On CPU hide GPUs from the ranks: a library that finds one would move the model there.
         env = ({} if cuda else {"CUDA_VISIBLE_DEVICES": ""}) | (env_vars or {})
         gpu_share = (0.5 if share_gpus else 1.0) if cuda else 0
-        remote_cls = remote_class(worker_cls)  # worker classes inherit `rlspec.stall.StackReporter`
+        remote_cls = remote_class(worker_cls)  # worker classes inherit `rlspec.runtime.stall.StackReporter`
         fault = os.environ.get(FAULT_ENV)
         self.labels = [f"trainer rank {r}" for r in range(world)]
         self.ranks = [
@@ -146,7 +146,7 @@ class RankGroup:
         return total
 
     def weight_source(self):
-        """The ranks as a `rlspec.weights.WeightSource` (every rank gathers, rank 0 runs the sender)."""
+        """The ranks as a `rlspec.core.weights.WeightSource` (every rank gathers, rank 0 runs the sender)."""
         from .ray_utils import ActorWeightSource
 
         return ActorWeightSource(self.ranks, self.labels)
@@ -197,11 +197,11 @@ class RankGroupBackend:
         return self.group.call_all("optimizer_step")[0]
 
     def weight_source(self):
-        """Where the full weights are produced: inside the ranks (see `rlspec.weights.WeightSource`)."""
+        """Where the full weights are produced: inside the ranks (see `rlspec.core.weights.WeightSource`)."""
         return self.group.weight_source()
 
     def export_weights(self):
-        from .weights import collect_cpu
+        from ..core.weights import collect_cpu
 
         yield from self.weight_source().run_sender(collect_cpu, None)
 

@@ -13,11 +13,11 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from ..models.factory import apply_lora, copy_weights, load_model, load_tokenizer, read_safetensors_dir, save_hf
+from ..spec import AlgorithmSpec, ModelSpec
 from .batch import TrainBatch
 from .grpo import LossConfig, LossNorm
-from .models import apply_lora, copy_weights, load_model, load_tokenizer, read_safetensors_dir, save_hf
 from .policy import accumulate, batch_logprobs
-from .spec import AlgorithmSpec, ModelSpec
 from .weights import state_items
 
 OPTIMIZER_FILE = "optimizer.pt"

@@ -6,7 +6,7 @@
   SIGTERM stops at once, without a checkpoint.
 - A non-finite loss, grad norm or KL stops the run at that step with `RunError` naming the step, before
   its weights are checkpointed: the previous checkpoint stays the latest.
-- A stall (`rlspec.stall`): after the dump, `stall_action=fail` interrupts the main thread (SIGUSR1) so
+- A stall (`rlspec.runtime.stall`): after the dump, `stall_action=fail` interrupts the main thread (SIGUSR1) so
   the run unwinds as for any failure (actors killed, exit 1); a main thread stuck inside C code cannot
   take the signal, so the process then exits 1 on its own after `HARD_EXIT_AFTER_S`.
 - `RunLog`: OUT/run.log receives everything the driver prints, including the actors' stdout/stderr that
@@ -26,8 +26,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .errors import RunError, Stopped
-from .spec import RunPlan
+from ..errors import RunError, Stopped
+from ..spec import RunPlan
 from .stall import StallWatchdog
 
 HARD_EXIT_AFTER_S = 60.0
@@ -50,7 +50,7 @@ def check_finite(step: int, row: dict, loss_scaled: bool = False) -> None:
 
 
 class RunMonitor:
-    """Context manager around `rlspec.loop.train`; the loop calls `step_done` after each step's metrics."""
+    """Context manager around `rlspec.core.loop.train`; the loop calls `step_done` after each step's metrics."""
 
     def __init__(self, plan: RunPlan, out_dir: Path, actors: Callable[[], Sequence[tuple[str, Any]]] = lambda: ()) -> None:
         hw = plan.spec.hardware

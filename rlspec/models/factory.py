@@ -10,12 +10,10 @@ import math
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from .spec import ModelSpec, SpecError
-
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
-BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+from ..spec import ModelSpec, SpecError
+from .base import BYTE_VOCAB_SIZE, DTYPES, byte_tokenizer, seeded
 
 # Shapes only; weights are random. `vocab_size` may exceed the byte vocabulary to keep a real model's
 # embedding and LM-head cost (ids past the tokenizer's vocabulary decode to nothing).
@@ -27,45 +25,13 @@ PRESETS: dict[str, dict] = {
                              num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                              max_position_embeddings=4096, tie_word_embeddings=True),
     # Qwen2-0.5B's tensor count (24 layers, 291 state-dict entries) at tiny_qwen2's width: a weight sync of it
-    # moves ~1 MB, so its time is the fixed per-push and per-tensor cost (`python -m rlspec.bench_sync`).
+    # moves ~1 MB, so its time is the fixed per-push and per-tensor cost (`python -m rlspec.perf.bench_sync`).
     "qwen2_24l_tiny": dict(model_type="qwen2", vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
                            num_hidden_layers=24, num_attention_heads=4, num_key_value_heads=2,
                            max_position_embeddings=512, tie_word_embeddings=True),
 }
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer: 4 specials (pad, bos, eos, unk) then one token per byte, no merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    alphabet = ByteLevel.alphabet()
-    # ByteLevel.alphabet() is unordered; order by the byte each symbol stands for.
-    byte_to_symbol = _bytes_to_unicode()
-    assert set(byte_to_symbol.values()) == set(alphabet)
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({byte_to_symbol[b]: len(SPECIAL_TOKENS) + b for b in range(256)})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", padding_side="left")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for each byte (the mapping ByteLevel uses)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def check_model_spec(spec: ModelSpec) -> None:
@@ -107,7 +73,7 @@ def read_config(path: Path, key: str):
 
     from transformers import AutoConfig
 
-    from .spec.files import read_text
+    from ..spec.files import read_text
 
     try:
         json.loads(read_text(path / "config.json", key, "a Hugging Face config.json"))
@@ -223,17 +189,12 @@ def load_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
         model = vla.load_model(spec, seed, dtype)
     elif spec.path is None:
         config = preset_config(spec.preset, spec.attn_implementation)
-        with _seeded(seed):
+        with seeded(seed):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=spec.attn_implementation)
     else:
         model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, attn_implementation=spec.attn_implementation)
     model.generation_config.pad_token_id = getattr(model.config, "pad_token_id", None)
     return model
-
-
-def pad_token_id(tokenizer) -> int:
-    """The pad id of a tokenizer or of a processor's tokenizer."""
-    return getattr(tokenizer, "tokenizer", tokenizer).pad_token_id
 
 
 def apply_lora(model: torch.nn.Module, spec: ModelSpec, seed: int) -> torch.nn.Module:
@@ -246,7 +207,7 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, seed: int) -> torch.nn.M
         raise SpecError("model.lora.r", "LoRA needs the peft package", "pip install 'rlspec[lora]'") from err
     config = LoraConfig(r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,
                         target_modules=list(spec.lora.target_modules), bias="none")
-    with _seeded(seed + 1):
+    with seeded(seed + 1):
         return get_peft_model(model, config)
 
 
@@ -286,15 +247,3 @@ def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None, p
         tokenizer.save_pretrained(path)
 
 
-class _seeded:
-    """Fork the global torch RNG, seed it, restore it on exit."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-
-    def __enter__(self) -> None:
-        self._state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-
-    def __exit__(self, *exc) -> None:
-        torch.random.set_rng_state(self._state)

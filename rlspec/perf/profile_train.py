@@ -1,4 +1,4 @@
-"""Where the train phase's time goes, on one GPU: `python -m rlspec.profile_train SPEC [overrides] [--steps N]`.
+"""Where the train phase's time goes, on one GPU: `python -m rlspec.perf.profile_train SPEC [overrides] [--steps N]`.
 
 Runs the spec's steps on the standalone backend (sample, score, `loop.update`) and, for the train phase of
 the steps after the first (warm-up), prints:
@@ -26,7 +26,7 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rlspec.profile_train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m rlspec.perf.profile_train", description=__doc__.splitlines()[0])
     parser.add_argument("spec")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--steps", type=int, default=3, help="steps to run; the first is warm-up, not measured")
@@ -35,10 +35,10 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("profile_train needs a CUDA device")
 
+    from ..core.step import rollout_batch, update
+    from ..models.base import pad_token_id
+    from ..runtime.metrics import PhaseTimer
     from .bench import _train_flops
-    from .loop import rollout_batch, update
-    from .metrics import PhaseTimer
-    from .models import pad_token_id
 
     plan, task, backend = standalone_backend(args.spec, args.overrides)
     engine = backend.rollout_engine()
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def standalone_backend(spec: str, overrides: list[str]):
     """The plan, task and set-up standalone backend of `spec` with `overrides` (the profilers' common start)."""
-    from .backend import create_backend
-    from .run import build_plan
+    from ..core.backend import create_backend
+    from ..run import build_plan
 
     plan, task = build_plan(spec, overrides, "standalone")
     backend = create_backend("standalone")

@@ -3,7 +3,7 @@
 A backend owns the trainer ranks (and, for multi-process backends, places the rollout engines). It
 never moves weights itself: `weight_source()` runs a `sync` transport's sender half next to the full
 weights (`export_weights` brings them to the driver), and the transport moves them. The step
-order is `rlspec.loop.train`, shared by every backend.
+order is `rlspec.core.loop.train`, shared by every backend.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import ClassVar, Iterator, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from ..rollout.base import RolloutEngine
+from ..spec import BackendCaps, RunPlan, SpecError
 from .batch import TrainBatch
 from .grpo import LossNorm
-from .rollout.base import RolloutEngine
-from .spec import BackendCaps, RunPlan, SpecError
 from .weights import LocalWeights, WeightSource
 
 ENTRY_POINT_GROUP = "rlspec.backends"
@@ -41,7 +41,7 @@ class Backend(Protocol):
 
     def forward_backward(self, batch: TrainBatch, norm: LossNorm) -> dict[str, float]:
         """Accumulate gradients of the shared GRPO loss over `batch` (sharded over ranks, split into
-        micro-batches); return statistic sums (`rlspec.policy.STAT_KEYS`) over the whole batch."""
+        micro-batches); return statistic sums (`rlspec.core.policy.STAT_KEYS`) over the whole batch."""
 
     def optimizer_step(self) -> float:
         """Clip (if configured), step, zero gradients; return the global grad norm before clipping."""
@@ -50,7 +50,7 @@ class Backend(Protocol):
         """Full (unsharded) policy weights by Hugging Face name, one tensor at a time, on the driver."""
 
     def weight_source(self) -> WeightSource:
-        """Where a transport's sender half runs next to the full weights (`rlspec.weights.WeightSource`):
+        """Where a transport's sender half runs next to the full weights (`rlspec.core.weights.WeightSource`):
         in-process for a single-process trainer, inside the ranks for a sharded one."""
 
     def save(self, path: Path) -> None:

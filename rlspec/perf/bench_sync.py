@@ -1,8 +1,8 @@
-"""`python -m rlspec.bench_sync`: one transport's push time beside the raw figure for the same bytes, on GPUs.
+"""`python -m rlspec.perf.bench_sync`: one transport's push time beside the raw figure for the same bytes, on GPUs.
 
-    python -m rlspec.bench_sync --method cuda_ipc     # 1 GPU: engine in a rollout server on the trainer's GPU;
+    python -m rlspec.perf.bench_sync --method cuda_ipc     # 1 GPU: engine in a rollout server on the trainer's GPU;
                                                       #        raw = a device-to-device copy of the same bytes
-    python -m rlspec.bench_sync --method nccl         # 2 GPUs: trainer on cuda:0, server on cuda:1;
+    python -m rlspec.perf.bench_sync --method nccl         # 2 GPUs: trainer on cuda:0, server on cuda:1;
                                                       #        raw = one broadcast of the same bytes, same communicator
 
 The trainer's weights (model preset `--model`, `--dtype`) start from a different seed than the server's, so
@@ -11,7 +11,7 @@ with the trainer's. Prints one JSON object (and writes it to `--json`) and, on s
 median of each phase of a push (`breakdown_verified` / `breakdown_unverified` in the JSON: the transport's
 `last_push`, host seconds per phase of the sender and the engine half; `engine/call` is the bridge).
 
-    python -m rlspec.bench_sync --method nccl --device cpu --model qwen2_24l_tiny --dtype float32
+    python -m rlspec.perf.bench_sync --method nccl --device cpu --model qwen2_24l_tiny --dtype float32
                                                       # CPU (gloo): 291 tensors, 3.7 MB: the fixed cost per push
 """
 
@@ -32,7 +32,7 @@ def _sync(device: torch.device | str) -> None:
 
 
 def _raw_send(_named, payload) -> list[float]:
-    from .sync.collective import _CHANNELS
+    from ..sync.collective import _CHANNELS
 
     channel = _CHANNELS[(payload["id"], 0)]
     buffer = torch.empty(payload["numel"], dtype=torch.bfloat16, device=channel.device)
@@ -47,7 +47,7 @@ def _raw_send(_named, payload) -> list[float]:
 
 
 def _raw_receive(_engine, payload) -> None:
-    from .sync.collective import _CHANNELS
+    from ..sync.collective import _CHANNELS
 
     channel = _CHANNELS[(payload["id"], 1)]
     buffer = torch.empty(payload["numel"], dtype=torch.bfloat16, device=channel.device)
@@ -96,7 +96,7 @@ def _medians(reports: list[dict]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m rlspec.bench_sync", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m rlspec.perf.bench_sync", description=__doc__.split("\n")[0])
     parser.add_argument("--method", choices=("cuda_ipc", "nccl"), required=True)
     parser.add_argument("--model", default="qwen2_0p5b_shape")
     parser.add_argument("--dtype", default="bfloat16")
@@ -107,15 +107,15 @@ def main(argv: list[str] | None = None) -> dict:
                         help="cpu: a smoke test of the nccl path over gloo (no figures worth reporting)")
     args = parser.parse_args(argv)
 
-    from .backend import all_caps
-    from .models import load_model, load_tokenizer
-    from .policy import batch_logprobs
-    from .rollout.base import collate
-    from .serve.client import ServedEngine, ServerClient
-    from .serve.process import ServerProcess
-    from .spec import HardwareSpec, ModelSpec, RolloutSpec, Spec, SyncSpec, compile_plan
-    from .sync import LocalWeights, build_transport
-    from .weights import state_items
+    from ..core.backend import all_caps
+    from ..core.policy import batch_logprobs
+    from ..core.weights import state_items
+    from ..models.factory import load_model, load_tokenizer
+    from ..rollout.base import collate
+    from ..serve.client import ServedEngine, ServerClient
+    from ..serve.process import ServerProcess
+    from ..spec import HardwareSpec, ModelSpec, RolloutSpec, Spec, SyncSpec, compile_plan
+    from ..sync import LocalWeights, build_transport
 
     needed = 2 if args.method == "nccl" else 1
     cuda = args.device == "cuda"
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["logprobs_max_abs_diff"] = float(((got - want).abs() * batch.loss_mask).max())
         if args.method == "nccl":
             # By their importable name: run as `python -m`, this module is `__main__`, which the server is not.
-            from rlspec.bench_sync import _raw_receive, _raw_send
+            from rlspec.perf.bench_sync import _raw_receive, _raw_send
 
             payload = {"id": transport.channel_id, "numel": nbytes // 2, "repeats": args.repeats}
             raw, _ = transport._both(_raw_send, payload, _raw_receive, payload, gather=False)

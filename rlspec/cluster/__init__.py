@@ -1,0 +1,1 @@
+"""The Ray rank group that the deepspeed and fsdp backends share, and the Ray helpers under it."""

@@ -1,0 +1,95 @@
+"""The GRPO step template, shared by every backend.
+
+    sample prompts -> engine.generate -> rewards -> group advantages -> collate
+      -> [old log-probs if several updates] -> [reference log-probs if KL]
+      -> per mini-batch: backend.forward_backward + backend.optimizer_step
+      -> sync weights to the engine (every N steps) -> metrics, checkpoint
+
+`rollout.mode=async` runs the first line in a rollout loop of its own (`rlspec.core.async_loop`), built
+from the same pieces as this one (`rlspec.core.step`: `rollout_batch`, `update`, `metrics_row`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from ..runtime.checkpoints import Checkpoints
+from ..runtime.metrics import MetricsLog, PhaseTimer
+from ..runtime.monitor import RunMonitor
+from ..spec import RunPlan
+from ..tasks import Task
+from .backend import Backend, weight_source_of
+from .step import env_rollouts, metrics_row, rollout_batch, served_version, update
+
+if TYPE_CHECKING:
+    from ..agent.gateway import AgentGateway
+
+
+def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path, pad_id: int,
+          start_step: int = 0, progress: bool | None = None, monitor: RunMonitor | None = None) -> None:
+    """Run steps `start_step .. algorithm.steps - 1`; checkpoint every N steps and at the end.
+
+    `monitor` sees each step's metrics: it raises on non-finite numbers (before the checkpoint) and asks
+    for a checkpoint and a stop when a SIGTERM came (`rlspec.runtime.monitor`)."""
+    spec = plan.spec
+    engine = backend.rollout_engine()
+    weights = weight_source_of(backend)
+    transport.connect(engine, weights)
+    # Resumed, or a joined rollout server: the engine holds other weights than the trainer's.
+    if start_step or not getattr(engine, "starts_in_sync", True):
+        transport.push(weights, engine)
+        served_version(engine, start_step)
+    checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
+    log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress)
+    envs = env_rollouts(plan, engine)
+    gateway = None
+    if spec.rollout.agent.enabled:
+        from ..agent.gateway import AgentGateway
+
+        gateway = AgentGateway(plan, engine)
+    if spec.rollout.mode == "async":
+        from .async_loop import async_steps
+
+        rows = async_steps(plan, backend, engine, task, transport, weights, pad_id, start_step)
+    else:
+        rows = sync_steps(plan, backend, engine, task, transport, weights, pad_id, start_step, envs, gateway)
+    try:
+        for row in rows:
+            log.log(row)
+            step = row["step"]
+            stop = monitor is not None and monitor.step_done(step, row)
+            last = step == spec.algorithm.steps - 1
+            every = spec.checkpoint.every_n_steps
+            if last or stop or (every and (step + 1) % every == 0):
+                saved = checkpoints.save(step, backend, {"backend": plan.backend})
+                if stop and not last:
+                    raise monitor.stopped(step, saved)
+    finally:
+        rows.close()  # async: closes the pool and ends the rollout loop
+        if gateway is not None:
+            gateway.close()
+        log.close()
+        if envs is not None:
+            envs.close()
+
+
+def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, weights, pad_id: int,
+               start_step: int, envs=None, gateway: AgentGateway | None = None) -> Iterator[dict]:
+    """One metrics row per step, each step in turn: generate (or run the environments' episodes), train, sync."""
+    spec = plan.spec
+    for step in range(start_step, spec.algorithm.steps):
+        timer = PhaseTimer()
+        with timer("step"):
+            if envs is None:
+                batch, counters = rollout_batch(plan, engine, task, step, pad_id, timer, gateway)
+            else:
+                batch, counters = envs.rollout_batch(step, timer)
+            with timer("train"):
+                result = update(plan, backend, batch)
+            sync_bytes = 0
+            if (step + 1) % spec.sync.every_n_steps == 0:
+                with timer("sync"):
+                    sync_bytes = transport.push(weights, engine)
+                served_version(engine, step + 1)
+        yield metrics_row(plan, step, result, timer, sync_bytes, counters)

@@ -1,0 +1,62 @@
+"""What every model factory shares: the byte-level tokenizer of the tiny presets, dtypes by name, seeded init."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer: 4 specials (pad, bos, eos, unk) then one token per byte, no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    # ByteLevel.alphabet() is unordered; order by the byte each symbol stands for.
+    byte_to_symbol = _bytes_to_unicode()
+    assert set(byte_to_symbol.values()) == set(alphabet)
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({byte_to_symbol[b]: len(SPECIAL_TOKENS) + b for b in range(256)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (the mapping ByteLevel uses)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def pad_token_id(tokenizer) -> int:
+    """The pad id of a tokenizer or of a processor's tokenizer."""
+    return getattr(tokenizer, "tokenizer", tokenizer).pad_token_id
+
+
+class seeded:
+    """Fork the global torch RNG, seed it, restore it on exit."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def __enter__(self) -> None:
+        self._state = torch.random.get_rng_state()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc) -> None:
+        torch.random.set_rng_state(self._state)

@@ -1,0 +1,1 @@
+"""Measuring tools: `rlspec bench`, the TRL reference row, the weight-sync bench and the profilers."""

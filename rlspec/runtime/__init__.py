@@ -1,0 +1,1 @@
+"""The run's machinery: metrics and timers, checkpoints, the monitor (NaN guard, SIGTERM) and the stall watchdog."""
