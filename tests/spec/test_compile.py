@@ -151,3 +151,19 @@ def test_command_line_preset_overrides_the_file(tmp_path):
     assert spec.hardware.device == "cuda" and spec.hardware.num_threads == 2
     assert spec.algorithm.clip_eps_high == 0.28 and spec.algorithm.lr == 0.5
     assert load_spec(path, ["hardware=gpu1", "hardware.device=cpu"]).hardware.device == "cpu"  # a key override wins last
+
+
+@pytest.mark.parametrize("hardware, ranks, engines, sync", [
+    ("gpu4_colocated", 4, 4, "cuda_ipc"), ("gpu4_split", 2, 2, "nccl"),
+    ("gpu8_colocated", 8, 8, "cuda_ipc"), ("gpu8_split", 4, 4, "nccl"),
+])
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_the_multi_gpu_presets_compile_to_the_placement_they_state(hardware, ranks, engines, sync, backend, monkeypatch):
+    monkeypatch.chdir(REPO)
+    plan, _ = build_plan("examples/tiny.yaml", [f"hardware={hardware}", "model=qwen2_7b_shape",
+                                               "rollout.prompts_per_step=64", "algorithm.micro_batch_size=4"],
+                         backend=backend)
+    assert len(plan.placement.trainer_devices) == ranks and plan.sync_method == sync
+    engine_devices = set(plan.placement.engine_devices)
+    assert len(engine_devices) == engines
+    assert (engine_devices == set(plan.placement.trainer_devices)) == (sync == "cuda_ipc")
