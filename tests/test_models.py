@@ -23,7 +23,17 @@ def test_half_billion_shape_preset_has_qwen2_0p5b_size():
         model = AutoModelForCausalLM.from_config(preset_config("qwen2_0p5b_shape"))
     count = sum(p.numel() for p in model.parameters())
     assert 480e6 < count < 510e6, count  # Qwen2-0.5B: 494M with tied embeddings
-    assert set(PRESETS) == {"tiny_qwen2", "qwen2_0p5b_shape", "qwen2_24l_tiny"}
+    assert {"tiny_qwen2", "qwen2_0p5b_shape", "qwen2_24l_tiny"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name,low,high", [("qwen2_1p5b_shape", 1.50e9, 1.56e9), ("qwen2_7b_shape", 7.55e9, 7.65e9)])
+def test_scale_presets_have_the_published_sizes(name, low, high):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config(name))
+    count = sum(p.numel() for p in model.parameters())
+    assert low < count < high, count  # Qwen2.5-1.5B: 1.54B (tied embeddings); Qwen2.5-7B: 7.62B
 
 
 def test_byte_tokenizer_roundtrip():
