@@ -102,6 +102,11 @@ class AlgorithmSpec(_Section):
     """Epsilon added to the group std (verl's value; TRL uses 1e-4)."""
     micro_batch_size: int = 4
     """Sequences per forward/backward on one trainer rank; gradients accumulate over micro-batches."""
+    micro_batch_tokens: int = 0
+    """Split each update's forward/backward by tokens instead: micro-batches of at most this many real tokens
+    (a longer sequence is a micro-batch of its own), the sequences balanced over the trainer ranks by real
+    tokens (`rlspec.core.packing` states the rule). 0 = off: `micro_batch_size` sequences per micro-batch.
+    The no-gradient log-prob passes keep `micro_batch_size`."""
     updates_per_batch: int = 1
     """Optimizer updates per rollout batch (the batch is split into this many mini-batches)."""
     steps: int = 100
@@ -140,6 +145,7 @@ class AlgorithmSpec(_Section):
         one_of(self.adv_norm, ADV_NORMS, f"{p}.adv_norm")
         _positive(self.adv_eps, f"{p}.adv_eps")
         _positive(self.micro_batch_size, f"{p}.micro_batch_size")
+        _non_negative(self.micro_batch_tokens, f"{p}.micro_batch_tokens")
         _positive(self.updates_per_batch, f"{p}.updates_per_batch")
         _positive(self.steps, f"{p}.steps")
         _non_negative(self.seed, f"{p}.seed")

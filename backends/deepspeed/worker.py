@@ -120,10 +120,12 @@ class DeepSpeedWorker(RankWorker):
         return sharded_logprobs(model, part, num_chunks, self.plan.batch.micro_batch_size,
                                 self.plan.spec.rollout.temperature, self.device)
 
-    def forward_backward(self, shard: TrainBatch, norm: LossNorm) -> dict[str, float]:
+    def forward_backward(self, shard: TrainBatch, norm: LossNorm, sizes: list[int] | None = None) -> dict[str, float]:
+        """Forward + backward over `shard` in micro-batches of `sizes` sequences (default `micro_batch_size`
+        each); every rank runs as many (see `rlspec.core.packing.plan_split`)."""
         self.maybe_fail()
         engine = self.engine
-        num_micro = math.ceil(len(shard) / self.plan.batch.micro_batch_size)
+        num_micro = len(sizes) if sizes is not None else math.ceil(len(shard) / self.plan.batch.micro_batch_size)
         done = 0
 
         def backward(loss: Tensor) -> None:
@@ -135,7 +137,7 @@ class DeepSpeedWorker(RankWorker):
             engine.backward(loss * self.world_size, scale_wrt_gas=False)
 
         stats = accumulate(engine, shard, self.plan.batch.micro_batch_size, norm, self.loss_cfg,
-                           self.plan.spec.rollout.temperature, backward, self.device)
+                           self.plan.spec.rollout.temperature, backward, self.device, sizes)
         if self.device.type == "cuda":
             stats["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return stats

@@ -11,7 +11,7 @@ waiting on ranks blocked in a collective with it. The data-parallel split of a b
 Driver side, `RankGroupBackend` is the `Backend` protocol over a `RankGroup`. Worker side, a backend's worker
 class subclasses `RankWorker` (its place in the group, the `FaultInjector` test hook, `pid`,
 `master_address`, stack dumps) and implements `setup(master)`, `logprobs(part, num_chunks, reference)`,
-`forward_backward(shard, norm)`, `optimizer_step`, `run_sender`, `save`, `load`; `sharded_logprobs` helps.
+`forward_backward(shard, norm, sizes)`, `optimizer_step`, `run_sender`, `save`, `load`; `sharded_logprobs` helps.
 """
 
 from __future__ import annotations
@@ -134,11 +134,18 @@ class RankGroup:
         return torch.cat([out[:, :width] for out, (a, b) in zip(outs, bounds) if b > a], dim=0)
 
     def forward_backward(self, batch: TrainBatch, norm: LossNorm) -> dict[str, float]:
-        """Each rank accumulates gradients on its contiguous shard; statistics summed, memory peak maxed."""
+        """Each rank accumulates gradients on its shard: contiguous and even, or with
+        `algorithm.micro_batch_tokens` balanced by real tokens (`TrainBatch.token_shards`); statistics summed,
+        memory peak maxed."""
         world = len(self.ranks)
-        if len(batch) % world:
+        budget = self.plan.spec.algorithm.micro_batch_tokens
+        if budget:
+            args = [(shard, norm, sizes) for shard, sizes in batch.token_shards(world, budget)]
+        elif len(batch) % world:
             raise RunError(f"{len(batch)} sequences do not split evenly over {world} trainer ranks")
-        stats = self.call("forward_backward", [(batch.shard(r, world), norm) for r in range(world)])
+        else:
+            args = [(batch.shard(r, world), norm, None) for r in range(world)]
+        stats = self.call("forward_backward", args)
         peak = max((s.pop("peak_mem_gb", 0.0) for s in stats), default=0.0)
         total = add_stats(*stats)
         if peak:

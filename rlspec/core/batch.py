@@ -9,6 +9,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from .packing import Packing, chunk_sizes, pack_all, plan_split
+
 
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "ref_logprobs", "engine_logprobs")
 """The [N, L] fields (the others are per sequence, [N] or [N, ...])."""
@@ -70,12 +72,44 @@ class TrainBatch:
         return int(self.attention_mask.sum(dim=0).nonzero().max().item()) + 1
 
     def micro_batches(self, size: int, device: torch.device | str) -> Iterator["TrainBatch"]:
-        """`chunks(size)`, each `trimmed()`, on `device`. The batch moves in one copy per tensor and the lengths
-        are read where the batch is, before it moves: on a GPU, no micro-batch waits for the device to drain
-        (a copy from pageable host memory, or `.item()` on a device tensor, would)."""
-        lengths = [mb.real_length() for mb in self.chunks(size)]
-        for mb, length in zip(self.to(device).chunks(size), lengths):
-            yield mb.trimmed(length)
+        """`chunks(size)`, each `trimmed()`, on `device` (see `split`)."""
+        for mb, _ in self.split(chunk_sizes(len(self), size), device):
+            yield mb
+
+    def split(self, sizes: list[int], device: torch.device | str,
+              packed: bool = False) -> Iterator[tuple["TrainBatch", "Packing | None"]]:
+        """Consecutive micro-batches of `sizes[i]` sequences, each `trimmed()`, on `device`, with their `Packing`
+        when `packed`. A size of 0 is a placeholder micro-batch (see `placeholder`), for a rank that must run as
+        many forwards as the others.
+
+        The batch moves in one copy per tensor and the lengths and packings are read where the batch is, before
+        it moves: on a GPU, no micro-batch waits for the device to drain (a copy from pageable host memory, or
+        `.item()` on a device tensor, would)."""
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        parts = [self.select(a, a + n) if n else self.placeholder() for a, n in zip(starts, sizes)]
+        lengths = [mb.real_length() for mb in parts]
+        packings = pack_all([mb.attention_mask[:, :n] for mb, n in zip(parts, lengths)], device) if packed \
+            else [None] * len(parts)
+        moved = self.to(device)
+        for a, n, length, packing in zip(starts, sizes, lengths, packings):
+            yield (moved.select(a, a + n) if n else moved.placeholder()).trimmed(length), packing
+
+    def placeholder(self) -> "TrainBatch":
+        """One real token of the first sequence and no loss tokens: a micro-batch whose loss and gradient are
+        exactly 0, but whose forward and backward take part in a sharded model's collectives."""
+        one = self.select(0, 1).trimmed(1)
+        one.attention_mask = torch.ones_like(one.attention_mask)
+        one.loss_mask = torch.zeros_like(one.loss_mask)
+        return one
+
+    def take(self, rows: list[int]) -> "TrainBatch":
+        """Sequences `rows`, in that order."""
+        index = torch.tensor(rows, dtype=torch.long)
+        return self._map(lambda t: t[index])
+
+    def lengths(self) -> list[int]:
+        """Real tokens of each sequence (read on the host: call it before the batch moves)."""
+        return self.attention_mask.sum(dim=-1).tolist()
 
     def chunks(self, size: int) -> Iterator["TrainBatch"]:
         """Consecutive slices of at most `size` sequences."""
@@ -86,6 +120,11 @@ class TrainBatch:
         """This rank's contiguous share (the plan guarantees an even split)."""
         per_rank = len(self) // world_size
         return self.select(rank * per_rank, (rank + 1) * per_rank)
+
+    def token_shards(self, world_size: int, micro_batch_tokens: int) -> list[tuple["TrainBatch", list[int]]]:
+        """The token-budget split (`rlspec.core.packing.plan_split`): per rank, its sequences (in micro-batch
+        order) and its micro-batch sizes, for `rlspec.core.policy.accumulate`. Read on the host."""
+        return [(self.take(rows), sizes) for rows, sizes in plan_split(self.lengths(), world_size, micro_batch_tokens)]
 
     def tensors(self) -> dict[str, Tensor]:
         """The non-empty fields, e.g. for safetensors or a Ray object."""

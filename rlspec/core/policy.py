@@ -2,6 +2,25 @@
 
 Backends differ in how they wrap the model (plain, FSDP2, ZeRO-3) and how they call backward; the
 forward, the loss (`rlspec.core.grpo`) and the accumulation of statistics are this one code path.
+
+Packed sequences (the default for text causal LMs of `PACKED_MODEL_TYPES` with full attention in every
+layer): a micro-batch's forward runs over its real tokens only, concatenated into one row [1, T] with
+positions restarting at 0 for each sequence (`rlspec.core.packing.Packing`); the log-probs and entropies come
+back in the padded [n, L] layout, 0 at padding, so the loss reads the same tokens as unpacked. Attention is
+kept within each sequence by the model's own attention implementation, fed as follows:
+
+- `flash_attention_2`: the varlen kernel, given the sequences' offsets (`cu_seq_lens_q/k`, `max_length_q/k`,
+  computed on the host) so that transformers does not derive them from the positions (a device read per layer);
+- `sdpa`: a block-diagonal causal boolean mask [1, 1, T, T] built here from the sequence ids (transformers
+  passes a 4-D mask through as it is). The kernel then computes all T x T scores: the cost grows with T^2,
+  which `algorithm.micro_batch_tokens` bounds; on CUDA `flash_attention_2` skips the masked blocks;
+- `eager`: no mask; transformers 5 finds the packed sequences in the restarting `position_ids`
+  (`masking_utils.find_packed_sequence_indices`) and builds the block-causal mask itself (it reads the
+  device once per forward to do so, which costs nothing on the CPU, where eager is used).
+
+The padded path stays for VLA batches (images, action vocabularies), other model types, and sliding-window
+attention. A model wrapped by a backend takes the packed path through its own forward (FSDP2's root module,
+the ZeRO-3 engine): the same inputs, with full logits of the T real tokens instead of the chunked head.
 """
 
 from __future__ import annotations
@@ -13,12 +32,18 @@ from torch import Tensor
 
 from .batch import TrainBatch, position_ids
 from .grpo import LossConfig, LossNorm, policy_loss, token_logprobs_and_entropy
+from .packing import Packing, chunk_sizes
 
 STAT_KEYS = ("loss", "clipped_tokens", "kl_sum", "tokens", "entropy_sum", "is_ratio_sum", "is_clipped_tokens")
 
 
 # Causal LMs whose logits are exactly `lm_head(final hidden states)` (no soft-capping or logit scale).
 PLAIN_HEAD_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+# Causal LMs whose forward takes packed inputs as above (restarting positions, a 4-D mask or none).
+PACKED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+# ... and of those, the ones that take a prepared {layer type: mask} mapping, which skips their mask builder.
+MASK_MAPPING_MODEL_TYPES = ("qwen2", "qwen3")
+PACKED_ATTENTION = ("eager", "sdpa", "flash_attention_2")
 
 
 def forward_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
@@ -36,6 +61,66 @@ def forward_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: 
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                      use_cache=False).last_hidden_state
     return token_logprobs_and_entropy(hidden, input_ids, temperature, head=head)
+
+
+def packed_logprobs(model: torch.nn.Module, input_ids: Tensor, packing: Packing,
+                    temperature: float) -> tuple[Tensor, Tensor]:
+    """`forward_logprobs` of a micro-batch through one packed row (module docstring): [n, L] log-probs and
+    entropies, 0 at each sequence's first token (no prefix) and at padding."""
+    ids = packing.gather(input_ids)
+    inputs = dict(input_ids=ids, position_ids=packing.position_ids, use_cache=False,
+                  **_packed_attention(_base_model(model).config, packing))
+    split = _decoder_and_head(model)
+    if split is None:
+        states, head = model(**inputs).logits, None
+    else:
+        decoder, head = split
+        states = decoder(**inputs).last_hidden_state
+    logp, entropy = token_logprobs_and_entropy(states, ids, temperature, head=head)
+    first = packing.first  # its log-prob in the row is the previous sequence's last token predicting it
+    return packing.scatter(logp[0].masked_fill(first, 0.0)), packing.scatter(entropy[0].masked_fill(first, 0.0))
+
+
+def _packed_attention(config, packing: Packing) -> dict:
+    impl = config._attn_implementation
+    if impl == "flash_attention_2":
+        mapping = {"full_attention": None} if config.model_type in MASK_MAPPING_MODEL_TYPES else None
+        return dict(attention_mask=mapping, cu_seq_lens_q=packing.cu_seqlens, cu_seq_lens_k=packing.cu_seqlens,
+                    max_length_q=packing.max_length, max_length_k=packing.max_length)
+    if impl == "sdpa":
+        seq = packing.sequence
+        causal = torch.ones(len(seq), len(seq), dtype=torch.bool, device=seq.device).tril_()
+        return dict(attention_mask=((seq[:, None] == seq[None, :]) & causal)[None, None])
+    return dict(attention_mask=None)
+
+
+def packs(model: torch.nn.Module, batch: TrainBatch) -> bool:
+    """Whether `batch` goes through `model` packed (module docstring)."""
+    if batch.pixel_values is not None or batch.action_vocab is not None:
+        return False
+    base = _base_model(model)
+    if base is None:
+        return False
+    config = base.config
+    full = all(kind == "full_attention" for kind in (getattr(config, "layer_types", None) or ()))
+    return (getattr(config, "model_type", None) in PACKED_MODEL_TYPES and full
+            and getattr(config, "_attn_implementation", None) in PACKED_ATTENTION)
+
+
+def _base_model(model: torch.nn.Module):
+    """The transformers model inside PEFT and backend wrappers (a ZeRO-3 engine's `module`), or None."""
+    from transformers import PreTrainedModel
+
+    for _ in range(4):
+        if isinstance(model, PreTrainedModel):
+            return model
+        if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        else:
+            return None
+    return None
 
 
 def _decoder_and_head(model: torch.nn.Module):
@@ -76,12 +161,16 @@ def restrict_vocab(logits: Tensor, input_ids: Tensor, vocab: Tensor) -> tuple[Te
     return sub, match.long().argmax(-1), match.any(-1)
 
 
-def sequence_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> tuple[Tensor, Tensor]:
+def sequence_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float,
+                      packing: Packing | None = None) -> tuple[Tensor, Tensor]:
     """[N, L] log-probs of `batch`'s tokens and the (detached) entropies of the distributions they come from.
 
     With `batch.action_vocab` the distribution is the softmax over those ids only; a token outside them
-    (a prompt token) gets log-prob 0. A text batch takes `forward_logprobs` (no full logits).
+    (a prompt token) gets log-prob 0. A text batch takes `forward_logprobs` (no full logits), or with its
+    `packing` `packed_logprobs`.
     """
+    if packing is not None:
+        return packed_logprobs(model, batch.input_ids, packing, temperature)
     if batch.pixel_values is None and batch.action_vocab is None:
         return forward_logprobs(model, batch.input_ids, batch.attention_mask, temperature)
     logits = forward_logits(model, batch.input_ids, batch.attention_mask, batch.pixel_values)
@@ -98,16 +187,17 @@ def batch_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float
     """[N, L] token log-probs of `batch` under `model`, computed micro-batch by micro-batch, returned on CPU
     (gathered on `device`, then copied once)."""
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
-    for start, mb in zip(range(0, len(batch), micro_batch_size), batch.micro_batches(micro_batch_size, device)):
-        logp, _ = sequence_logprobs(model, mb, temperature)
+    split = batch.split(chunk_sizes(len(batch), micro_batch_size), device, packs(model, batch))
+    for start, (mb, packing) in zip(range(0, len(batch), micro_batch_size), split):
+        logp, _ = sequence_logprobs(model, mb, temperature, packing)
         out[start:start + len(mb), :mb.input_ids.shape[1]] = logp.float()
     return out.cpu()
 
 
 def micro_batch_loss(model: torch.nn.Module, mb: TrainBatch, norm: LossNorm, cfg: LossConfig,
-                     temperature: float) -> tuple[Tensor, dict[str, Tensor]]:
+                     temperature: float, packing: Packing | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Forward one micro-batch and return its GRPO loss share and statistic sums (0-dim device tensors)."""
-    logp, entropy = sequence_logprobs(model, mb, temperature)
+    logp, entropy = sequence_logprobs(model, mb, temperature, packing)
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
     loss, stats = policy_loss(logp, old.to(logp.dtype), mb.advantages, mb.loss_mask.to(logp.dtype), norm, cfg,
                               None if mb.ref_logprobs is None else mb.ref_logprobs.to(logp.dtype),
@@ -119,8 +209,12 @@ def micro_batch_loss(model: torch.nn.Module, mb: TrainBatch, norm: LossNorm, cfg
 
 
 def accumulate(model: torch.nn.Module, shard: TrainBatch, micro_batch_size: int, norm: LossNorm, cfg: LossConfig,
-               temperature: float, backward: Callable[[Tensor], None], device: torch.device | str) -> dict[str, float]:
+               temperature: float, backward: Callable[[Tensor], None], device: torch.device | str,
+               sizes: list[int] | None = None) -> dict[str, float]:
     """Run forward + `backward(loss)` over `shard` in micro-batches; return summed statistics.
+
+    The micro-batches are `sizes` consecutive rows each (the token-budget split, `TrainBatch.token_shards`;
+    0 = a placeholder), by default `micro_batch_size` rows each. Each is packed where `packs` says so.
 
     `backward` receives the loss share of each micro-batch (see `rlspec.core.grpo.aggregate`): the caller
     scales it for its gradient reduction (e.g. x world size under an averaging all-reduce).
@@ -129,8 +223,9 @@ def accumulate(model: torch.nn.Module, shard: TrainBatch, micro_batch_size: int,
     read once at the end: the loop itself never waits for the device.
     """
     totals = None
-    for mb in shard.micro_batches(micro_batch_size, device):
-        loss, stats = micro_batch_loss(model, mb, norm, cfg, temperature)
+    sizes = chunk_sizes(len(shard), micro_batch_size) if sizes is None else sizes
+    for mb, packing in shard.split(sizes, device, packs(model, shard)):
+        loss, stats = micro_batch_loss(model, mb, norm, cfg, temperature, packing)
         backward(loss)
         part = torch.stack([stats[key].detach().to(torch.float64) for key in STAT_KEYS])
         totals = part if totals is None else totals + part

@@ -79,8 +79,11 @@ class LocalTrainer:
         return batch_logprobs(model, batch, self.temperature, self.algo.micro_batch_size, self.device)
 
     def forward_backward(self, batch: TrainBatch, norm: LossNorm) -> dict[str, float]:
+        sizes = None
+        if self.algo.micro_batch_tokens:
+            ((batch, sizes),) = batch.token_shards(1, self.algo.micro_batch_tokens)
         return accumulate(self.model, batch, self.algo.micro_batch_size, norm, self.loss_cfg, self.temperature,
-                          lambda loss: loss.backward(), self.device)
+                          lambda loss: loss.backward(), self.device, sizes)
 
     def optimizer_step(self) -> float:
         norm = grad_norm_and_clip(self.model.parameters(), self.algo.max_grad_norm)

@@ -1,0 +1,115 @@
+"""Where a micro-batch's tokens go: packed into one row, and how a batch splits into micro-batches and ranks.
+
+Packing: a micro-batch of n right-padded sequences [n, L] runs its forward as one row [1, T] of its real
+tokens only (T = sum of the lengths), sequence after sequence, with positions restarting at 0 for each
+sequence; the attention is kept within each sequence (`rlspec.core.policy` says how). `Packing` holds the
+index arithmetic, computed on the host before the batch moves, so the device never has to be asked where
+the real tokens are.
+
+Split (`plan_split`, for `algorithm.micro_batch_tokens`): the step's rows go to the data-parallel ranks by
+length, longest first, each to the rank with the fewest real tokens so far (ties: the lower rank); each rank
+then packs its rows, longest first, into micro-batches of at most `micro_batch_tokens` real tokens, each row
+into the first micro-batch it fits (first-fit decreasing; a row longer than the budget is a micro-batch of
+its own). A sharded model's forward and backward are collective, so every rank must run as many micro-batches
+as the rank with the most: the others add placeholder micro-batches (size 0, see
+`rlspec.core.batch.TrainBatch.placeholder`) whose loss and gradient are exactly 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A micro-batch [n, L] packed into one row of its T real tokens."""
+
+    index: Tensor
+    """[T] where each real token sits in the micro-batch, as a flat index `row * L + column`."""
+    position_ids: Tensor
+    """[1, T] each token's position within its own sequence (real tokens counted, from 0)."""
+    sequence: Tensor
+    """[T] which of the micro-batch's sequences each token belongs to."""
+    cu_seqlens: Tensor
+    """[n + 1] int32 offsets of the sequences in the packed row (what varlen attention kernels take)."""
+    max_length: int
+    """The longest sequence's length."""
+    shape: tuple[int, int]
+    """(n, L) of the padded micro-batch."""
+
+    @property
+    def first(self) -> Tensor:
+        """[T] bool: the first token of its sequence (it has no prefix, so no log-prob)."""
+        return self.position_ids[0] == 0
+
+    def gather(self, padded: Tensor) -> Tensor:
+        """[1, T] of a token-aligned [n, L] tensor."""
+        return padded.reshape(-1)[self.index].unsqueeze(0)
+
+    def scatter(self, packed: Tensor) -> Tensor:
+        """[n, L] of a packed [T] tensor, zero at padding (differentiable)."""
+        n, length = self.shape
+        return packed.new_zeros(n * length).index_copy(0, self.index, packed).view(n, length)
+
+
+def pack_all(masks: list[Tensor], device: torch.device | str) -> list[Packing]:
+    """The `Packing` of each micro-batch's host attention mask [n_i, L_i], moved in one copy per kind."""
+    longs, offsets, shapes, lengths_all = [], [], [], []
+    for mask in masks:
+        real = mask.bool()
+        lengths = real.sum(-1)
+        index = real.reshape(-1).nonzero().squeeze(1)
+        positions = (real.long().cumsum(-1) - 1).reshape(-1)[index]
+        sequence = torch.repeat_interleave(torch.arange(real.shape[0]), lengths)
+        longs.append(torch.stack([index, positions, sequence]))
+        offsets.append(torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32))
+        shapes.append(tuple(real.shape))
+        lengths_all.append(lengths)
+    if not masks:
+        return []
+    flat = torch.cat(longs, dim=1).to(device)
+    cu_all = torch.cat(offsets).to(device)
+    out, token_at, cu_at = [], 0, 0
+    for part, cu, shape, lengths in zip(longs, offsets, shapes, lengths_all):
+        tokens = part.shape[1]
+        view = flat[:, token_at:token_at + tokens]
+        out.append(Packing(view[0], view[1].unsqueeze(0), view[2], cu_all[cu_at:cu_at + len(cu)],
+                           int(lengths.max()) if len(lengths) else 0, shape))
+        token_at += tokens
+        cu_at += len(cu)
+    return out
+
+
+def chunk_sizes(num_rows: int, size: int) -> list[int]:
+    """Consecutive micro-batches of `size` rows (the last one shorter): the row-count split."""
+    return [min(size, num_rows - start) for start in range(0, num_rows, size)]
+
+
+def plan_split(lengths: list[int], world_size: int, micro_batch_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """The token-budget split (module docstring): per rank, its rows (indices into `lengths`, in micro-batch
+    order) and its micro-batch sizes in rows (0 = a placeholder); every rank has as many micro-batches."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rank_rows: list[list[int]] = [[] for _ in range(world_size)]
+    rank_tokens = [0] * world_size
+    for row in order:
+        rank = min(range(world_size), key=lambda r: (rank_tokens[r], r))
+        rank_rows[rank].append(row)
+        rank_tokens[rank] += lengths[row]
+    plans = []
+    for rows in rank_rows:
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for row in rows:  # already longest first
+            fits = next((b for b, free in enumerate(room) if lengths[row] <= free), None)
+            if fits is None:
+                bins.append([row])
+                room.append(micro_batch_tokens - lengths[row])
+            else:
+                bins[fits].append(row)
+                room[fits] -= lengths[row]
+        plans.append(bins)
+    count = max(len(bins) for bins in plans)
+    return [([row for b in bins for row in b], [len(b) for b in bins] + [0] * (count - len(bins))) for bins in plans]
