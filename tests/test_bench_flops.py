@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlspec.perf.bench import TrainFlops
+from rlspec.perf.bench import TrainFlops, train_tokens_per_s
 from rlspec.run import build_plan
 from tests.conftest import REPO
 
@@ -20,3 +20,5 @@ def test_mfu_by_hand_and_none_for_a_step_that_skipped_updates():
     assert flops.mfu(row) == pytest.approx(want)
     assert flops.mfu(row | {"train/skipped_updates": 1}) is None  # nothing (or less) was computed
     assert flops.mfu(row | {"timing_s/train": 0.0}) is None
+    assert train_tokens_per_s(row) == pytest.approx(1000.0 / 0.5)  # the step's real tokens over the train phase
+    assert train_tokens_per_s(row | {"train/skipped_updates": 1}) is None

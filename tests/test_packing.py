@@ -125,3 +125,47 @@ def test_gradients_do_not_depend_on_the_split(agg):
         assert loss == pytest.approx(want_loss, abs=1e-6), name
         for key, grad in want.items():
             torch.testing.assert_close(got[key], grad, rtol=0, atol=1e-6, msg=f"{name}: {key}")
+
+
+def test_packed_sdpa_switch_leaves_unpacked_forwards_alone():
+    """An sdpa model switched to the packed dispatcher gives the padded path exactly what sdpa gave."""
+    from rlspec.core.packing import PACKED_SDPA
+
+    model = load_model(ModelSpec(attn_implementation="sdpa"), seed=0)
+    batch, _ = ragged_batch()
+    with torch.no_grad():
+        before, _ = sequence_logprobs(model, batch, 1.0)
+        sequence_logprobs(model, batch, 1.0, pack_all([batch.attention_mask], "cpu")[0])
+        assert model.config._attn_implementation == PACKED_SDPA
+        after, _ = sequence_logprobs(model, batch, 1.0)
+    assert torch.equal(before, after)
+
+
+@pytest.mark.gpu
+def test_packed_bf16_on_cuda_is_as_close_to_fp32_as_padded(monkeypatch):
+    """On CUDA an sdpa model's packed forward runs torch's varlen flash kernel: its bf16 log-probs and
+    gradients are as close to the fp32 padded reference as the bf16 padded path's are."""
+    import rlspec.core.packing as packing_module
+
+    calls = []
+    varlen = packing_module._varlen()
+    assert varlen is not None, "this torch has no torch.nn.attention.varlen"
+    monkeypatch.setattr(packing_module, "_varlen", lambda: (lambda *a, **k: calls.append(1) or varlen(*a, **k)))
+    batch, _ = ragged_batch([40, 7, 130, 1, 64, 90, 3, 128], seed=2)
+    batch = batch.to("cuda")
+    real = batch.attention_mask.bool()
+    real[:, 0] = False
+    results = {}
+    for name, dtype, packed in (("ref", torch.float32, False), ("padded", torch.bfloat16, False),
+                                ("packed", torch.bfloat16, True)):
+        model = load_model(ModelSpec(attn_implementation="sdpa", dtype="float32"), seed=0).to("cuda", dtype)
+        packing = pack_all([batch.attention_mask.cpu()], "cuda")[0] if packed else None
+        logp, _ = sequence_logprobs(model, batch, 1.0, packing)
+        (logp * batch.loss_mask).sum().backward()
+        results[name] = (logp.float()[real], model.lm_head.weight.grad.float())
+    assert calls, "the packed forward did not run the varlen kernel"
+    ref_logp, ref_grad = results["ref"]
+    for part in (0, 1):
+        padded_err = (results["padded"][part] - (ref_logp, ref_grad)[part]).abs().max()
+        packed_err = (results["packed"][part] - (ref_logp, ref_grad)[part]).abs().max()
+        assert packed_err <= 2 * padded_err + 1e-3, (part, float(packed_err), float(padded_err))

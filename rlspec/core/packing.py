@@ -113,3 +113,54 @@ def plan_split(lengths: list[int], world_size: int, micro_batch_tokens: int) -> 
         plans.append(bins)
     count = max(len(bins) for bins in plans)
     return [([row for b in bins for row in b], [len(b) for b in bins] + [0] * (count - len(bins))) for bins in plans]
+
+
+PACKED_SDPA = "rlspec_packed_sdpa"
+"""The attention implementation an `sdpa` model is switched to for packed forwards (`packed_sdpa_attention`)."""
+
+
+def use_packed_sdpa(config) -> None:
+    """Switch an `sdpa` model's config to `PACKED_SDPA` (registered with transformers on first use): unpacked
+    forwards (generation, the padded path) still run transformers' sdpa with its masks, unchanged."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if PACKED_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+        AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+    config._attn_implementation = PACKED_SDPA
+
+
+def packed_sdpa_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
+                          scaling: float | None = None, **kwargs):
+    """transformers' sdpa attention, except in a packed forward (`cu_seq_lens_q` given, [1, heads, T, dim]):
+    there, on CUDA in 16 bits, torch's varlen flash kernel, which computes each sequence's causal block only;
+    elsewhere sdpa under the block-diagonal causal mask built from the offsets (all T x T scores)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    offsets = kwargs.get("cu_seq_lens_q")
+    if offsets is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0 and _varlen() is not None:
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, dim]
+        longest = kwargs["max_length_q"]
+        out = _varlen()(q, k, v, offsets, offsets, longest, longest, scale=scaling, window_size=(-1, 0),
+                        enable_gqa=q.shape[1] != k.shape[1])
+        return out.unsqueeze(0), None
+    length = query.shape[2]
+    sequence = torch.searchsorted(offsets[1:], torch.arange(length, device=offsets.device, dtype=offsets.dtype),
+                                  right=True)
+    causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril_()
+    mask = (sequence[:, None] == sequence[None, :]) & causal
+    return sdpa_attention_forward(module, query, key, value, mask[None, None], dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def _varlen():
+    """torch's varlen flash attention (torch >= 2.10 on CUDA), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn

@@ -11,9 +11,10 @@ kept within each sequence by the model's own attention implementation, fed as fo
 
 - `flash_attention_2`: the varlen kernel, given the sequences' offsets (`cu_seq_lens_q/k`, `max_length_q/k`,
   computed on the host) so that transformers does not derive them from the positions (a device read per layer);
-- `sdpa`: a block-diagonal causal boolean mask [1, 1, T, T] built here from the sequence ids (transformers
-  passes a 4-D mask through as it is). The kernel then computes all T x T scores: the cost grows with T^2,
-  which `algorithm.micro_batch_tokens` bounds; on CUDA `flash_attention_2` skips the masked blocks;
+- `sdpa`: the model is switched to `rlspec.core.packing.PACKED_SDPA`, which is transformers' sdpa for any
+  unpacked forward and, given the offsets, runs torch's varlen flash kernel on CUDA in 16 bits (each
+  sequence's causal block only, as flash_attention_2 does, without the flash-attn package), or elsewhere
+  (CPU, fp32) sdpa under a block-diagonal causal mask (all T x T scores: `micro_batch_tokens` bounds T);
 - `eager`: no mask; transformers 5 finds the packed sequences in the restarting `position_ids`
   (`masking_utils.find_packed_sequence_indices`) and builds the block-causal mask itself (it reads the
   device once per forward to do so, which costs nothing on the CPU, where eager is used).
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from .batch import TrainBatch, position_ids
 from .grpo import LossConfig, LossNorm, policy_loss, token_logprobs_and_entropy
-from .packing import Packing, chunk_sizes
+from .packing import PACKED_SDPA, Packing, chunk_sizes, use_packed_sdpa
 
 STAT_KEYS = ("loss", "clipped_tokens", "kl_sum", "tokens", "entropy_sum", "is_ratio_sum", "is_clipped_tokens")
 
@@ -43,7 +44,7 @@ PLAIN_HEAD_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 PACKED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 # ... and of those, the ones that take a prepared {layer type: mask} mapping, which skips their mask builder.
 MASK_MAPPING_MODEL_TYPES = ("qwen2", "qwen3")
-PACKED_ATTENTION = ("eager", "sdpa", "flash_attention_2")
+PACKED_ATTENTION = ("eager", "sdpa", "flash_attention_2", PACKED_SDPA)
 
 
 def forward_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
@@ -82,16 +83,15 @@ def packed_logprobs(model: torch.nn.Module, input_ids: Tensor, packing: Packing,
 
 
 def _packed_attention(config, packing: Packing) -> dict:
-    impl = config._attn_implementation
-    if impl == "flash_attention_2":
-        mapping = {"full_attention": None} if config.model_type in MASK_MAPPING_MODEL_TYPES else None
-        return dict(attention_mask=mapping, cu_seq_lens_q=packing.cu_seqlens, cu_seq_lens_k=packing.cu_seqlens,
-                    max_length_q=packing.max_length, max_length_k=packing.max_length)
-    if impl == "sdpa":
-        seq = packing.sequence
-        causal = torch.ones(len(seq), len(seq), dtype=torch.bool, device=seq.device).tril_()
-        return dict(attention_mask=((seq[:, None] == seq[None, :]) & causal)[None, None])
-    return dict(attention_mask=None)
+    """The attention inputs of a packed forward (module docstring); switches an `sdpa` model to
+    `rlspec.core.packing.PACKED_SDPA` on first use."""
+    if config._attn_implementation == "sdpa":
+        use_packed_sdpa(config)
+    if config._attn_implementation == "eager":
+        return dict(attention_mask=None)
+    mapping = {"full_attention": None} if config.model_type in MASK_MAPPING_MODEL_TYPES else None
+    return dict(attention_mask=mapping, cu_seq_lens_q=packing.cu_seqlens, cu_seq_lens_k=packing.cu_seqlens,
+                max_length_q=packing.max_length, max_length_k=packing.max_length)
 
 
 def packs(model: torch.nn.Module, batch: TrainBatch) -> bool:

@@ -6,8 +6,9 @@ peak-memory counter cannot leak into the next one's numbers) into OUT/<backend>/
 step pays for compilation, allocator growth and connection set-up.
 
 Columns: `perf/completion_tokens_per_s` (sampled tokens per second of the whole step: the headline),
-`perf/tokens_per_s` (prompt + completion tokens per step second), the step's time split, peak memory,
-and `perf/train_mfu`, the train phase's model FLOPs utilisation:
+`perf/tokens_per_s` (prompt + completion tokens per step second), `perf/train_tokens_per_s` (the same tokens
+per second of the train phase alone; padding is not counted, whether or not the trainer computes on it), the
+step's time split, peak memory, and `perf/train_mfu`, the train phase's model FLOPs utilisation:
 
     train FLOPs = (3 + passes_no_grad) * tokens * (2 * N + 2 * n_layers * s * d_attn)
 
@@ -46,7 +47,7 @@ REFERENCES = ("trl",)
 # Dense bf16 peak of known GPUs, TFLOP/s (the vendors' datasheet numbers without sparsity).
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0}
 
-COLUMNS = ("perf/completion_tokens_per_s", "perf/tokens_per_s", "perf/train_mfu", "timing_s/step", "timing_s/gen", "timing_s/train", "timing_s/sync", "sync/bytes",
+COLUMNS = ("perf/completion_tokens_per_s", "perf/tokens_per_s", "perf/train_tokens_per_s", "perf/train_mfu", "timing_s/step", "timing_s/gen", "timing_s/train", "timing_s/sync", "sync/bytes",
            "mem/peak_gb")
 
 
@@ -55,8 +56,17 @@ def summarise(rows: list[dict], warmup_steps: int, flops: "TrainFlops | None" = 
     measured = rows[warmup_steps:] or rows
     for row in measured:
         row["perf/train_mfu"] = flops.mfu(row) if flops else None
+        row["perf/train_tokens_per_s"] = train_tokens_per_s(row)
     medians = {key: _median([r.get(key) for r in measured]) for key in COLUMNS}
     return medians | {"steps_measured": len(measured)}
+
+
+def train_tokens_per_s(row: dict) -> float | None:
+    """Real (prompt + completion, no padding) tokens per second of the train phase: the tokens the step trained
+    on over `timing_s/train`. None for a step that skipped its updates, as for MFU."""
+    if row.get("train/skipped_updates") or not row.get("timing_s/train"):
+        return None
+    return row["perf/tokens_per_s"] * row["timing_s/step"] / row["timing_s/train"]
 
 
 def _median(values: list) -> float | None:
