@@ -144,10 +144,7 @@ def packed_sdpa_attention(module, query: Tensor, key: Tensor, value: Tensor, att
                                       **kwargs)
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0 and _varlen() is not None:
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, dim]
-        longest = kwargs["max_length_q"]
-        out = _varlen()(q, k, v, offsets, offsets, longest, longest, scale=scaling, window_size=(-1, 0),
-                        enable_gqa=q.shape[1] != k.shape[1])
-        return out.unsqueeze(0), None
+        return _varlen_causal(q, k, v, offsets, kwargs["max_length_q"], scaling).unsqueeze(0), None
     length = query.shape[2]
     sequence = torch.searchsorted(offsets[1:], torch.arange(length, device=offsets.device, dtype=offsets.dtype),
                                   right=True)
@@ -155,6 +152,22 @@ def packed_sdpa_attention(module, query: Tensor, key: Tensor, value: Tensor, att
     mask = (sequence[:, None] == sequence[None, :]) & causal
     return sdpa_attention_forward(module, query, key, value, mask[None, None], dropout=dropout, scaling=scaling,
                                   **kwargs)
+
+
+def _varlen_causal(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, longest: int, scale: float | None) -> Tensor:
+    """Causal varlen attention of [T, heads, dim] tensors, across the torch versions that have it (the
+    causal flag and grouped-query heads were spelt differently at first)."""
+    import inspect
+
+    varlen_attn = _varlen()
+    params = inspect.signature(varlen_attn).parameters
+    options = {"scale": scale} | ({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            options["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return varlen_attn(q, k, v, offsets, offsets, longest, longest, **options)
 
 
 def _varlen():
