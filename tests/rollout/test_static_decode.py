@@ -10,6 +10,7 @@ from rlspec.models.factory import load_model
 from rlspec.core.policy import batch_logprobs
 from rlspec.rollout.base import collate, engine_logprobs_tensor
 from rlspec.rollout.hf import HFEngine
+from rlspec.rollout.noise import sample_keys
 from rlspec.rollout.static import GraphSampler, StaticDecoder, sample_from_logits, unsupported_reason
 from rlspec.spec import ModelSpec, RolloutSpec
 
@@ -61,12 +62,13 @@ def test_sampling_follows_a_known_categorical():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
     draws = 20000
     logits = probs.log().expand(draws, -1)
-    token, logp = sample_from_logits(logits, 1.0, 1.0, torch.Generator().manual_seed(0))
+    keys, steps = sample_keys(0, torch.arange(draws)), torch.zeros(draws, dtype=torch.long)
+    token, logp = sample_from_logits(logits, 1.0, 1.0, keys, steps)
     assert torch.allclose(logp.exp(), probs[token], atol=1e-6)
     counts = torch.bincount(token, minlength=5).float()
     chi2 = (((counts - draws * probs) ** 2) / (draws * probs)).sum().item()
     assert chi2 < 20.5, chi2  # chi-square, 4 degrees of freedom: P(> 20.5) < 4e-4
-    top, _ = sample_from_logits(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
+    top, _ = sample_from_logits(logits, 1.0, 0.7, keys, steps)
     assert set(top.tolist()) <= {0, 1}, "top-p 0.7 keeps the tokens whose mass reaches 0.7"
 
 
