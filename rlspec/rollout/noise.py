@@ -37,11 +37,16 @@ def keyed_exponential(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:
     token id): counter-based noise, so a sample draws the same numbers in whichever slot and batch it runs.
 
     Two keyed hash rounds per element (a 64-bit key in effect: rows whose 32-bit keys are close do not share
-    shifted noise); the uniform keeps 24 bits, exactly representable in float32, so it is never 0 or 1.
+    shifted noise); the uniform keeps 23 bits, so (k + 0.5) / 2^23 is exact in float32 and never 0 or 1 (with 24
+    bits the top value would round to 1, an exponential of 0, and win the race whatever its probability).
     """
     row = _mix32(keys ^ _mix32(steps & _MASK32))
     salt = _mix32(row ^ 0x45D9F3B)
     ids = torch.arange(vocab, device=keys.device)
     x = _mix32(_mix32(ids[None] ^ row[:, None]) ^ salt[:, None])
-    uniform = ((x >> 8).float() + 0.5) * 2.0 ** -24
-    return -torch.log(uniform)
+    return -torch.log(open_uniform(x))
+
+
+def open_uniform(x: Tensor) -> Tensor:
+    """float32 in (0, 1) from 32-bit hashes `x`: the top 23 bits, centred in their interval."""
+    return ((x >> 9).float() + 0.5) * 2.0 ** -23

@@ -84,7 +84,8 @@ class StaticDecoder:
         self.rotary = model.model.rotary_emb
         self.sdpa = sdpa
         self._compiled = None
-        self.race = None  # the compiled `exponential_race`, with the compiled blocks
+        self.race = None  # the compiled `exponential_race` and `keyed_exponential`, with the compiled blocks
+        self.noise = None
         self._fused: list[tuple[Tensor, Tensor | None, Tensor]] | None = None
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self._qkv_sizes = (q_size, kv_size, kv_size)
@@ -208,10 +209,11 @@ class StaticDecoder:
             blocks = tuple(torch.compile(f, dynamic=False) for f in self._blocks())
             self._compiled = lambda *args: self._layer(*args, blocks=blocks)
         self.race = torch.compile(exponential_race, dynamic=False)
+        self.noise = torch.compile(keyed_exponential, dynamic=False)  # top-p < 1: one kernel, not ~30 over [B, V]
 
     def uncompile_blocks(self) -> None:
         self._compiled = None
-        self.race = None
+        self.race = self.noise = None
 
     def _blocks(self):
         return self._qkv, self._attention_block, self._mlp_block
@@ -262,20 +264,20 @@ class StaticDecoder:
 
 
 def sample_from_logits(logits: Tensor, temperature: float, top_p: float, keys: Tensor, steps: Tensor,
-                       race=None) -> tuple[Tensor, Tensor]:
+                       race=None, noise=None) -> tuple[Tensor, Tensor]:
     """One token per row and its log-probability under the full softmax at `temperature` (the trainer's
     definition, before top-p). Row i's noise is keyed by (`keys[i]`, `steps[i]`) (`keyed_exponential`).
 
     The exponential race `argmax(p / E)`, `E ~ Exp(1)` i.i.d., picks i with probability p_i / sum(p): a
     categorical sample with static shapes and no host sync. Without top-p it is `argmax(logits / T - log E)`
     (`race`, which a caller may pass compiled: the noise, the race and the log-sum-exp in one pass over the
-    logits, no [B, V] softmax).
+    logits, no [B, V] softmax); with top-p, `noise` may be the compiled `keyed_exponential`.
     """
     if top_p >= 1.0:
         return (race or exponential_race)(logits, keys, steps, temperature)
-    noise = keyed_exponential(keys, steps, logits.shape[-1])
+    draws = (noise or keyed_exponential)(keys, steps, logits.shape[-1])
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    token = torch.argmax(top_p_filter(logp.exp(), top_p) / noise, dim=-1)
+    token = torch.argmax(top_p_filter(logp.exp(), top_p) / draws, dim=-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
@@ -563,7 +565,8 @@ class GraphSampler:
         """Sample from `state.logits`, record, then run the decoder on the sampled tokens (graph body). Ended
         slots ride along: their token is `eos`, their counters stay, their record goes to the spare column."""
         last = state.out_tokens.shape[1] - 1
-        token, logp = sample_from_logits(state.logits, temperature, top_p, state.key, state.step, self.decoder.race)
+        token, logp = sample_from_logits(state.logits, temperature, top_p, state.key, state.step, self.decoder.race,
+                                         self.decoder.noise)
         live = ~state.done
         token = torch.where(live, token, eos)
         column = torch.where(live, state.step, last)[:, None]

@@ -10,7 +10,7 @@ from rlspec.models.factory import load_model
 from rlspec.core.policy import batch_logprobs
 from rlspec.rollout.base import collate, engine_logprobs_tensor
 from rlspec.rollout.hf import HFEngine
-from rlspec.rollout.noise import sample_keys
+from rlspec.rollout.noise import keyed_exponential, open_uniform, sample_keys
 from rlspec.rollout.static import GraphSampler, StaticDecoder, sample_from_logits, unsupported_reason
 from rlspec.spec import ModelSpec, RolloutSpec
 
@@ -70,6 +70,17 @@ def test_sampling_follows_a_known_categorical():
     assert chi2 < 20.5, chi2  # chi-square, 4 degrees of freedom: P(> 20.5) < 4e-4
     top, _ = sample_from_logits(logits, 1.0, 0.7, keys, steps)
     assert set(top.tolist()) <= {0, 1}, "top-p 0.7 keeps the tokens whose mass reaches 0.7"
+
+
+def test_keyed_noise_is_exponential_and_never_zero():
+    """The uniform behind the race noise stays inside (0, 1) at the extreme hashes (an exponential of 0 would win
+    the race whatever its token's probability), and the noise has the Exp(1) mean and variance."""
+    extremes = open_uniform(torch.tensor([0, 1, 2**32 - 2, 2**32 - 1]))
+    assert bool((extremes > 0).all() and (extremes < 1).all())
+    noise = keyed_exponential(sample_keys(3, torch.arange(64)), torch.arange(64), 4096)
+    assert abs(noise.mean().item() - 1) < 0.01 and abs(noise.var().item() - 1) < 0.03
+    other = keyed_exponential(sample_keys(3, torch.arange(64)), torch.arange(64) + 1, 4096)
+    assert abs(torch.corrcoef(torch.stack([noise.flatten(), other.flatten()]))[0, 1].item()) < 0.01
 
 
 def test_unsupported_models_are_named():
