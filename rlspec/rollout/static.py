@@ -423,17 +423,17 @@ class GraphSampler:
         keys = sample_keys(seed, torch.arange(rows, device=dev))
         state.done.fill_(True)
         occupant, started = [-1] * bucket, [0] * bucket  # sample in each slot (-1: empty), decode step it began at
-        pending, clock = 0, 0
+        next_sample, clock = 0, 0
         while True:
             free = [b for b in range(bucket) if occupant[b] < 0]
             if waves and len(free) < bucket:
                 free = []
-            take = free[:rows - pending]
+            take = free[:rows - next_sample]
             if take:
-                self._start(state, prompts, keys, take, pending)
+                self._start(state, prompts, keys, take, next_sample)
                 for offset, b in enumerate(take):
-                    occupant[b], started[b] = pending + offset, clock
-                pending += len(take)
+                    occupant[b], started[b] = next_sample + offset, clock
+                next_sample += len(take)
             live = [b for b in range(bucket) if occupant[b] >= 0]
             if not live:
                 break
