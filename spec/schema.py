@@ -192,9 +192,17 @@ class ModelSpec(_Section):
     """Attention kernel (eager | sdpa | flash_attention_2); eager makes trainer and engine agree bit-for-bit on CPU."""
     lora: LoraSpec = field(default_factory=LoraSpec)
     """LoRA settings."""
+    eos_hazard: float = 0.0
+    """Random-init presets: set the weights so that at every step, sampling at temperature 1, the end token has this
+    probability (completion lengths geometric, median ln 2 / eos_hazard; `rlspec.models.factory.set_eos_hazard`);
+    0 leaves the random init as it is (the end token is then almost never sampled)."""
 
     def __post_init__(self) -> None:
         p = "model"
+        require(0 <= self.eos_hazard < 1, f"{p}.eos_hazard", f"must be in [0, 1), got {self.eos_hazard}",
+                "e.g. 0.0069 for a median completion of 100 tokens")
+        require(self.eos_hazard == 0 or (self.path is None and self.kind == "causal_lm"), f"{p}.eos_hazard",
+                "applies to random-init causal_lm presets only", "drop model.eos_hazard, or unset model.path")
         one_of(self.kind, MODEL_KINDS, f"{p}.kind")
         one_of(self.dtype, DTYPES, f"{p}.dtype")
         one_of(self.attn_implementation, ("eager", "sdpa", "flash_attention_2"), f"{p}.attn_implementation")
@@ -392,6 +400,11 @@ class RolloutSpec(_Section):
     """Nucleus sampling mass."""
     cuda_graph: bool = True
     """hf engine on CUDA: static KV cache + CUDA-graph decode (Llama-style models without LoRA); false = plain loop."""
+    continuous_batching: bool = True
+    """cuda_graph sampler: decode in a pool of `decode_slots` slots, refilling a slot with the next sample as soon as
+    its sample ends; false = the static batch (all rows at once, until the longest has ended)."""
+    decode_slots: int = 64
+    """continuous_batching: sequences decoded at once (rounded up to a power of two; K/V memory grows with it)."""
     gpu_memory_fraction: float = 0.5
     """vllm: fraction of GPU memory the engine may take."""
     tensor_parallel_size: int = 1
@@ -414,6 +427,7 @@ class RolloutSpec(_Section):
         one_of(self.engine, ENGINES, f"{p}.engine")
         _positive(self.prompts_per_step, f"{p}.prompts_per_step")
         _positive(self.max_new_tokens, f"{p}.max_new_tokens")
+        _positive(self.decode_slots, f"{p}.decode_slots")
         _positive(self.max_prompt_tokens, f"{p}.max_prompt_tokens")
         _positive(self.temperature, f"{p}.temperature")
         require(0 < self.top_p <= 1, f"{p}.top_p", f"must be in (0, 1], got {self.top_p}", "use 1.0 to sample from the full distribution")

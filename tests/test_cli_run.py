@@ -117,14 +117,19 @@ def test_tiny_example_learns(tmp_path):
 
 
 def test_bench_writes_table_json_and_plot(tmp_path):
+    """A backend column with its own overrides (`name@key=value`); completion lengths beside the rates."""
     out = tmp_path / "bench"
-    proc = run_cli("bench", "examples/tiny.yaml", "algorithm.steps=3", "--backends", "standalone", "--out", str(out))
+    label = "standalone@model.eos_hazard=0.25"
+    proc = run_cli("bench", "examples/tiny.yaml", "algorithm.steps=3", "--backends", label, "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "bench.json").read_text())
-    row = report["backends"]["standalone"]
+    row = report["backends"][label]
     assert row["steps_measured"] == 2 and row["perf/tokens_per_s"] > 0
-    assert "perf/tokens_per_s" in proc.stdout and (out / "bench.png").stat().st_size > 0
-    assert (out / "standalone" / "metrics.jsonl").is_file()
+    assert 1 <= row["response_len/p50"] <= row["response_len/p90"] <= row["response_len/max"]
+    assert row["response_len/mean"] < 5, "an end-token hazard of 0.25: mean 3.6 of 8 tokens (0: all 8)"
+    assert "perf/tokens_per_s" in proc.stdout and "response_len/p90" in proc.stdout
+    assert (out / "bench.png").stat().st_size > 0
+    assert (out / "standalone+model.eos_hazard-0.25" / "metrics.jsonl").is_file()
 
 
 def test_lora_run_resumes_exactly(tmp_path):

@@ -76,22 +76,26 @@ def test_graph_engine_logprobs_match_trainer_in_bf16():
 
 
 def test_graph_captured_sampling_follows_a_known_categorical():
-    """The sampler inside a replayed CUDA graph: right frequencies (chi-square) and reproducible per seed."""
+    """The sampler inside a replayed CUDA graph (noise keyed by sample and step, the step advanced in the graph):
+    right frequencies (chi-square) and reproducible per seed."""
+    from rlspec.rollout.noise import sample_keys
     from rlspec.rollout.static import sample_from_logits
 
     probs = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04], device="cuda")
     rows, replays = 4096, 25
     logits = probs.log().expand(rows, -1).contiguous()
-    generator = torch.Generator(device="cuda")
+    keys = torch.zeros(rows, dtype=torch.long, device="cuda")
+    steps = torch.zeros(rows, dtype=torch.long, device="cuda")
     out = torch.zeros(rows, dtype=torch.long, device="cuda")
-    sample_from_logits(logits, 1.0, 1.0, generator)  # warm-up outside capture
+    sample_from_logits(logits, 1.0, 1.0, keys, steps)  # warm-up outside capture
     graph = torch.cuda.CUDAGraph()
-    graph.register_generator_state(generator)
     with torch.cuda.graph(graph):
-        out.copy_(sample_from_logits(logits, 1.0, 1.0, generator)[0])
+        out.copy_(sample_from_logits(logits, 1.0, 1.0, keys, steps)[0])
+        steps.add_(1)
 
     def draw(seed: int) -> torch.Tensor:
-        generator.manual_seed(seed)
+        keys.copy_(sample_keys(seed, torch.arange(rows, device="cuda")))
+        steps.zero_()
         samples = []
         for _ in range(replays):
             graph.replay()

@@ -140,6 +140,7 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: PhaseTimer,
         "clip_frac": stats["clipped_tokens"] / tokens,
         "entropy": stats["entropy_sum"] / tokens if updates else None,
         "response_len/mean": float(trained.mean()) if len(trained) else 0.0,
+        **length_percentiles(trained),
         "timing_s/gen": timer.get("gen", 0.0),
         "timing_s/reward": timer.get("reward", 0.0),
         "timing_s/train": timer.get("train", 0.0),
@@ -159,6 +160,14 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: PhaseTimer,
         "reward/dropped": 0.0,
         **(counters or {}),
     }
+
+
+def length_percentiles(lengths: torch.Tensor) -> dict[str, float]:
+    """`response_len/p50`, `/p90`, `/max` of a step's completion lengths (the bench reports them beside tokens/s)."""
+    if not len(lengths):
+        return {"response_len/p50": 0.0, "response_len/p90": 0.0, "response_len/max": 0.0}
+    p50, p90 = torch.quantile(lengths.float(), torch.tensor([0.5, 0.9])).tolist()
+    return {"response_len/p50": p50, "response_len/p90": p90, "response_len/max": float(lengths.max())}
 
 
 def env_rollouts(plan: RunPlan, engine):

@@ -198,10 +198,51 @@ def load_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
         config = preset_config(spec.preset, spec.attn_implementation)
         with seeded(seed):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=spec.attn_implementation)
+        if spec.eos_hazard:
+            set_eos_hazard(model, spec.eos_hazard)
     else:
         model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, attn_implementation=spec.attn_implementation)
     model.generation_config.pad_token_id = getattr(model.config, "pad_token_id", None)
     return model
+
+
+EOS_CARRIER_SCALE = 1024.0
+"""The constant the last attention layer writes into the residual's carrier dimension: large enough that the final
+RMSNorm maps it to sqrt(hidden) whatever the rest of the residual holds (its share of the norm is below 1e-3)."""
+
+
+@torch.no_grad()
+def set_eos_hazard(model: torch.nn.Module, hazard: float) -> None:
+    """Make the end token's probability `hazard` at every step (temperature 1) by editing random-init weights.
+
+    One residual dimension j becomes a constant carrier: no embedding, attention output or MLP output writes it,
+    except the last layer's attention, whose value channel 0 of K/V head 0 is its bias alone (1; attention
+    weights sum to 1, so the head outputs 1 at every position) and whose output projection reads that channel
+    into j only, times `EOS_CARRIER_SCALE`. After the final RMSNorm, h_j = sqrt(hidden) and every other h_k is
+    the random residual squashed by the carrier (~1e-2), so the other tokens' logits are ~0 and the end token's
+    logit is its LM-head weight on j times sqrt(hidden): set to log(hazard * (V - 1) / (1 - hazard)). Every
+    matmul of the model still runs on random weights; only the length distribution is fixed: geometric, median
+    ln 2 / hazard, cut at the budget. Needs a value-projection bias (the qwen2 presets have one).
+    """
+    config = model.config
+    body, head = model.model, model.get_output_embeddings().weight
+    attn = body.layers[-1].self_attn
+    if attn.v_proj.bias is None:
+        raise SpecError("model.eos_hazard", f"model_type {config.model_type!r} has no value-projection bias to carry "
+                        "the end token's logit", "use a qwen2 preset")
+    carrier, eos, vocab = config.hidden_size - 1, config.eos_token_id, config.vocab_size
+    for layer in body.layers:
+        layer.self_attn.o_proj.weight[carrier] = 0
+        layer.mlp.down_proj.weight[carrier] = 0
+    body.embed_tokens.weight[:, carrier] = 0
+    head[:, carrier] = 0
+    attn.v_proj.weight[0] = 0
+    attn.v_proj.bias[0] = 1
+    attn.o_proj.weight[:, 0] = 0
+    attn.o_proj.weight[carrier, 0] = EOS_CARRIER_SCALE
+    body.norm.weight[carrier] = 1
+    head[eos] = 0
+    head[eos, carrier] = math.log(hazard * (vocab - 1) / (1 - hazard)) / math.sqrt(config.hidden_size)
 
 
 def apply_lora(model: torch.nn.Module, spec: ModelSpec, seed: int) -> torch.nn.Module:

@@ -25,6 +25,11 @@ forward of the head). MFU = train FLOPs / (timing_s/train x the device's dense b
 16-bit models on a known GPU only.
 
 `--reference trl` adds TRL's GRPOTrainer on the same spec (`rlspec.perf.bench_trl` says what is matched).
+
+Completion lengths (`LENGTH_COLUMNS`) stand beside the rates, since tokens/s depends on them: the mean over
+the measured steps of each step's mean, the median of each step's p50 and p90, the longest of all. A backend
+written `name@key=value[@key=value...]` runs with those overrides added, as its own column: one call
+compares settings of one backend (`standalone,standalone@rollout.continuous_batching=false`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, 
 
 COLUMNS = ("perf/completion_tokens_per_s", "perf/tokens_per_s", "perf/train_tokens_per_s", "perf/train_mfu", "timing_s/step", "timing_s/gen", "timing_s/train", "timing_s/sync", "sync/bytes",
            "mem/peak_gb")
+LENGTH_COLUMNS = ("response_len/mean", "response_len/p50", "response_len/p90", "response_len/max")
 
 
 def summarise(rows: list[dict], warmup_steps: int, flops: "TrainFlops | None" = None) -> dict:
@@ -58,7 +64,14 @@ def summarise(rows: list[dict], warmup_steps: int, flops: "TrainFlops | None" = 
         row["perf/train_mfu"] = flops.mfu(row) if flops else None
         row["perf/train_tokens_per_s"] = train_tokens_per_s(row)
     medians = {key: _median([r.get(key) for r in measured]) for key in COLUMNS}
-    return medians | {"steps_measured": len(measured)}
+    return medians | _lengths(measured) | {"steps_measured": len(measured)}
+
+
+def _lengths(rows: list[dict]) -> dict:
+    """The run's completion lengths from its steps' (`LENGTH_COLUMNS`); None where the rows lack them."""
+    mean, p50, p90, longest = ([r.get(key) for r in rows if r.get(key) is not None] for key in LENGTH_COLUMNS)
+    return {"response_len/mean": statistics.fmean(mean) if mean else None, "response_len/p50": _median(p50),
+            "response_len/p90": _median(p90), "response_len/max": max(longest, default=None)}
 
 
 def train_tokens_per_s(row: dict) -> float | None:
@@ -122,16 +135,18 @@ def _train_flops(plan) -> TrainFlops | None:
 def bench(spec_path: str, overrides: Sequence[str], backends: Sequence[str], out: Path, warmup_steps: int = 1,
           references: Sequence[str] = ()) -> dict:
     """Run `spec_path` on each backend (all plans are compiled first, so a bad spec fails before any run)."""
-    plans = [build_plan(spec_path, overrides, name)[0] for name in backends]
+    variants = {label: label.split("@") for label in backends}  # label -> [backend, extra overrides...]
+    plans = [build_plan(spec_path, [*overrides, *extra], name)[0] for name, *extra in variants.values()]
     for ref in references:
         if ref not in REFERENCES:
             raise SpecError("--reference", f"unknown reference {ref!r}", f"use one of: {', '.join(REFERENCES)}")
         if importlib.util.find_spec(ref) is None:
             raise SpecError("--reference", f"--reference {ref} needs the {ref} package", f"pip install 'rlspec[{ref}]'")
     flops = _train_flops(plans[0]) if plans else None
-    commands = {name: [sys.executable, "-m", "rlspec.cli", "run", spec_path, *overrides, "--backend", name,
-                       "--out", str(out / name), "--no-progress"] for name in backends}
-    commands |= {ref: [sys.executable, "-m", f"rlspec.bench_{ref}", spec_path, str(out / ref), *overrides]
+    commands = {label: [sys.executable, "-m", "rlspec.cli", "run", spec_path, *overrides, *extra, "--backend", name,
+                        "--out", str(out / _dir_name(label)), "--no-progress"]
+                for label, (name, *extra) in variants.items()}
+    commands |= {ref: [sys.executable, "-m", f"rlspec.perf.bench_{ref}", spec_path, str(out / ref), *overrides]
                  for ref in references}
     results, failures = {}, {}
     for name, command in commands.items():
@@ -139,7 +154,7 @@ def bench(spec_path: str, overrides: Sequence[str], backends: Sequence[str], out
         if proc.returncode != 0:
             failures[name] = proc.stderr.strip().splitlines()[-20:]
             continue
-        results[name] = summarise(read_metrics(out / name / "metrics.jsonl"), warmup_steps, flops)
+        results[name] = summarise(read_metrics(out / _dir_name(name) / "metrics.jsonl"), warmup_steps, flops)
     report = {"spec": spec_path, "overrides": list(overrides), "warmup_steps": warmup_steps, "backends": results,
               "failed": failures, "device": torch.cuda.get_device_name(0) if flops else None}
     out.mkdir(parents=True, exist_ok=True)
@@ -153,12 +168,17 @@ def bench(spec_path: str, overrides: Sequence[str], backends: Sequence[str], out
     return report
 
 
+def _dir_name(label: str) -> str:
+    """OUT/<dir> of a backend column: its label with `@`, `=` and `/` made file-name safe."""
+    return label.replace("@", "+").replace("=", "-").replace("/", "_")
+
+
 def table(report: dict) -> str:
     names = list(report["backends"])
     head = f"{'metric (median)':<30}" + "".join(f"{n:>14}" for n in names)
     lines = [head, "-" * len(head)]
-    for key in COLUMNS:
-        lines.append(f"{key:<30}" + "".join(_cell(report["backends"][n][key]) for n in names))
+    for key in COLUMNS + LENGTH_COLUMNS:
+        lines.append(f"{key:<30}" + "".join(_cell(report["backends"][n].get(key)) for n in names))
     if len(names) > 1:
         base = report["backends"][names[-1]]
         for key in ("perf/completion_tokens_per_s", "timing_s/step"):

@@ -4,10 +4,10 @@ Run as its own process by `rlspec bench --reference trl` (`python -m rlspec.perf
 it writes `OUT/metrics.jsonl` with the bench's columns, one row per optimizer step.
 
 Matched with the rlspec run of the same spec: the model (same preset or path, dtype, attention kernel, seed,
-so the same initial weights), tokenizer, task prompts (the same prompts in the same order) and reward,
-group size, prompts per step, max new tokens, temperature, top-p, optimizer (AdamW, lr, betas, eps, weight
-decay, grad clip), KL coefficient, clip range, updates per batch, loss aggregation and advantage
-normalisation, micro-batch size (TRL's `per_device_train_batch_size`, with gradient accumulation over the
+`model.eos_hazard`, so the same initial weights and completion-length distribution), tokenizer, task prompts
+(the same prompts in the same order) and reward, group size, prompts per step, max new tokens, temperature,
+top-p, optimizer (AdamW, lr, betas, eps, weight decay, grad clip), KL coefficient, clip range, updates per
+batch, loss aggregation and advantage normalisation, micro-batch size (TRL's `per_device_train_batch_size`, with gradient accumulation over the
 step's batch, so one generation per optimizer step), gradient checkpointing.
 Not matched: TRL generates with `model.generate` (dynamic KV cache, its own sampling loop) and samples
 different tokens (other RNG); its learning-rate schedule is set to constant like rlspec's; it computes
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.step import length_percentiles
 from ..models.factory import load_model, load_tokenizer
 from ..run import build_plan
 from ..runtime.metrics import peak_memory_gb
@@ -85,6 +86,8 @@ def run_trl(spec_path: str, out: Path, overrides: list[str]) -> None:
                 "perf/tokens_per_s": (timing.prompt_tokens + timing.completion_tokens) / step_s,
                 "perf/completion_tokens_per_s": timing.completion_tokens / step_s,
                 "mem/peak_gb": peak_memory_gb(plan.placement.device),
+                "response_len/mean": float(torch.tensor(timing.lengths, dtype=torch.float).mean()) if timing.lengths else 0.0,
+                **length_percentiles(torch.tensor(timing.lengths)),
             })
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
@@ -120,13 +123,16 @@ class _GenerateTimer:
             completion = out[:, prompt.shape[1]:]
             ended = (completion == self.eos).int()
             # tokens up to and including the first end token (TRL's completion mask)
-            self.completion_tokens += int(((ended.cumsum(-1) - ended) == 0).sum())
+            lengths = ((ended.cumsum(-1) - ended) == 0).sum(-1)
+            self.completion_tokens += int(lengths.sum())
+            self.lengths += lengths.tolist()
             return out
 
         model.generate = generate
 
     def reset(self) -> None:
         self.seconds, self.prompt_tokens, self.completion_tokens = 0.0, 0, 0
+        self.lengths: list[int] = []
 
 
 if __name__ == "__main__":

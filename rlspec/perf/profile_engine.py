@@ -4,7 +4,8 @@ On the standalone backend's engine and the spec's rollout batch (`prompts_per_st
 `max_new_tokens` each), prints:
 
 - `engine.generate` wall time, median of `--repeats` (what `rlspec bench` reports as `timing_s/gen`, less the
-  reward), with the engine's default sampler;
+  reward), with the spec's sampler settings and again with `rollout.continuous_batching` flipped (continuous
+  batching against the static batch, the same seeds), each with its completion lengths (mean, p50, p90, max);
 - for each sampler variant of `--variants`: the whole batch's wall time as the engine runs it (graphs captured
   per batch), and its split: prefill, graph capture, one decode step (median over graph replays);
 - the weight-read floor of a decode step: the parameters' bytes over the device-to-device copy bandwidth;
@@ -14,7 +15,9 @@ On the standalone backend's engine and the spec's rollout batch (`prompts_per_st
 Variants (keyword arguments of `GraphSampler`): `plain` (compiled blocks, separate projections), `fused`
 (q/k/v and gate/up each one GEMM), `sdpa` (attention through `scaled_dot_product_attention`), `fused_sdpa`,
 `fused_eager` (fused, blocks not compiled), `fused_layers` (fused, one compiled function per decoder layer
-instead of one per block), `fused_layers_sdpa`. Every compiled variant samples with the compiled race.
+instead of one per block), `fused_layers_sdpa`. Every compiled variant samples with the compiled race; `fused_eager`
+computes the keyed noise eagerly (about 30 elementwise kernels over [slots, vocabulary] a step), so its decode step
+is not the blocks' cost alone.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -49,13 +53,33 @@ def _timed(fn, repeats: int) -> list[float]:
     return times
 
 
+def _slots(spec) -> int | None:
+    return spec.decode_slots if spec.continuous_batching else None
+
+
+def _load(sampler, state, input_ids, attention_mask) -> None:
+    """Prefill the batch's prompts and start its first samples in every slot of the pool."""
+    from ..rollout.noise import sample_keys
+
+    prompts = sampler._prefill(input_ids, attention_mask)
+    keys = sample_keys(1, torch.arange(input_ids.shape[0], device=sampler.device))
+    sampler._start(state, prompts, keys, list(range(min(state.done.shape[0], input_ids.shape[0]))), 0)
+
+
+def _lengths(rollout) -> str:
+    lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float)
+    p50, p90 = torch.quantile(lengths, torch.tensor([0.5, 0.9])).tolist()
+    return f"lengths mean {lengths.mean():.1f}, p50 {p50:.0f}, p90 {p90:.0f}, max {lengths.max():.0f}"
+
+
 @torch.no_grad()
 def _split(sampler, input_ids, attention_mask, spec, eos: int, replays: int) -> dict[str, float]:
-    """Prefill, capture and per-step decode time of one batch shape (the sampler's internals, timed apart)."""
+    """Prefill, capture and per-step decode time of the spec's pool (the sampler's internals, timed apart)."""
     from ..rollout.static import graph_key
 
-    rows, width = input_ids.shape
-    key = graph_key(input_ids.shape, spec.max_new_tokens, spec.temperature, spec.top_p, eos)
+    width = input_ids.shape[1]
+    key = graph_key(sampler.pool_shape(input_ids.shape, _slots(spec)), spec.max_new_tokens, spec.temperature,
+                    spec.top_p, eos)
     bucket, length = key[:2]
     with torch.cuda.device(sampler.device):
         if sampler.fuse:
@@ -63,11 +87,11 @@ def _split(sampler, input_ids, attention_mask, spec, eos: int, replays: int) -> 
         sampler._states.pop(key, None)
         capture = _timed(lambda: sampler._state(key), 1)[0]  # warmed shape: capture only
         state = sampler._states[key]
-        prefill = statistics.median(_timed(lambda: sampler._prefill(state, input_ids, attention_mask, rows), 3))
+        prefill = statistics.median(_timed(lambda: _load(sampler, state, input_ids, attention_mask), 3))
         replays = min(replays, spec.max_new_tokens)
 
         def decode():
-            sampler._prefill(state, input_ids, attention_mask, rows)
+            _load(sampler, state, input_ids, attention_mask)
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(replays):
@@ -86,7 +110,7 @@ def _kernels(sampler, input_ids, attention_mask, spec, eos: int, rows: int) -> s
     state = next(iter(sampler._states.values()))
     out = []
     with torch.cuda.device(sampler.device):
-        sampler._prefill(state, input_ids, attention_mask, input_ids.shape[0])
+        _load(sampler, state, input_ids, attention_mask)
         for title, run in (("graph replays", state.graph.replay),
                            ("eager step (same step outside the graph)",
                             lambda: sampler._step(state, spec.temperature, spec.top_p, eos))):
@@ -126,10 +150,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{torch.cuda.get_device_name(0)}: {input_ids.shape[0]} rows x {spec.max_new_tokens} new tokens, "
               f"prompt width {input_ids.shape[1]}, top_p {spec.top_p}, temperature {spec.temperature}")
 
-        engine.generate(prompts, group, seed=0)  # compile and warm up
-        gen = _timed(lambda: engine.generate(prompts, group, seed=1), args.repeats)
-        print(f"engine.generate (default sampler): median {statistics.median(gen):.3f} s "
-              f"({', '.join(f'{t:.3f}' for t in gen)})")
+        for flipped in (False, True):
+            view = engine.with_spec(replace(spec, continuous_batching=spec.continuous_batching != flipped))
+            view.generate(prompts, group, seed=0)  # compile and warm up
+            gen = _timed(lambda: view.generate(prompts, group, seed=1), args.repeats)
+            mode = f"continuous, {spec.decode_slots} slots" if view.spec.continuous_batching else "static batch"
+            print(f"engine.generate ({mode}): median {statistics.median(gen):.3f} s "
+                  f"({', '.join(f'{t:.3f}' for t in gen)}); {_lengths(view.generate(prompts, group, seed=1))}")
 
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=engine.device)
@@ -146,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
             sampler = GraphSampler(model, engine.device, keep_graphs=False, **VARIANTS[name])
 
             def batch(seed=1, sampler=sampler):
-                sampler.sample(input_ids, attention_mask, seed, spec.max_new_tokens, spec.temperature, spec.top_p, eos)
+                sampler.sample(input_ids, attention_mask, seed, spec.max_new_tokens, spec.temperature, spec.top_p, eos,
+                               _slots(spec))
 
             try:
                 batch(0)  # compile, warm up
@@ -157,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{name:12} failed: {type(err).__name__}: {err}")
                 continue
             print(f"{name:12} {wall:8.3f} {parts['prefill_ms']:10.2f} {parts['capture_ms']:10.1f} "
-                  f"{parts['decode_step_ms']:14.3f}   (bucket {parts['bucket']}, cache {parts['cache_len']})")
+                  f"{parts['decode_step_ms']:14.3f}   (slots {parts['bucket']}, cache {parts['cache_len']})")
             if first is None:
                 first = sampler
             else:

@@ -7,7 +7,8 @@ log-probs exactly as the trainer's: log_softmax(logits / temperature) of the sam
 top-p truncation.
 
 On CUDA (with `rollout.cuda_graph`, for Llama-style decoders without LoRA) sampling runs through
-`rlspec.rollout.static.GraphSampler`: a static KV cache and the decode step captured in CUDA graphs.
+`rlspec.rollout.static.GraphSampler`: a slot-indexed KV cache and the decode step captured in CUDA graphs,
+with continuous batching (`rollout.continuous_batching`, `rollout.decode_slots`) and one prefill per prompt.
 Elsewhere, and for any other model, the plain loop below runs.
 """
 
@@ -63,8 +64,10 @@ class HFEngine:
             if sampler is None:
                 tokens, logps = self._sample(input_ids, attention_mask, seed)
             else:
+                slots = self.spec.decode_slots if self.spec.continuous_batching else None
                 tokens, logps = sampler.sample(input_ids, attention_mask, seed, self.spec.max_new_tokens,
-                                               self.spec.temperature, self.spec.top_p, self.tokenizer.eos_token_id)
+                                               self.spec.temperature, self.spec.top_p, self.tokenizer.eos_token_id,
+                                               slots=slots)
         finally:
             self.model.train(was_training)
         completions, completion_logprobs, texts = [], [], []

@@ -9,21 +9,23 @@ log-probs agree with the trainer's within bf16 rounding (`tests/test_gpu.py`). O
 layer's q/k/v and gate/up projections as one GEMM each, over fused copies refreshed before every batch
 (`fuse_weights`), and compiles one function per decoder layer.
 
-`GraphSampler` runs one rollout batch:
+`GraphSampler` runs one rollout batch over a pool of slots (continuous batching; see its docstring):
 
-    prefill (row chunks, eager) -> logits
-    repeat max_new_tokens times:  [one CUDA graph replay]
+    prefill each distinct prompt once (row chunks, eager) -> its K/V and first logits
+    fill the pool: copy a pending sample's prompt K/V and logits into each free slot
+    repeat:  [one CUDA graph replay per token]
         top_p = 1: token = argmax(logits / T - log E), logp = logits[token] / T - logsumexp(logits / T)
         top_p < 1: logp = log_softmax(logits / T); token = argmax(top_p(exp(logp)) / E)      (E ~ Exp(1))
-        finished rows emit the end token; record token and logp[token]
-        write K/V of `token` into the next cache slot; logits = forward(token)
-    every `check_every` steps: stop if every row has finished (the only host sync)
+        ended slots emit the end token; record token and logp[token] at the slot's own column
+        write K/V of `token` into the slot's next cache position; logits = forward(token)
+        every `check_every` steps (the only host sync): copy ended slots' samples out, refill them
 
 `argmax(p_i / E_i)` with `E_i ~ Exp(1)` samples i with probability p_i / sum(p) (the exponential race),
-which needs no data-dependent shapes, so sampling lives inside the graph. One graph is captured per
-(batch bucket, cache length bucket): a batch is padded up to the next power of two with finished dummy
-rows, and the cache length is rounded up to a multiple of `CACHE_STEP`. Without CUDA (`use_graphs=False`)
-the same step function runs eagerly, which is how the CPU tests check its logic.
+which needs no data-dependent shapes, so sampling lives inside the graph; E is keyed by (seed, sample,
+position) (`rlspec.rollout.noise`). One graph is captured per (slot bucket, cache length bucket): the pool is
+padded up to the next power of two with empty (ended) slots, and the cache length is rounded up to a
+multiple of `CACHE_STEP`. Without CUDA (`use_graphs=False`) the same step function runs eagerly, which is how
+the CPU tests check its logic.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.batch import position_ids
+from .noise import keyed_exponential, sample_keys
 from .sampling import top_p_filter
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
@@ -81,7 +84,8 @@ class StaticDecoder:
         self.rotary = model.model.rotary_emb
         self.sdpa = sdpa
         self._compiled = None
-        self.race = None  # the compiled `exponential_race`, with the compiled blocks
+        self.race = None  # the compiled `exponential_race` and `keyed_exponential`, with the compiled blocks
+        self.noise = None
         self._fused: list[tuple[Tensor, Tensor | None, Tensor]] | None = None
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self._qkv_sizes = (q_size, kv_size, kv_size)
@@ -205,22 +209,24 @@ class StaticDecoder:
             blocks = tuple(torch.compile(f, dynamic=False) for f in self._blocks())
             self._compiled = lambda *args: self._layer(*args, blocks=blocks)
         self.race = torch.compile(exponential_race, dynamic=False)
+        self.noise = torch.compile(keyed_exponential, dynamic=False)  # top-p < 1: one kernel, not ~30 over [B, V]
 
     def uncompile_blocks(self) -> None:
         self._compiled = None
-        self.race = None
+        self.race = self.noise = None
 
     def _blocks(self):
         return self._qkv, self._attention_block, self._mlp_block
 
     def _layer(self, x: Tensor, weights: tuple, k_cache: Tensor, v_cache: Tensor, slots: Tensor, allowed: Tensor,
                cos: Tensor, sin: Tensor, blocks=None) -> Tensor:
-        """One decoder layer; its K/V go to cache `slots`. `weights` from `_layer_weights`."""
+        """One decoder layer; its K/V go to cache `slots` [b, T] (each row its own). `weights` from `_layer_weights`."""
         qkv, attention, mlp = blocks or self._blocks()
         norm1, qkv_weights, wo, bo, norm2, mlp_weights = weights
         q, k, v = qkv(x, norm1, qkv_weights, cos, sin)
-        k_cache.index_copy_(2, slots, k)
-        v_cache.index_copy_(2, slots, v)
+        index = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        k_cache.scatter_(2, index, k)
+        v_cache.scatter_(2, index, v)
         x = attention(x, q, k_cache, v_cache, allowed, wo, bo)
         return mlp(x, norm2, mlp_weights)
 
@@ -238,13 +244,16 @@ class StaticDecoder:
 
     def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
                 keys: list[Tensor], values: list[Tensor], compiled: bool = False) -> Tensor:
-        """Logits [b, V] of the last of `ids` [b, T]; K/V of all T tokens go to cache `slots` [T].
+        """Logits [b, V] of the last of `ids` [b, T]; K/V of all T tokens go to cache `slots`: [T] (the same for
+        every row) or [b, T] (each row its own, as the continuous-batching decode step writes).
 
         `compiled` uses the torch.compile'd layers or blocks (decode steps: one shape per graph); prefill
         shapes vary with the prompt width, so prefill runs the plain ones.
         """
         run = self._compiled if compiled and self._compiled is not None else self._layer
         body = self.model.model
+        if slots.dim() == 1:
+            slots = slots.expand(ids.shape[0], -1)
         x = body.embed_tokens(ids)
         cos, sin = self._rope(positions, x.dtype)
         cos, sin = cos[:, None], sin[:, None]
@@ -254,25 +263,27 @@ class StaticDecoder:
         return F.linear(x, self.model.get_output_embeddings().weight)
 
 
-def sample_from_logits(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator,
-                       race=None) -> tuple[Tensor, Tensor]:
+def sample_from_logits(logits: Tensor, temperature: float, top_p: float, keys: Tensor, steps: Tensor,
+                       race=None, noise=None) -> tuple[Tensor, Tensor]:
     """One token per row and its log-probability under the full softmax at `temperature` (the trainer's
-    definition, before top-p).
+    definition, before top-p). Row i's noise is keyed by (`keys[i]`, `steps[i]`) (`keyed_exponential`).
 
     The exponential race `argmax(p / E)`, `E ~ Exp(1)` i.i.d., picks i with probability p_i / sum(p): a
     categorical sample with static shapes and no host sync. Without top-p it is `argmax(logits / T - log E)`
-    (`race`, which a caller may pass compiled: one pass over the logits and the noise, no [B, V] softmax).
+    (`race`, which a caller may pass compiled: the noise, the race and the log-sum-exp in one pass over the
+    logits, no [B, V] softmax); with top-p, `noise` may be the compiled `keyed_exponential`.
     """
-    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(generator=generator)
     if top_p >= 1.0:
-        return (race or exponential_race)(logits, noise, temperature)
+        return (race or exponential_race)(logits, keys, steps, temperature)
+    draws = (noise or keyed_exponential)(keys, steps, logits.shape[-1])
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    token = torch.argmax(top_p_filter(logp.exp(), top_p) / noise, dim=-1)
+    token = torch.argmax(top_p_filter(logp.exp(), top_p) / draws, dim=-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
-def exponential_race(logits: Tensor, noise: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """`argmax(softmax(logits / T) / noise)` and the winner's log-probability, without forming the softmax."""
+def exponential_race(logits: Tensor, keys: Tensor, steps: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """`argmax(softmax(logits / T) / E)` and the winner's log-probability, without forming the softmax."""
+    noise = keyed_exponential(keys, steps, logits.shape[-1])
     scaled = logits.float() / temperature
     token = torch.argmax(scaled - noise.log(), dim=-1)
     logp = scaled.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
@@ -280,7 +291,8 @@ def exponential_race(logits: Tensor, noise: Tensor, temperature: float) -> tuple
 
 
 def graph_key(shape: tuple[int, int], max_new_tokens: int, temperature: float, top_p: float, eos: int) -> tuple:
-    """The (batch bucket, cache length, sampling settings) a [rows, prompt width] batch is captured under."""
+    """The (slot bucket, cache length, sampling settings) a pool of `rows` slots with prompts `width` wide is
+    captured under, for `shape` = (rows, width)."""
     rows, width = shape
     bucket = next(b for b in BATCH_BUCKETS if b >= rows)
     length = math.ceil((width + max_new_tokens) / CACHE_STEP) * CACHE_STEP
@@ -288,28 +300,62 @@ def graph_key(shape: tuple[int, int], max_new_tokens: int, temperature: float, t
 
 
 @dataclass
-class _State:
-    """Static buffers of one (batch bucket, cache length) graph; replays read and write only these."""
+class _Prompts:
+    """A batch's distinct prompts, prefilled once: what a slot copies when it starts one of their samples."""
 
-    keys: list[Tensor]
+    keys: list[Tensor]         # [P, Hkv, W, D] per layer
+    values: list[Tensor]
+    logits: Tensor             # [P, V] logits of the first completion token
+    mask: Tensor               # [P, W] real (not padding) prompt tokens
+    next_position: Tensor      # [P] RoPE position of the first completion token
+    index: Tensor              # [rows] the prompt of each sample
+
+
+@dataclass
+class _State:
+    """Static buffers of one (slot bucket, cache length) graph; replays read and write only these. A slot is a
+    row: it decodes one sample at a time, and every row has its own position, cache slot and output column."""
+
+    keys: list[Tensor]   # [B, Hkv, S, D] per layer
     values: list[Tensor]
     logits: Tensor       # [B, V] next-token logits
     position: Tensor     # [B] RoPE position of the next token
-    slot: Tensor         # [1] cache slot of the next token (shared by all rows)
-    step: Tensor         # [1] output column of the next sample
+    write: Tensor        # [B] cache slot of the next token
+    step: Tensor         # [B] output column of the next token (= tokens sampled so far by the slot's sample)
+    key: Tensor          # [B] noise key of the slot's sample
     valid: Tensor        # [B, S] cache slots holding a real token
-    done: Tensor         # [B] row has emitted the end token (or is a dummy row)
-    out_tokens: Tensor   # [B, N]
-    out_logps: Tensor    # [B, N]
+    done: Tensor         # [B] slot's sample has ended (end token or max_new_tokens), or the slot is empty
+    out_tokens: Tensor   # [B, N + 1]; column N takes the writes of ended slots
+    out_logps: Tensor    # [B, N + 1]
     graph: object = None
 
 
 class GraphSampler:
-    """Samples a rollout batch with a `StaticDecoder`, one CUDA graph replay per token."""
+    """Samples a rollout batch with a `StaticDecoder`, one CUDA graph replay per token, over a pool of slots.
+
+    Continuous batching (`sample(..., slots=K)`): the pool has min(rows, K) slots (rounded up to the graph's
+    bucket while samples remain); every `check_every` steps the host reads which slots have ended, copies their
+    samples' tokens out, and starts the next pending samples in them — it copies the prompt's K/V (prefilled once
+    per distinct prompt: the G completions of a GRPO group share one prefill) into the slot, so a refill runs no
+    forward pass. Without `slots`, the pool holds all rows (up to 1,024; more run in waves, each started when
+    the whole pool has ended): the static batch.
+
+    Reproducibility: sample i's token at position t is drawn with noise keyed by (seed, i, t), and its logits
+    depend only on its prompt and its own earlier tokens, so a sample's tokens do not depend on the slot it ran
+    in, when it started, the pool size, or whether the batch ran continuously or statically — up to floating-point
+    differences between kernels for different batch shapes (on CPU the eager path gives the same tokens; on
+    CUDA a near tie can resolve differently).
+
+    KV memory: slots x cache length x layers x 2 x kv_heads x head_dim x 2 bytes (bf16), whatever the lengths
+    the samples reach (no paging: a slot reserves the full length). For the 0.5B shape (24 layers, 2 K/V heads
+    of 64) that is 12,288 bytes per cached token: 256 rows x 1,152 (a 1,024-token budget plus a prompt of up to
+    128, rounded to `CACHE_STEP`) = 3.6 GB as a static batch; with 64 slots 0.91 GB for any number of rows.
+    """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, use_graphs: bool | None = None,
                  compile_blocks: bool | None = None, check_every: int = 8, keep_graphs: bool = False,
-                 fuse_weights: bool | None = None, sdpa: bool | None = None, compile_layers: bool | None = None) -> None:
+                 fuse_weights: bool | None = None, sdpa: bool | None = None, compile_layers: bool | None = None,
+                 share_prefill: bool = True) -> None:
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # The defaults on CUDA are the fastest measured (`python -m rlspec.perf.profile_engine`, H200, 0.5B shape, 64
@@ -320,10 +366,10 @@ class GraphSampler:
         if self.compiled:
             self.decoder.compile_blocks(layers=self.use_graphs if compile_layers is None else compile_layers)
         self.check_every = check_every
+        self.share_prefill = share_prefill  # False: one prefill per row (the equivalence tests' reference)
         # Dropping the graphs (their KV cache and memory pool) after each batch gives that memory back to a
         # colocated trainer; a later capture of a seen shape skips warm-up and costs a few milliseconds.
         self.keep_graphs = keep_graphs
-        self.generator = torch.Generator(device=self.device)
         self._capture_stream = None
         self._states: dict[tuple, _State] = {}
         self._pointers: tuple[int, ...] = ()
@@ -331,70 +377,155 @@ class GraphSampler:
 
     @torch.no_grad()
     def sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
-               temperature: float, top_p: float, eos: int) -> tuple[Tensor, Tensor]:
-        """[B, T] tokens and log-probs on CPU, T <= max_new_tokens; ended rows carry `eos` onward (as `HFEngine`).
+               temperature: float, top_p: float, eos: int, slots: int | None = None) -> tuple[Tensor, Tensor]:
+        """[B, T] tokens and log-probs on CPU, T = the longest sample; ended rows carry `eos` onward (as `HFEngine`).
+        `slots`: continuous batching over that many slots; None: the static batch.
 
         On CUDA everything runs with the sampler's device as the calling thread's current device: a capture
         records only the current device's capture stream, so kernels of a model on another device (a rollout
-        server on cuda:1, called from a worker thread whose current device is cuda:0) would run uncaptured
-        while the generator is in capture mode ("Offset increment outside graph capture").
+        server on cuda:1, called from a worker thread whose current device is cuda:0) would run uncaptured.
         """
+        args = (input_ids, attention_mask, seed, max_new_tokens, temperature, top_p, eos, slots)
         if self.device.type != "cuda":
-            return self._sample(input_ids, attention_mask, seed, max_new_tokens, temperature, top_p, eos)
+            return self._sample(*args)
         with torch.cuda.device(self.device):
-            return self._sample(input_ids, attention_mask, seed, max_new_tokens, temperature, top_p, eos)
+            return self._sample(*args)
 
     def _sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
-                temperature: float, top_p: float, eos: int) -> tuple[Tensor, Tensor]:
-        rows = input_ids.shape[0]
-        limit = BATCH_BUCKETS[-1]
+                temperature: float, top_p: float, eos: int, slots: int | None) -> tuple[Tensor, Tensor]:
         if self.fuse:
             self.decoder.fuse_weights()
-        parts = [self._sample_rows(input_ids[s:s + limit], attention_mask[s:s + limit], seed + s, max_new_tokens,
-                                   temperature, top_p, eos) for s in range(0, rows, limit)]
-        width = max(t.shape[1] for t, _ in parts)
-        tokens = torch.cat([F.pad(t, (0, width - t.shape[1]), value=eos) for t, _ in parts])
-        logps = torch.cat([F.pad(lp, (0, width - lp.shape[1])) for _, lp in parts])
+        state = self._state(graph_key(self.pool_shape(input_ids.shape, slots), max_new_tokens, temperature, top_p, eos))
+        prompts = self._prefill(input_ids, attention_mask)
+        tokens, logps = self._decode(state, prompts, seed, max_new_tokens, temperature, top_p, eos, waves=slots is None)
         if not self.keep_graphs:
             self._states.clear()
             self.decoder.unfuse_weights()
         return tokens, logps
 
-    def _sample_rows(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
-                     temperature: float, top_p: float, eos: int) -> tuple[Tensor, Tensor]:
-        rows = input_ids.shape[0]
-        state = self._state(graph_key(input_ids.shape, max_new_tokens, temperature, top_p, eos))
-        self.generator.manual_seed(seed)  # after a capture, whose warm-up steps draw from the generator
-        self._prefill(state, input_ids, attention_mask, rows)
-        steps = 0
-        for steps in range(1, max_new_tokens + 1):
-            if state.graph is not None:
-                state.graph.replay()
-            else:
-                self._step(state, temperature, top_p, eos)
-            if steps % self.check_every == 0 and bool(state.done.all()):
+    @staticmethod
+    def pool_shape(shape: tuple[int, int], slots: int | None) -> tuple[int, int]:
+        """(slots, prompt width) of the pool a [rows, width] batch decodes in: a graph runs its whole bucket, so
+        the pool takes all of it while there are rows to fill it."""
+        rows, width = shape
+        wanted = min(rows, slots or BATCH_BUCKETS[-1], BATCH_BUCKETS[-1])
+        bucket = next(b for b in BATCH_BUCKETS if b >= wanted)
+        return min(bucket, rows), width
+
+    def _decode(self, state: _State, prompts: _Prompts, seed: int, max_new_tokens: int, temperature: float,
+                top_p: float, eos: int, waves: bool) -> tuple[Tensor, Tensor]:
+        """Run the pool until every sample has ended; `waves`: refill only once the whole pool has ended."""
+        rows, n, dev = prompts.index.shape[0], max_new_tokens, self.device
+        bucket = state.done.shape[0]
+        tokens = torch.full((rows, n), eos, dtype=torch.long, device=dev)
+        logps = torch.zeros(rows, n, dtype=torch.float32, device=dev)
+        lengths = torch.zeros(rows, dtype=torch.long, device=dev)
+        keys = sample_keys(seed, torch.arange(rows, device=dev))
+        state.done.fill_(True)
+        occupant, started = [-1] * bucket, [0] * bucket  # sample in each slot (-1: empty), decode step it began at
+        next_sample, clock = 0, 0
+        while True:
+            free = [b for b in range(bucket) if occupant[b] < 0]
+            if waves and len(free) < bucket:
+                free = []
+            take = free[:rows - next_sample]
+            if take:
+                self._start(state, prompts, keys, take, next_sample)
+                for offset, b in enumerate(take):
+                    occupant[b], started[b] = next_sample + offset, clock
+                next_sample += len(take)
+            live = [b for b in range(bucket) if occupant[b] >= 0]
+            if not live:
                 break
-        return state.out_tokens[:rows, :steps].cpu(), state.out_logps[:rows, :steps].float().cpu()
+            chunk = min(self.check_every, max(n - (clock - started[b]) for b in live))
+            for _ in range(chunk):
+                if state.graph is not None:
+                    state.graph.replay()
+                else:
+                    self._step(state, temperature, top_p, eos)
+            clock += chunk
+            done = state.done.tolist()  # the loop's only host sync
+            ended = [b for b in live if done[b]]
+            if ended:
+                self._harvest(state, ended, [occupant[b] for b in ended], tokens, logps, lengths, eos)
+                for b in ended:
+                    occupant[b] = -1
+        width = max(int(lengths.max()), 1)
+        return tokens[:, :width].cpu(), logps[:, :width].cpu()
+
+    def _start(self, state: _State, prompts: _Prompts, keys: Tensor, slots: list[int], first: int) -> None:
+        """Start samples first, first + 1, ... in `slots`: their prompt's K/V and first logits, fresh counters."""
+        dev = self.device
+        slot = torch.tensor(slots, device=dev)
+        sample = torch.arange(first, first + len(slots), device=dev)
+        prompt = prompts.index[sample]
+        width = prompts.mask.shape[1]
+        for cache, store in zip(state.keys + state.values, prompts.keys + prompts.values):
+            cache[slot, :, :width] = store[prompt]
+        state.logits[slot] = prompts.logits[prompt]
+        valid = torch.zeros(len(slots), state.valid.shape[1], dtype=torch.bool, device=dev)
+        valid[:, :width] = prompts.mask[prompt]
+        state.valid[slot] = valid
+        state.position[slot] = prompts.next_position[prompt]
+        state.write[slot] = width
+        state.step[slot] = 0
+        state.key[slot] = keys[sample]
+        state.done[slot] = False
+
+    @staticmethod
+    def _harvest(state: _State, slots: list[int], samples: list[int], tokens: Tensor, logps: Tensor, lengths: Tensor,
+                 eos: int) -> None:
+        """Copy ended slots' samples out (columns past a sample's end hold an earlier occupant's tokens: masked)."""
+        slot = torch.tensor(slots, device=tokens.device)
+        sample = torch.tensor(samples, device=tokens.device)
+        n = tokens.shape[1]
+        steps = state.step[slot]
+        kept = torch.arange(n, device=tokens.device) < steps[:, None]
+        tokens.index_copy_(0, sample, torch.where(kept, state.out_tokens[slot, :n], eos))
+        logps.index_copy_(0, sample, torch.where(kept, state.out_logps[slot, :n], 0.0))
+        lengths.index_copy_(0, sample, steps)
+
+    def _prefill(self, input_ids: Tensor, attention_mask: Tensor) -> _Prompts:
+        """Each distinct prompt of the batch through the decoder once (identical left-padded rows are one prompt)."""
+        rows, width = input_ids.shape
+        mask = attention_mask.long()
+        if self.share_prefill:
+            distinct, index = torch.unique(torch.cat([input_ids, mask], dim=1), dim=0, return_inverse=True)
+            ids, mask = distinct[:, :width], distinct[:, width:]
+        else:
+            ids, index = input_ids, torch.arange(rows, device=input_ids.device)
+        count = ids.shape[0]
+        keys, values = self.decoder.new_cache(count, width, self.device)
+        logits = torch.empty(count, self.decoder.vocab_size, dtype=self.decoder.dtype, device=self.device)
+        positions = position_ids(mask)
+        valid = mask.bool()
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        slots = torch.arange(width, device=self.device)
+        for start in range(0, count, PREFILL_ROWS):
+            part = slice(start, start + PREFILL_ROWS)
+            logits[part] = self.decoder.forward(ids[part], positions[part], slots, causal & valid[part, None, :],
+                                                [k[part] for k in keys], [v[part] for v in values])
+        return _Prompts(keys, values, logits, valid, positions[:, -1] + 1, index.to(self.device))
 
     def _state(self, key: tuple) -> _State:
         pointers = self.decoder.weight_pointers()
         if pointers != self._pointers:  # a weight was re-allocated: captured graphs read stale memory
             self._states.clear()
             self._pointers = pointers
+        bucket, length, max_new_tokens, temperature, top_p, eos = key
         if key in self._states:
             return self._states[key]
-        bucket, length, max_new_tokens, temperature, top_p, eos = key
         dev = self.device
         keys, values = self.decoder.new_cache(bucket, length, dev)
-        state = _State(keys=keys, values=values,
-                       logits=torch.zeros(bucket, self.decoder.vocab_size, dtype=self.decoder.dtype, device=dev),
-                       position=torch.zeros(bucket, dtype=torch.long, device=dev),
-                       slot=torch.zeros(1, dtype=torch.long, device=dev),
-                       step=torch.zeros(1, dtype=torch.long, device=dev),
-                       valid=torch.zeros(bucket, length, dtype=torch.bool, device=dev),
+
+        def rows(dtype=torch.long, columns=()):
+            return torch.zeros(bucket, *columns, dtype=dtype, device=dev)
+
+        state = _State(keys=keys, values=values, logits=rows(self.decoder.dtype, (self.decoder.vocab_size,)),
+                       position=rows(), write=rows(), step=rows(), key=rows(), valid=rows(torch.bool, (length,)),
                        done=torch.ones(bucket, dtype=torch.bool, device=dev),
-                       out_tokens=torch.zeros(bucket, max_new_tokens, dtype=torch.long, device=dev),
-                       out_logps=torch.zeros(bucket, max_new_tokens, dtype=torch.float32, device=dev))
+                       out_tokens=rows(torch.long, (max_new_tokens + 1,)),
+                       out_logps=rows(torch.float32, (max_new_tokens + 1,)))
         if self.use_graphs:
             state.graph = self._capture(state, temperature, top_p, eos, warm_up=key not in self._warmed)
             self._warmed.add(key)
@@ -407,7 +538,6 @@ class GraphSampler:
         if warm_up:
             self._warm_up(state, temperature, top_p, eos)
         graph = torch.cuda.CUDAGraph()
-        graph.register_generator_state(self.generator)
         if self._capture_stream is None:  # on the sampler's device, not the (process-wide) default one
             self._capture_stream = torch.cuda.Stream(self.device)
         with torch.cuda.graph(graph, stream=self._capture_stream):
@@ -431,40 +561,23 @@ class GraphSampler:
                 self._step(state, temperature, top_p, eos)
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
-    def _prefill(self, state: _State, input_ids: Tensor, attention_mask: Tensor, rows: int) -> None:
-        """Prompts into the cache (slots 0..width-1) and the first logits; resets the step counters."""
-        width = input_ids.shape[1]
-        bucket, length = state.valid.shape
-        ids = torch.zeros(bucket, width, dtype=torch.long, device=self.device)
-        mask = torch.zeros(bucket, width, dtype=torch.long, device=self.device)
-        ids[:rows], mask[:rows] = input_ids, attention_mask
-        positions = position_ids(mask)
-        state.valid.zero_()
-        state.valid[:, :width] = mask.bool()
-        causal = torch.ones(width, length, dtype=torch.bool, device=self.device).tril()
-        slots = torch.arange(width, device=self.device)
-        for start in range(0, bucket, PREFILL_ROWS):
-            part = slice(start, min(start + PREFILL_ROWS, bucket))
-            allowed = causal & state.valid[part, None, :]
-            state.logits[part] = self.decoder.forward(
-                ids[part], positions[part], slots, allowed,
-                [k[part] for k in state.keys], [v[part] for v in state.values])
-        state.position.copy_(positions[:, -1] + 1)
-        state.slot.fill_(width)
-        state.step.zero_()
-        state.done.copy_(torch.arange(bucket, device=self.device) >= rows)
-
     def _step(self, state: _State, temperature: float, top_p: float, eos: int) -> None:
-        """Sample from `state.logits`, record, then run the decoder on the sampled token (graph body)."""
-        token, logp = sample_from_logits(state.logits, temperature, top_p, self.generator, self.decoder.race)
-        token = torch.where(state.done, torch.full_like(token, eos), token)
-        state.out_tokens.index_copy_(1, state.step, token[:, None])
-        state.out_logps.index_copy_(1, state.step, logp[:, None])
-        state.done.logical_or_(token == eos)
-        state.valid.index_fill_(1, state.slot, True)
-        allowed = state.valid[:, None, :]
-        state.logits.copy_(self.decoder.forward(token[:, None], state.position[:, None], state.slot, allowed,
+        """Sample from `state.logits`, record, then run the decoder on the sampled tokens (graph body). Ended
+        slots ride along: their token is `eos`, their counters stay, their record goes to the spare column."""
+        last = state.out_tokens.shape[1] - 1
+        token, logp = sample_from_logits(state.logits, temperature, top_p, state.key, state.step, self.decoder.race,
+                                         self.decoder.noise)
+        live = ~state.done
+        token = torch.where(live, token, eos)
+        column = torch.where(live, state.step, last)[:, None]
+        state.out_tokens.scatter_(1, column, token[:, None])
+        state.out_logps.scatter_(1, column, logp[:, None])
+        state.done.logical_or_((token == eos) | (state.step >= last - 1))
+        slot = state.write.clamp(max=state.valid.shape[1] - 1)[:, None]
+        state.valid.scatter_(1, slot, True)
+        state.logits.copy_(self.decoder.forward(token[:, None], state.position[:, None], slot, state.valid[:, None, :],
                                                 state.keys, state.values, compiled=self.compiled))
-        state.position.add_(1)
-        state.slot.add_(1)
-        state.step.add_(1)
+        advance = live.long()
+        state.position.add_(advance)
+        state.write.add_(advance)
+        state.step.add_(advance)

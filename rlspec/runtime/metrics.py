@@ -14,6 +14,7 @@ import torch
 
 METRIC_KEYS = (
     "step", "reward/mean", "reward/std", "loss", "kl", "grad_norm", "clip_frac", "entropy", "response_len/mean",
+    "response_len/p50", "response_len/p90", "response_len/max",
     "timing_s/gen", "timing_s/reward", "timing_s/train", "timing_s/sync", "timing_s/step", "perf/tokens_per_s",
     "perf/completion_tokens_per_s", "sync/bytes", "sync/gb_per_s", "mem/peak_gb", "reward/errors", "reward/dropped",
     "tis/ratio_mean", "tis/clipped_frac", "train/skipped_updates",

@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile. Each writes its log and metrics under $OUT.
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail. Each writes its log and metrics under $OUT.
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}
@@ -77,6 +77,21 @@ for section in "$@"; do
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH rollout.prompts_per_step=32 \
         --variants fused,fused_layers --rows 0 > $OUT/engine_32.txt 2>&1
       echo "engine 32 exit $?" >> $OUT/results.txt; head -8 $OUT/engine_32.txt >> $OUT/results.txt ;;
+    longtail)  # issue 19: geometric lengths (median 100, 1,024 budget) at 32 x 8: continuous batching, the static
+      # batch and TRL in one bench call, each with its length histogram (response_len/*) beside its tokens/s
+      CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $ROOT/examples/bench_longtail.yaml \
+        --backends standalone,standalone@rollout.continuous_batching=false ${REFERENCE---reference trl} \
+        --out /tmp/b_longtail > $OUT/longtail.log 2>&1; echo "exit $?" >> $OUT/results.txt
+      keep longtail /tmp/b_longtail; tail -20 $OUT/longtail.log >> $OUT/results.txt ;;
+    engine_longtail)  # issue 19: the engine alone on the long-tailed 32 x 8 batch: generate with and without continuous
+      # batching (same seeds, lengths printed), then the default variant's prefill, capture and decode step at 64 slots;
+      # and the fixed 8 x 8 x 256 batch's decode step (no regression: 1.43 ms on the H200 before issue 19)
+      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_engine $ROOT/examples/bench_longtail.yaml \
+        --variants fused_layers_sdpa --rows 0 > $OUT/engine_longtail.txt 2>&1
+      echo "engine longtail exit $?" >> $OUT/results.txt; head -12 $OUT/engine_longtail.txt >> $OUT/results.txt
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH --variants fused_layers_sdpa \
+        --rows 30 > $OUT/engine_fixed.txt 2>&1
+      echo "engine fixed exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_fixed.txt | head -12 >> $OUT/results.txt ;;
     profile)  # issue 9: where the standalone train phase spends its time (kernels, host syncs, busy share)
       for p in 8 32; do
         CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=$p --steps 3 \

@@ -10,6 +10,7 @@ from rlspec.models.factory import load_model
 from rlspec.core.policy import batch_logprobs
 from rlspec.rollout.base import collate, engine_logprobs_tensor
 from rlspec.rollout.hf import HFEngine
+from rlspec.rollout.noise import keyed_exponential, open_uniform, sample_keys
 from rlspec.rollout.static import GraphSampler, StaticDecoder, sample_from_logits, unsupported_reason
 from rlspec.spec import ModelSpec, RolloutSpec
 
@@ -61,13 +62,25 @@ def test_sampling_follows_a_known_categorical():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
     draws = 20000
     logits = probs.log().expand(draws, -1)
-    token, logp = sample_from_logits(logits, 1.0, 1.0, torch.Generator().manual_seed(0))
+    keys, steps = sample_keys(0, torch.arange(draws)), torch.zeros(draws, dtype=torch.long)
+    token, logp = sample_from_logits(logits, 1.0, 1.0, keys, steps)
     assert torch.allclose(logp.exp(), probs[token], atol=1e-6)
     counts = torch.bincount(token, minlength=5).float()
     chi2 = (((counts - draws * probs) ** 2) / (draws * probs)).sum().item()
     assert chi2 < 20.5, chi2  # chi-square, 4 degrees of freedom: P(> 20.5) < 4e-4
-    top, _ = sample_from_logits(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
+    top, _ = sample_from_logits(logits, 1.0, 0.7, keys, steps)
     assert set(top.tolist()) <= {0, 1}, "top-p 0.7 keeps the tokens whose mass reaches 0.7"
+
+
+def test_keyed_noise_is_exponential_and_never_zero():
+    """The uniform behind the race noise stays inside (0, 1) at the extreme hashes (an exponential of 0 would win
+    the race whatever its token's probability), and the noise has the Exp(1) mean and variance."""
+    extremes = open_uniform(torch.tensor([0, 1, 2**32 - 2, 2**32 - 1]))
+    assert bool((extremes > 0).all() and (extremes < 1).all())
+    noise = keyed_exponential(sample_keys(3, torch.arange(64)), torch.arange(64), 4096)
+    assert abs(noise.mean().item() - 1) < 0.01 and abs(noise.var().item() - 1) < 0.03
+    other = keyed_exponential(sample_keys(3, torch.arange(64)), torch.arange(64) + 1, 4096)
+    assert abs(torch.corrcoef(torch.stack([noise.flatten(), other.flatten()]))[0, 1].item()) < 0.01
 
 
 def test_unsupported_models_are_named():
