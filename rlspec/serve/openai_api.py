@@ -197,10 +197,13 @@ class Reply:
                 for k, (t, lp) in enumerate(zip(c.ids[start:end], c.logprobs[start:end]), start=start)]
 
     def _completion_logprobs(self, c: Choice, start: int, end: int) -> dict[str, Any]:
+        # The tokenizer's own token strings: `top_logprobs` are dicts keyed by them, and decoded text can collide
+        # (every lone byte of a multi-byte character decodes to the same replacement character).
+        symbol = self.tokenizer.convert_ids_to_tokens
         top = None
         if self.top_logprobs and c.top is not None:
-            top = [{self._token(a): b for a, b in c.top[k][:self.top_logprobs]} for k in range(start, end)]
-        return {"tokens": [self._token(t) for t in c.ids[start:end]], "token_logprobs": c.logprobs[start:end],
+            top = [{symbol(a): b for a, b in c.top[k][:self.top_logprobs]} for k in range(start, end)]
+        return {"tokens": symbol(c.ids[start:end]), "token_logprobs": c.logprobs[start:end],
                 "top_logprobs": top, "text_offset": None}
 
     def _events(self) -> Iterator[str]:
