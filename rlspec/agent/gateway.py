@@ -2,15 +2,26 @@
 
 The gateway serves `rlspec.serve.app.build_app` (the app of `rlspec serve`) in a thread on 127.0.0.1,
 around an `EngineHost` over the run's engine, whatever it is: the in-process `hf` engine, Ray engine
-actors, or a `rlspec serve` process (then each request is forwarded to that server's `/v1/completions`).
-It adds one route family, ``/gateway/{trajectory}/v1/completions`` (and ``/v1/models``); each agent gets
+actors, or a `rlspec serve` process (then each request is forwarded to that server's `/v1/completions`,
+as token ids for a chat turn). It adds one route family, ``/gateway/{trajectory}/v1/completions``,
+``.../v1/chat/completions`` (and ``.../v1/models``); each agent gets
 ``http://127.0.0.1:PORT/gateway/{trajectory}/v1`` as its base URL, so every call is recorded against its
 trajectory: the prompt token ids the engine saw, the sampled ids and the engine's log-probs.
+
+A chat turn's prompt is the chat template's rendering of the messages, except that each assistant message
+the agent sends back as it received it (the k-th assistant message against the trajectory's k-th chat
+reply; content and tool calls equal) is put back as the ids the model sampled, never re-tokenised
+(`rlspec.serve.chat.render`). So each turn extends the previous one with exactly the sampled tokens, unless
+the template renders the earlier turns differently from how it rendered them then (e.g. a generation prompt
+that earlier turns do not repeat): `trajectory.assemble` then finds the first differing token and the
+trajectory is invalid, as for completions. A template that drops a sampled turn is refused (400) and the
+trajectory is invalid too. `<tool_call>` text the parser could not read counts in `agent/malformed_tool_calls`.
 
 What the gateway decides for the agent, because the loss depends on it: the temperature and top-p are the
 run's (`rollout.temperature`, `rollout.top_p`: the trainer's log-probs assume them), `max_tokens` is
 capped at `rollout.max_new_tokens`, the seed is derived from (algorithm.seed, step, trajectory, turn) so a
-run is reproducible, and a call samples one completion of one prompt (`n` > 1 is refused). Requests
+run is reproducible, and a call samples one completion of one prompt (`n` > 1 is refused); greedy decoding
+and top log-probs are not offered (the run's temperature is used, and only the sampled tokens' log-probs). Requests
 beyond `rollout.agent.max_turns`, or for a trajectory that timed out, are refused (429, 410).
 
 A GRPO group is `group_size` trajectories of one prompt. A failed trajectory (see `runner`) is counted
