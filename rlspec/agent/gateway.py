@@ -2,15 +2,26 @@
 
 The gateway serves `rlspec.serve.app.build_app` (the app of `rlspec serve`) in a thread on 127.0.0.1,
 around an `EngineHost` over the run's engine, whatever it is: the in-process `hf` engine, Ray engine
-actors, or a `rlspec serve` process (then each request is forwarded to that server's `/v1/completions`).
-It adds one route family, ``/gateway/{trajectory}/v1/completions`` (and ``/v1/models``); each agent gets
+actors, or a `rlspec serve` process (then each request is forwarded to that server's `/v1/completions`,
+as token ids for a chat turn). It adds one route family, ``/gateway/{trajectory}/v1/completions``,
+``.../v1/chat/completions`` (and ``.../v1/models``); each agent gets
 ``http://127.0.0.1:PORT/gateway/{trajectory}/v1`` as its base URL, so every call is recorded against its
 trajectory: the prompt token ids the engine saw, the sampled ids and the engine's log-probs.
+
+A chat turn's prompt is the chat template's rendering of the messages, except that each assistant message
+the agent sends back as it received it (the k-th assistant message against the trajectory's k-th chat
+reply; content and tool calls equal) is put back as the ids the model sampled, never re-tokenised
+(`rlspec.serve.chat.render`). So each turn extends the previous one with exactly the sampled tokens, unless
+the template renders the earlier turns differently from how it rendered them then (e.g. a generation prompt
+that earlier turns do not repeat): `trajectory.assemble` then finds the first differing token and the
+trajectory is invalid, as for completions. A template that drops a sampled turn is refused (400) and the
+trajectory is invalid too. `<tool_call>` text the parser could not read counts in `agent/malformed_tool_calls`.
 
 What the gateway decides for the agent, because the loss depends on it: the temperature and top-p are the
 run's (`rollout.temperature`, `rollout.top_p`: the trainer's log-probs assume them), `max_tokens` is
 capped at `rollout.max_new_tokens`, the seed is derived from (algorithm.seed, step, trajectory, turn) so a
-run is reproducible, and a call samples one completion of one prompt (`n` > 1 is refused). Requests
+run is reproducible, and a call samples one completion of one prompt (`n` > 1 is refused); greedy decoding
+and top log-probs are not offered (the run's temperature is used, and only the sampled tokens' log-probs). Requests
 beyond `rollout.agent.max_turns`, or for a trajectory that timed out, are refused (429, 410).
 
 A GRPO group is `group_size` trajectories of one prompt. A failed trajectory (see `runner`) is counted
@@ -33,7 +44,8 @@ from fastapi import HTTPException
 
 from ..errors import RunError
 from ..rollout.base import Rollout
-from ..serve.app import CompletionRequest, EngineHost, build_app
+from ..serve.app import EngineHost, build_app
+from ..serve.openai_api import ChatRequest, CompletionRequest, Reply
 from ..spec import RunPlan
 from ..tasks import Prompt
 from .runner import AgentFailure, load_agent
@@ -55,12 +67,23 @@ class _EngineView:
     def with_spec(self, spec) -> "_EngineView":
         return _EngineView(self.model, self.tokenizer, spec, self.device, self.micro_batch_size)
 
-    def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
+    def generate(self, prompts: list[str] | list[list[int]], n: int, seed: int, options=None) -> Rollout:
+        if options is not None and options.plain_loop_only:
+            raise ValueError("greedy decoding and top log-probs need the in-process hf engine")
         engine = self.model
         if hasattr(engine, "spec"):
             engine = copy.copy(engine)
             engine.spec = self.spec
         return engine.generate(prompts, n, seed)
+
+
+def _same_message(sent: dict, reply: dict) -> bool:
+    """Whether an assistant message the agent sent back is the reply it got (content and tool calls; ids aside)."""
+    def calls(message: dict) -> list:
+        return [((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+                for c in message.get("tool_calls") or []]
+
+    return (sent.get("content") or "") == (reply.get("content") or "") and calls(sent) == calls(reply)
 
 
 @dataclass
@@ -69,6 +92,9 @@ class _Record:
 
     seed: int
     calls: list[Call] = field(default_factory=list)
+    replies: list[dict | None] = field(default_factory=list)
+    """Per call, the assistant message a chat call returned (None for a completions call)."""
+    malformed_tool_calls: int = 0
     refused: str | None = None
     """Why the gateway refused a request of this trajectory (the trajectory is then invalid)."""
     closed: bool = False
@@ -84,6 +110,7 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     started_s: float = 0.0
     turns: int = 0
+    malformed_tool_calls: int = 0
 
 
 @dataclass
@@ -114,6 +141,7 @@ class AgentGateway:
         self.host = EngineHost(hosted, model_name)
         # The bridge endpoints of the app are never used here; a token nobody knows keeps them shut.
         self.app = build_app(self.host, secrets.token_hex(16))
+        self.openai = self.app.state.openai
         self._records: dict[str, _Record] = {}
         self._engine_failure: RunError | None = None
         self._lock = threading.Lock()
@@ -139,38 +167,71 @@ class AgentGateway:
             record_of(trajectory)
             return {"object": "list", "data": [{"id": self.host.model_name, "object": "model", "owned_by": "rlspec"}]}
 
-        @self.app.post("/gateway/{trajectory}/v1/completions")
-        def completions(trajectory: str, req: CompletionRequest) -> dict:
+        def serve(trajectory: str, req, sample) -> Reply:
+            """Fix what the loss depends on (module docstring), sample, record the call."""
             record = record_of(trajectory)
-            if not isinstance(req.prompt, str) and len(req.prompt) != 1:
-                raise HTTPException(400, detail=[{"loc": ["body", "prompt"], "msg": "send one prompt per request"}])
             if req.n != 1:
                 raise HTTPException(400, detail=[{"loc": ["body", "n"], "msg": "the gateway samples n=1 per request"}])
             turn = len(record.calls)
             if turn >= self.spec.max_turns:
-                record.refused = f"more than rollout.agent.max_turns={self.spec.max_turns} completion requests"
+                record.refused = f"more than rollout.agent.max_turns={self.spec.max_turns} model requests"
                 raise HTTPException(429, detail=[{"loc": ["path", "trajectory"], "msg": record.refused}])
-            wants_logprobs = req.logprobs is not None
-            req = req.model_copy(update={"max_tokens": min(req.max_tokens, rollout.max_new_tokens),
-                                         "temperature": rollout.temperature, "top_p": rollout.top_p,
-                                         "seed": (record.seed + turn) % 2**31, "logprobs": 1, "model": None})
+            wants_logprobs = bool(req.logprobs) if isinstance(req, ChatRequest) else req.logprobs is not None
+            cap = min(req.max_completion_tokens or req.max_tokens or rollout.max_new_tokens, rollout.max_new_tokens) \
+                if isinstance(req, ChatRequest) else min(req.max_tokens, rollout.max_new_tokens)
+            forced = {"temperature": rollout.temperature, "top_p": rollout.top_p, "seed": (record.seed + turn) % 2**31,
+                      "model": None, "max_tokens": cap}
+            forced.update({"logprobs": True, "top_logprobs": 0, "max_completion_tokens": None}
+                          if isinstance(req, ChatRequest) else {"logprobs": 0, "echo": False})
             try:
-                out = self.host.complete(req)
+                reply = sample(record, req.model_copy(update=forced))
             except HTTPException:
                 raise
             except Exception as err:  # the engine failed: the run's failure, not the agent's (see `rollout`)
                 self._engine_failure = self._engine_failure or RunError(
                     f"the rollout engine failed while serving an agent: {type(err).__name__}: {err}", traceback.format_exc())
                 raise HTTPException(503, detail=[{"loc": ["engine"], "msg": "the rollout engine failed"}]) from None
-            choice = out["choices"][0]
-            call = Call(choice["prompt_token_ids"], choice["token_ids"], choice["logprobs"]["token_logprobs"])
+            choice = reply.choices[0]
             with self._lock:
                 if record.closed:  # timed out while the engine sampled: nothing of it is used
                     raise HTTPException(410, detail=[{"loc": ["path", "trajectory"], "msg": "this trajectory has ended"}])
-                record.calls.append(call)
-            if not wants_logprobs:
-                choice["logprobs"] = None
-            return out
+                record.calls.append(Call(choice.prompt_ids, choice.ids, choice.logprobs))
+                record.replies.append(choice.message)
+                record.malformed_tool_calls += choice.malformed_tool_calls
+            reply.show_logprobs = wants_logprobs
+            return reply
+
+        @self.app.post("/gateway/{trajectory}/v1/completions")
+        def completions(trajectory: str, req: CompletionRequest):
+            if not isinstance(req.prompt, str) and len(req.prompt) != 1 and not all(isinstance(t, int) for t in req.prompt):
+                raise HTTPException(400, detail=[{"loc": ["body", "prompt"], "msg": "send one prompt per request"}])
+            return serve(trajectory, req, lambda record, forced: self.openai.completion(forced)).response()
+
+        @self.app.post("/gateway/{trajectory}/v1/chat/completions")
+        def chat(trajectory: str, req: ChatRequest):
+            def sample(record: _Record, forced: ChatRequest) -> Reply:
+                try:
+                    return self.openai.chat(forced, sampled=self._sampled_turns(record, forced.messages))
+                except HTTPException as err:
+                    if err.status_code == 400 and err.detail[0].get("template_dropped_turn"):
+                        record.refused = err.detail[0]["msg"]  # the trajectory cannot be one sequence
+                    raise
+
+            return serve(trajectory, req, sample).response()
+
+    def _sampled_turns(self, record: _Record, messages: list[dict]) -> dict[int, list[int]]:
+        """The message index -> sampled ids of each assistant message that is a chat reply of this trajectory as
+        returned (the k-th assistant message against the k-th chat reply): rendered as the model sampled it.
+        An end-of-sequence token it sampled is left to the template, which closes the turn with its own."""
+        replies = [(call, reply) for call, reply in zip(record.calls, record.replies) if reply is not None]
+        assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        eos = self.host.engine.tokenizer.eos_token_id
+        sampled = {}
+        for i, (call, reply) in zip(assistant, replies):
+            if _same_message(messages[i], reply):
+                ids = call.completion_ids
+                sampled[i] = ids[:-1] if ids and ids[-1] == eos else list(ids)
+        return sampled
 
     def _start(self):
         import uvicorn
@@ -252,6 +313,7 @@ class AgentGateway:
         """The assembled trajectory of a job, or None with `job.failure` set."""
         record = self._records[job.trajectory_id]
         job.turns = len(record.calls)
+        job.malformed_tool_calls = record.malformed_tool_calls
         if record.refused and (job.failure is None or job.failure.kind == "error"):
             job.failure = AgentFailure("invalid", record.refused)  # the refusal, not the agent's reaction to it
         if job.failure is not None:
@@ -297,5 +359,6 @@ class AgentGateway:
             raise RunError(f"step {step}: no group kept two valid agent trajectories ({counts} failed of {len(jobs)})")
         metrics = {"agent/trajectories": len(jobs), "agent/failed": len(failed), "agent/errors": counts["error"],
                    "agent/timeouts": counts["timeout"], "agent/invalid": counts["invalid"],
-                   "agent/dropped": len(jobs) - len(texts), "agent/turns_mean": sum(turns) / len(turns)}
+                   "agent/dropped": len(jobs) - len(texts), "agent/turns_mean": sum(turns) / len(turns),
+                   "agent/malformed_tool_calls": sum(job.malformed_tool_calls for job in jobs)}
         return AgentRollout(Rollout(prompt_ids, completion_ids, logprobs, texts, masks), prompts, sizes, metrics)

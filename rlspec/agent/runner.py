@@ -3,7 +3,7 @@
 A function agent is `fn(prompt: str, base_url: str) -> str`, called in a thread of the trainer. A command
 agent is a process: it reads one JSON object ``{"prompt": ..., "base_url": ...}`` on stdin and prints
 ``{"answer": "..."}`` as the last non-empty line of its stdout (`command_main` does both for a function).
-Either talks to the policy only through ``POST {base_url}/completions``.
+Either talks to the policy only through ``POST {base_url}/completions`` or ``POST {base_url}/chat/completions``.
 
 What counts as a failed trajectory (`AgentFailure.kind`): ``error`` (the function raised, the command
 exited non-zero), ``timeout`` (still running after `rollout.agent.timeout_s`: a command's process group is

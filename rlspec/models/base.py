@@ -8,11 +8,27 @@ from transformers import PreTrainedTokenizerFast
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 
+# ChatML-style turns ending with the end-of-sequence token, so the model ends its turn with one sampled token.
+# Tools, when given, are listed by name; a call is `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
+BYTE_CHAT_TEMPLATE = (
+    "{%- if tools -%}<|im_start|>system\ntools: "
+    "{%- for t in tools %} {{ (t.function if t.function is defined else t).name }}{% endfor %}</s>\n{% endif -%}"
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}"
+    "{%- elif m.content %}{% for part in m.content %}{{ part.text }}{% endfor %}{% endif -%}"
+    "{%- for call in m.tool_calls or [] %}{% set f = call.function if call.function is defined else call %}"
+    "<tool_call>{\"name\": {{ f.name | tojson }}, \"arguments\": "
+    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>{% endfor -%}"
+    "</s>\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
+)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer: 4 specials (pad, bos, eos, unk) then one token per byte, no merges."""
+    """A byte-level tokenizer: 4 specials (pad, bos, eos, unk) then one token per byte, no merges; its chat
+    template is `BYTE_CHAT_TEMPLATE`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -26,8 +42,10 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>", padding_side="left")
+    fast.chat_template = BYTE_CHAT_TEMPLATE
+    return fast
 
 
 def _bytes_to_unicode() -> dict[int, str]:

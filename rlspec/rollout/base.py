@@ -26,6 +26,9 @@ class Rollout:
     completion_mask: list[list[float]] | None = None
     """Per completion token, 1 if the model sampled it (gets loss) and 0 for context between an agent's turns;
     None: every completion token is sampled."""
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    """Per completion token, the (id, log-prob) of the most likely tokens, best first, when a request asked for
+    them (`rlspec.rollout.sampling.SampleOptions.top_logprobs`)."""
 
 
 class RolloutEngine(Protocol):

@@ -9,7 +9,8 @@ top-p truncation.
 On CUDA (with `rollout.cuda_graph`, for Llama-style decoders without LoRA) sampling runs through
 `rlspec.rollout.static.GraphSampler`: a slot-indexed KV cache and the decode step captured in CUDA graphs,
 with continuous batching (`rollout.continuous_batching`, `rollout.decode_slots`) and one prefill per prompt.
-Elsewhere, and for any other model, the plain loop below runs.
+Elsewhere, for any other model, and for a request that asks for greedy decoding or the top log-probs of each
+step (`SampleOptions`, sent by a rollout server's OpenAI routes), the plain loop below runs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..core.policy import batch_logprobs
 from ..models.factory import copy_weights
 from ..spec import RolloutSpec, SpecError
 from .base import Rollout
-from .sampling import top_p_filter
+from .sampling import SampleOptions, next_token
 
 
 class HFEngine:
@@ -40,9 +41,11 @@ class HFEngine:
         self.micro_batch_size = micro_batch_size
         self._graph_sampler = None
 
-    def encode(self, prompts: list[str], n: int) -> tuple[list[list[int]], Tensor, Tensor]:
-        """Each prompt's token ids `n` times, and the left-padded batch (`input_ids`, `attention_mask`) on the device."""
-        encoded = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    def encode(self, prompts: list[str] | list[list[int]], n: int) -> tuple[list[list[int]], Tensor, Tensor]:
+        """Each prompt's token ids `n` times, and the left-padded batch (`input_ids`, `attention_mask`) on the device.
+        A prompt is text or token ids (taken as they are: a chat turn's ids hold the model's earlier sampled ids)."""
+        encoded = [self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p)
+                   for p in prompts]
         for text, ids in zip(prompts, encoded):
             if len(ids) > self.spec.max_prompt_tokens:
                 raise SpecError("rollout.max_prompt_tokens", f"a prompt has {len(ids)} tokens (> {self.spec.max_prompt_tokens}): "
@@ -55,14 +58,18 @@ class HFEngine:
         return prompt_ids, input_ids, attention_mask
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
+    def generate(self, prompts: list[str] | list[list[int]], n: int, seed: int,
+                 options: SampleOptions | None = None) -> Rollout:
+        """`n` completions per prompt; `options` (greedy, top log-probs) take the plain loop."""
+        options = options or SampleOptions()
         prompt_ids, input_ids, attention_mask = self.encode(prompts, n)
         was_training = self.model.training
         self.model.eval()
+        top = None
         try:
-            sampler = self._fast_sampler()
+            sampler = None if options.plain_loop_only else self._fast_sampler()
             if sampler is None:
-                tokens, logps = self._sample(input_ids, attention_mask, seed)
+                tokens, logps, top = self._sample(input_ids, attention_mask, seed, options)
             else:
                 slots = self.spec.decode_slots if self.spec.continuous_batching else None
                 tokens, logps = sampler.sample(input_ids, attention_mask, seed, self.spec.max_new_tokens,
@@ -70,14 +77,16 @@ class HFEngine:
                                                slots=slots)
         finally:
             self.model.train(was_training)
-        completions, completion_logprobs, texts = [], [], []
+        completions, completion_logprobs, texts, tops = [], [], [], []
         vocab, eos = len(self.tokenizer), self.tokenizer.eos_token_id
-        for row, row_logp in zip(tokens.tolist(), logps.tolist()):
+        for i, (row, row_logp) in enumerate(zip(tokens.tolist(), logps.tolist())):
             end = row.index(eos) + 1 if eos in row else len(row)
             completions.append(row[:end])
             completion_logprobs.append(row_logp[:end])
             texts.append(self.tokenizer.decode([t for t in row[:end] if t < vocab], skip_special_tokens=True))
-        return Rollout(prompt_ids, completions, completion_logprobs, texts)
+            if top is not None:
+                tops.append([list(zip(ids, lps)) for ids, lps in zip(top[0][i, :end].tolist(), top[1][i, :end].tolist())])
+        return Rollout(prompt_ids, completions, completion_logprobs, texts, top_logprobs=tops if top is not None else None)
 
     def with_spec(self, spec: RolloutSpec) -> "HFEngine":
         """This engine sampling with other settings (a server request's max_tokens, temperature, top_p): the
@@ -108,8 +117,10 @@ class HFEngine:
             self._graph_sampler = GraphSampler(self.model, self.device)
         return self._graph_sampler
 
-    def _sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int) -> tuple[Tensor, Tensor]:
-        """[B, T] sampled tokens and their log-probs; rows that ended carry the end token onward (cut later)."""
+    def _sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int,
+                options: SampleOptions) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+        """[B, T] sampled tokens and their log-probs, and with `options.top_logprobs` the [B, T, k] ids and
+        log-probs of the k most likely tokens; rows that ended carry the end token onward (cut later)."""
         from transformers import DynamicCache
 
         generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -120,13 +131,16 @@ class HFEngine:
                             past_key_values=cache, use_cache=True).logits[:, -1]
         next_position = positions[:, -1:] + 1
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=self.device)
-        tokens, logps = [], []
+        tokens, logps, top_ids, top_logps = [], [], [], []
         for _ in range(self.spec.max_new_tokens):
-            logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-            token = torch.multinomial(top_p_filter(logp.exp(), self.spec.top_p), 1, generator=generator).squeeze(-1)
+            token, logp = next_token(logits, temperature, self.spec.top_p, generator, options.greedy)
             token = torch.where(done, torch.full_like(token, eos), token)
             tokens.append(token)
             logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))
+            if options.top_logprobs:
+                best = logp.topk(min(options.top_logprobs, logp.shape[-1]), dim=-1)
+                top_logps.append(best.values)
+                top_ids.append(best.indices)
             done |= token == eos
             if bool(done.all()):
                 break
@@ -134,7 +148,8 @@ class HFEngine:
             logits = self.model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_position,
                                 past_key_values=cache, use_cache=True).logits[:, -1]
             next_position = next_position + 1
-        return torch.stack(tokens, dim=1).cpu(), torch.stack(logps, dim=1).float().cpu()
+        top = (torch.stack(top_ids, dim=1).cpu(), torch.stack(top_logps, dim=1).cpu()) if top_ids else None
+        return torch.stack(tokens, dim=1).cpu(), torch.stack(logps, dim=1).float().cpu(), top
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         return batch_logprobs(self.model, batch, self.spec.temperature, self.micro_batch_size, self.device)

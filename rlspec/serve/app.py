@@ -3,9 +3,9 @@ half of whichever `sync` transport the trainer uses, exactly as an in-process or
 
 Endpoints:
 - `GET /health`: status, weight version, model, pid, how the engine samples (`cuda_graph` or `plain (why)`).
-- `GET /v1/models`, `POST /v1/completions`: the OpenAI completions subset; each choice also carries
-  `token_ids` and `prompt_token_ids`, and `logprobs.token_logprobs` are the engine's log-probs of the
-  sampled tokens (log_softmax(logits / temperature), as the trainer computes them).
+- `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`: the OpenAI API (`openai_api.py`);
+  each choice also carries `token_ids` and `prompt_token_ids`, and the log-probs are the engine's log-probs
+  of the sampled tokens (log_softmax(logits / temperature), as the trainer computes them).
 - `GET|POST /bridge/weight_version`: the trainer step whose weights the engine serves (null after a failed
   sync: the weights are then of unknown version).
 - `POST /bridge/receive`: pickled `(fn, payload)` -> pickled result; needs `Authorization: Bearer TOKEN`.
@@ -18,48 +18,24 @@ traceback. All engine work runs on one engine thread, in order; `/health` never 
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import os
 import pickle
 import queue
-import secrets
 import threading
 import time
 import traceback
 from concurrent.futures import Future
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable
 
 from fastapi import FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel, Field
 
-from ..spec import SpecError
-
-MAX_PROMPTS = 4096
-
-
-class CompletionRequest(BaseModel):
-    """The supported subset of OpenAI's completions request; unknown fields are ignored, as OpenAI does."""
-
-    model: Optional[str] = None
-    prompt: Union[str, List[str]]
-    max_tokens: int = Field(16, ge=1, le=1 << 16)
-    temperature: float = Field(1.0, gt=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1024)
-    seed: Optional[int] = Field(None, ge=0)
-    logprobs: Optional[int] = Field(None, ge=0, le=1)
-    echo: bool = False
-    stream: bool = False
-    stop: Optional[Union[str, List[str]]] = None
+from .openai_api import OpenAIRoutes
 
 
 class VersionRequest(BaseModel):
     version: int = Field(..., ge=0)
-
-
-def _bad(field: str, message: str) -> HTTPException:
-    return HTTPException(status_code=400, detail=[{"loc": ["body", field], "msg": message}])
 
 
 FAULT_ENV = "RLSPEC_SERVE_FAULT"
@@ -128,46 +104,6 @@ class EngineHost:
         self.weight_version: int | None = 0
         self.started = time.time()
 
-    def complete(self, req: CompletionRequest) -> dict:
-        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-        if not prompts or len(prompts) > MAX_PROMPTS:
-            raise _bad("prompt", f"give 1 to {MAX_PROMPTS} prompts, got {len(prompts)}")
-        if any(not p for p in prompts):
-            raise _bad("prompt", "empty prompt")
-        for field, unsupported in (("stream", req.stream), ("echo", req.echo), ("stop", req.stop)):
-            if unsupported:
-                raise _bad(field, f"{field} is not supported by this server")
-        if req.model is not None and req.model != self.model_name:
-            raise HTTPException(404, detail=[{"loc": ["body", "model"], "msg": f"this server serves {self.model_name!r}"}])
-        seed = req.seed if req.seed is not None else secrets.randbits(31)
-        spec = dataclasses.replace(self.engine.spec, max_new_tokens=req.max_tokens, temperature=req.temperature,
-                                   top_p=req.top_p)
-
-        def generate():
-            return self.weight_version, self.engine.with_spec(spec).generate(prompts, req.n, seed=seed)
-
-        try:
-            version, rollout = self.thread.run(generate)
-        except SpecError as err:  # a prompt longer than rollout.max_prompt_tokens: the spec key and its fix go along
-            raise HTTPException(status_code=400, detail=[{"loc": ["body", "prompt"], "msg": err.problem,
-                                                          "spec_key": err.where, "fix": err.fix}]) from None
-        eos, tok = self.engine.tokenizer.eos_token_id, self.engine.tokenizer
-        choices = []
-        for i, (prompt_ids, ids, logps, text) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids,
-                                                              rollout.completion_logprobs, rollout.texts)):
-            choice: dict[str, Any] = {"index": i, "text": text, "token_ids": ids, "prompt_token_ids": prompt_ids,
-                                      "finish_reason": "stop" if ids and ids[-1] == eos else "length", "logprobs": None}
-            if req.logprobs is not None:
-                choice["logprobs"] = {"tokens": tok.convert_ids_to_tokens(ids), "token_logprobs": logps,
-                                      "top_logprobs": None, "text_offset": None}
-            choices.append(choice)
-        completion_tokens = sum(len(c["token_ids"]) for c in choices)
-        prompt_tokens = sum(len(c["prompt_token_ids"]) for c in choices[::req.n])
-        return {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "weight_version": version,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
-
     def _weights_unknown(self, _err: BaseException) -> None:
         self.weight_version = None  # a sync may have written part of the weights
 
@@ -191,13 +127,8 @@ def build_app(host: EngineHost, token: str) -> FastAPI:
                 "sampler": sampler() if sampler else None,
                 "uptime_s": round(time.time() - host.started, 3)}
 
-    @app.get("/v1/models")
-    def models() -> dict:
-        return {"object": "list", "data": [{"id": host.model_name, "object": "model", "owned_by": "rlspec"}]}
-
-    @app.post("/v1/completions")
-    def completions(req: CompletionRequest) -> dict:
-        return host.complete(req)
+    app.state.openai = OpenAIRoutes(host)
+    app.include_router(app.state.openai.router())
 
     def authorize(request: Request) -> None:
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()

@@ -153,7 +153,7 @@ class ServedEngine:
         return self.client.label
 
     def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
-        out = self.client.completions({"prompt": list(prompts), "n": n, "seed": seed, "logprobs": 1,
+        out = self.client.completions({"prompt": list(prompts), "n": n, "seed": seed, "logprobs": 0,
                                        "max_tokens": self.spec.max_new_tokens, "temperature": self.spec.temperature,
                                        "top_p": self.spec.top_p}, self.spec.request_timeout_s)
         choices = sorted(out["choices"], key=lambda c: c["index"])

@@ -148,3 +148,48 @@ def test_bad_agent_specs_are_refused_before_the_run(monkeypatch):
             build_plan(SPEC, overrides)
     with pytest.raises(SpecError, match="rollout.agent: .* trainer ranks"):
         build_plan(SPEC, ["hardware.num_trainer_ranks=2", "rollout.prompts_per_step=8"], backend="deepspeed")
+
+
+CHAT_AGENT = "rollout.agent.function=examples/agents/chat_tool.py:solve"
+
+
+def test_chat_turns_extend_the_previous_turn_with_the_ids_the_model_sampled(engine, monkeypatch):
+    pytest.importorskip("openai")
+    out, _ = run_step(engine, monkeypatch, CHAT_AGENT)
+    assert out.metrics["agent/failed"] == 0 and out.metrics["agent/turns_mean"] == 2.0
+    rollout, eos, tok = out.rollout, engine.tokenizer.eos_token_id, engine.tokenizer
+    batch = collate(rollout, torch.zeros(8), torch.zeros(8), tok.pad_token_id)
+    not_text = 0
+    for ids, mask in zip(rollout.completion_ids, rollout.completion_mask):
+        first = ids[:mask.index(0.0)]  # turn 1 as sampled (an end token it sampled: the template's own end)
+        assert len(first) == 4 or first[-1] == eos
+        assert "<|im_start|>tool\n" in tok.decode([t for t, m in zip(ids, mask) if m == 0])
+        assert 1 <= sum(mask) - len(first) <= 4  # turn 2
+        not_text += tok(tok.decode(first, skip_special_tokens=True), add_special_tokens=False).input_ids != \
+            [t for t in first if t != eos]
+    assert not_text > 0  # some turn's bytes are not text that would re-encode to them: only splicing keeps them
+    trainer = batch_logprobs(engine.model, batch, engine.spec.temperature, 8, "cpu")
+    sampled = batch.loss_mask > 0
+    torch.testing.assert_close(trainer[sampled], engine_logprobs_tensor(rollout, batch)[sampled], atol=1e-5, rtol=0)
+
+
+def test_a_chat_template_that_renders_earlier_turns_differently_makes_the_trajectory_invalid(engine, monkeypatch):
+    pytest.importorskip("openai")
+    from rlspec.models.base import BYTE_CHAT_TEMPLATE
+
+    generation = "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
+    thinking = BYTE_CHAT_TEMPLATE.replace(generation, generation.replace("\n{%", "\n<think></think>{%"))
+    assert thinking != BYTE_CHAT_TEMPLATE
+    monkeypatch.setattr(engine.tokenizer, "chat_template", thinking)
+    from examples.agents.chat_tool import TOOLS
+
+    first_prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "a="}], tools=TOOLS,
+                                                        add_generation_prompt=True, tokenize=True)
+    first_prompt = getattr(first_prompt, "input_ids", first_prompt)
+    at = len(first_prompt) - len("<think></think>")
+    with pytest.raises(RunError, match=rf"'invalid': 8.*first difference at token {at} of {len(first_prompt)}"):
+        run_step(engine, monkeypatch, CHAT_AGENT)
+    dropping = BYTE_CHAT_TEMPLATE.replace("{%- for m in messages -%}", "{%- for m in messages if m.role != 'assistant' -%}")
+    monkeypatch.setattr(engine.tokenizer, "chat_template", dropping)
+    with pytest.raises(RunError, match=r"'invalid': 8.*rendered assistant message 1 0 times"):
+        run_step(engine, monkeypatch, CHAT_AGENT)

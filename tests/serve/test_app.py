@@ -53,8 +53,8 @@ def test_completions_return_the_engines_tokens_and_logprobs(served):
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": "a" * 300}, "prompt"),
-    ({"prompt": "a", "stream": True}, "stream"),
-    ({"prompt": "a", "logprobs": 5}, "logprobs"),
+    ({"prompt": "a", "best_of": 2}, "best_of"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "n": "many"}, "n"),
 ])
 def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(served, body, field):

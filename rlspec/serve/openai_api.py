@@ -1,0 +1,377 @@
+"""The OpenAI-compatible routes of the rollout server: `GET /v1/models`, `POST /v1/completions`,
+`POST /v1/chat/completions` (in `rlspec serve` and, through the same app, in the agent gateway).
+
+What the fields mean here:
+- `temperature > 0` samples (with `top_p`); a choice's log-probs are the engine's, log_softmax(logits /
+  temperature) of the sampled token, as the trainer computes them. `temperature: 0` is greedy: the argmax,
+  with log-probs under the plain log_softmax(logits). `seed` makes a request reproducible (same seed, same
+  weights -> same tokens); without one the server draws a seed.
+- `logprobs: k` (completions) / `logprobs: true, top_logprobs: k` (chat, k <= 20): the chosen tokens' log-probs
+  and the k most likely tokens of the same distribution at each step.
+- `stop` (a string or a list): a choice ends at the first token after which its text contains a stop string; the
+  text ends before the stop string (as OpenAI's), `token_ids` keep the token that completed it, and
+  `finish_reason` is "stop" (also when the model sampled its end-of-sequence token; "length" otherwise).
+- `stream: true`: server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. The engine samples a
+  batch at once, so the chunks are sent after generation, one per token (their texts join to the text the same
+  request returns unstreamed); `stream_options.include_usage` adds the usage chunk.
+- `tools` (chat): a Qwen/Hermes-style `<tool_call>{"name": ..., "arguments": ...}</tool_call>` in the sampled text
+  naming a given tool becomes a `tool_calls` entry (finish_reason "tool_calls"); other `<tool_call>` text stays
+  in the content and is counted in the choice's `malformed_tool_calls` (and in `/v1/rlspec/counters`).
+  Tool results come back as `role: tool` messages, rendered by the chat template.
+- `echo` (completions) puts the prompt's text before each choice's text.
+- Refused with a 400 naming the field: `logit_bias`, `presence_penalty`, `frequency_penalty`, `best_of` > 1,
+  `suffix`, `response_format` other than text, `tool_choice` other than auto/none, `functions`,
+  `function_call`, `audio`, `modalities` other than text, `prediction`, `echo` with `logprobs`. Unknown fields
+  are ignored, as OpenAI does.
+- Each choice also carries `token_ids` and `prompt_token_ids`; a response carries the `weight_version` it was
+  sampled with.
+
+Greedy and top log-probs take the engine's plain sampling loop (the CUDA-graph sampler does neither);
+`stop` and streaming do not change how the engine samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+from fastapi import APIRouter, HTTPException
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from ..rollout.sampling import SampleOptions
+from ..spec import SpecError
+from .chat import ChatError, TemplateError, cut_at_stop, decoder, normalize_messages, parse_tool_calls, render, token_pieces
+
+MAX_PROMPTS = 4096
+MAX_TOP_LOGPROBS = 20
+MAX_STOPS = 16
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both routes share; unknown fields are ignored, as OpenAI does."""
+
+    model: Optional[str] = None
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1024)
+    seed: Optional[int] = Field(None, ge=0)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, List[str]]] = None
+    logit_bias: Optional[Dict[str, Any]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    """Text, texts, token ids, or lists of token ids."""
+    max_tokens: int = Field(16, ge=1, le=1 << 16)
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class ChatRequest(_Common):
+    messages: List[Dict[str, Any]]
+    max_tokens: Optional[int] = Field(None, ge=1, le=1 << 16)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=1 << 16)
+    """Either one; neither: the server's `rollout.max_new_tokens`."""
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    response_format: Optional[Dict[str, Any]] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[List[str]] = None
+    prediction: Optional[Any] = None
+
+
+def bad(field_name: str, message: str, status: int = 400) -> HTTPException:
+    return HTTPException(status_code=status, detail=[{"loc": ["body", field_name], "msg": message}])
+
+
+def _refuse_unsupported(req: BaseModel) -> None:
+    """400 naming the first field set to something this server cannot honour."""
+    values = req.model_dump()
+    harmless = {"logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+                "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+                "tool_choice": (None, "auto", "none"), "functions": (None,), "function_call": (None,),
+                "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,)}
+    for name, allowed in harmless.items():
+        if name in values and values[name] not in allowed:
+            raise bad(name, f"{name}={values[name]!r} is not supported by this server")
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS or any(not s for s in stops):
+        raise bad("stop", f"give 1 to {MAX_STOPS} non-empty stop strings")
+    return stops
+
+
+@dataclass
+class Choice:
+    """One sampled choice, cut at its stop string."""
+
+    prompt_ids: list[int]
+    ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None
+    text: str
+    finish_reason: str
+    message: dict[str, Any] | None = None
+    """Chat: the assistant message (content, tool_calls)."""
+    malformed_tool_calls: int = 0
+
+
+@dataclass
+class Reply:
+    """A served request: its choices, and the response (JSON or a stream) built from them."""
+
+    kind: str  # "chat" or "completion"
+    model: str
+    choices: list[Choice]
+    weight_version: int | None
+    n: int
+    show_logprobs: bool
+    top_logprobs: int
+    tokenizer: Any
+    stream: bool = False
+    include_usage: bool = False
+    echo_texts: list[str] | None = None
+    id: str = field(default_factory=lambda: secrets.token_hex(8))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(len(c.ids) for c in self.choices)
+        prompt = sum(len(c.prompt_ids) for c in self.choices[::self.n])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def response(self):
+        if self.stream:
+            return StreamingResponse(self._events(), media_type="text/event-stream")
+        return JSONResponse(self.body())
+
+    def body(self) -> dict[str, Any]:
+        head = self._head("chat.completion" if self.kind == "chat" else "text_completion")
+        return {**head, "choices": [self._choice(i, c) for i, c in enumerate(self.choices)], "usage": self.usage(),
+                "weight_version": self.weight_version}
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        return {"id": f"{prefix}-{self.id}", "object": obj, "created": self.created, "model": self.model}
+
+    def _choice(self, i: int, c: Choice) -> dict[str, Any]:
+        extra = {"token_ids": c.ids, "prompt_token_ids": c.prompt_ids}
+        if self.kind == "chat":
+            logprobs = {"content": self._chat_logprobs(c, 0, len(c.ids))} if self.show_logprobs else None
+            return {"index": i, "message": c.message, "finish_reason": c.finish_reason, "logprobs": logprobs,
+                    "malformed_tool_calls": c.malformed_tool_calls, **extra}
+        text = (self.echo_texts[i // self.n] if self.echo_texts else "") + c.text
+        logprobs = self._completion_logprobs(c, 0, len(c.ids)) if self.show_logprobs else None
+        return {"index": i, "text": text, "finish_reason": c.finish_reason, "logprobs": logprobs, **extra}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _chat_logprobs(self, c: Choice, start: int, end: int) -> list[dict[str, Any]]:
+        def entry(token_id: int, logp: float) -> dict[str, Any]:
+            token = self._token(token_id)
+            return {"token": token, "logprob": logp, "bytes": list(token.encode())}
+
+        return [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in (c.top[k] if c.top else [])[:self.top_logprobs]]}
+                for k, (t, lp) in enumerate(zip(c.ids[start:end], c.logprobs[start:end]), start=start)]
+
+    def _completion_logprobs(self, c: Choice, start: int, end: int) -> dict[str, Any]:
+        # The tokenizer's own token strings: `top_logprobs` are dicts keyed by them, and decoded text can collide
+        # (every lone byte of a multi-byte character decodes to the same replacement character).
+        symbol = self.tokenizer.convert_ids_to_tokens
+        top = None
+        if self.top_logprobs and c.top is not None:
+            top = [{symbol(a): b for a, b in c.top[k][:self.top_logprobs]} for k in range(start, end)]
+        return {"tokens": symbol(c.ids[start:end]), "token_logprobs": c.logprobs[start:end],
+                "top_logprobs": top, "text_offset": None}
+
+    def _events(self) -> Iterator[str]:
+        chunks = self._chat_chunks() if self.kind == "chat" else self._completion_chunks()
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        if self.include_usage:
+            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+            yield f"data: {json.dumps({**self._head(obj), 'choices': [], 'usage': self.usage()})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _chat_chunks(self) -> Iterator[dict[str, Any]]:
+        decode = decoder(self.tokenizer)
+        for i, c in enumerate(self.choices):
+            def chunk(delta, logprobs=None, finish=None):
+                return {**self._head("chat.completion.chunk"),
+                        "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+            yield chunk({"role": "assistant", "content": ""})
+            content, calls = c.message.get("content"), c.message.get("tool_calls")
+            if calls:  # the call's text is not content: the content, then the calls, each in one chunk
+                logprobs = {"content": self._chat_logprobs(c, 0, len(c.ids))} if self.show_logprobs else None
+                if content:
+                    yield chunk({"content": content}, logprobs)
+                    logprobs = None
+                yield chunk({"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}, logprobs)
+            else:
+                for k, piece in enumerate(token_pieces(decode, c.ids, content or "")):
+                    logprobs = {"content": self._chat_logprobs(c, k, k + 1)} if self.show_logprobs else None
+                    yield chunk({"content": piece}, logprobs)
+            yield chunk({}, None, c.finish_reason)
+
+    def _completion_chunks(self) -> Iterator[dict[str, Any]]:
+        decode = decoder(self.tokenizer)
+        for i, c in enumerate(self.choices):
+            def chunk(text, logprobs=None, finish=None):
+                return {**self._head("text_completion"),
+                        "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+            if self.echo_texts:
+                yield chunk(self.echo_texts[i // self.n])
+            for k, piece in enumerate(token_pieces(decode, c.ids, c.text)):
+                yield chunk(piece, self._completion_logprobs(c, k, k + 1) if self.show_logprobs else None)
+            yield chunk("", None, c.finish_reason)
+
+
+class OpenAIRoutes:
+    """The routes over an `rlspec.serve.app.EngineHost`; `completion` and `chat` also serve the agent gateway."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+        self.malformed_tool_calls = 0
+        self._lock = threading.Lock()
+
+    @property
+    def tokenizer(self):
+        return self.host.engine.tokenizer
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.host.model_name:
+            raise bad("model", f"this server serves {self.host.model_name!r}", status=404)
+
+    def _sample(self, prompts: list, n: int, seed: int | None, max_tokens: int, temperature: float, top_p: float,
+                top_logprobs: int, stops: list[str]) -> tuple[int | None, list[Choice]]:
+        """Sample on the engine thread; each choice cut at its stop string."""
+        engine = self.host.engine
+        spec = dataclasses.replace(engine.spec, max_new_tokens=max_tokens, top_p=top_p,
+                                   temperature=temperature if temperature > 0 else 1.0)
+        options = SampleOptions(greedy=temperature == 0, top_logprobs=top_logprobs)
+        seed = seed if seed is not None else secrets.randbits(31)
+
+        def generate():
+            return self.host.weight_version, engine.with_spec(spec).generate(prompts, n, seed=seed, options=options)
+
+        try:
+            version, rollout = self.host.thread.run(generate)
+        except SpecError as err:  # a prompt longer than rollout.max_prompt_tokens: the spec key and its fix go along
+            raise HTTPException(status_code=400, detail=[{"loc": ["body", "prompt"], "msg": err.problem,
+                                                          "spec_key": err.where, "fix": err.fix}]) from None
+        eos, decode = self.tokenizer.eos_token_id, decoder(self.tokenizer)
+        choices = []
+        for i, (prompt_ids, ids, logps, text) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids,
+                                                              rollout.completion_logprobs, rollout.texts)):
+            top = rollout.top_logprobs[i] if rollout.top_logprobs is not None else None
+            finish = "stop" if ids and ids[-1] == eos else "length"
+            cut = cut_at_stop(decode, ids, stops)
+            if cut is not None:
+                kept, text = cut
+                ids, logps, top, finish = ids[:kept], logps[:kept], top[:kept] if top else top, "stop"
+            choices.append(Choice(prompt_ids, ids, logps, top, text, finish))
+        return version, choices
+
+    def completion(self, req: CompletionRequest) -> Reply:
+        _refuse_unsupported(req)
+        self._check_model(req.model)
+        if req.echo and req.logprobs is not None:
+            raise bad("echo", "echo with logprobs is not supported (the prompt's log-probs are not computed)")
+        prompts = self._prompts(req.prompt)
+        version, choices = self._sample(prompts, req.n, req.seed, req.max_tokens, req.temperature, req.top_p,
+                                        req.logprobs or 0, _stops(req.stop))
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
+        return Reply("completion", self.host.model_name, choices, version, req.n, req.logprobs is not None,
+                     req.logprobs or 0, self.tokenizer, req.stream,
+                     bool(req.stream_options and req.stream_options.include_usage), echo)
+
+    def _prompts(self, prompt) -> list:
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = list(prompt)
+        if not prompts or len(prompts) > MAX_PROMPTS:
+            raise bad("prompt", f"give 1 to {MAX_PROMPTS} prompts, got {len(prompts)}")
+        if any(not p for p in prompts):
+            raise bad("prompt", "empty prompt")
+        vocab = len(self.tokenizer)
+        if any(not isinstance(p, str) and not all(0 <= t < vocab for t in p) for p in prompts):
+            raise bad("prompt", f"token ids must be in [0, {vocab})")
+        return prompts
+
+    def chat(self, req: ChatRequest, sampled: dict[int, list[int]] | None = None) -> Reply:
+        """Render, sample, parse tool calls; `sampled` splices ids for earlier assistant turns (`chat.render`)."""
+        _refuse_unsupported(req)
+        self._check_model(req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+        tools = req.tools if req.tool_choice != "none" else None
+        try:
+            prompt_ids = render(self.tokenizer, normalize_messages(req.messages), tools, sampled)
+        except ChatError as err:
+            refusal = bad(err.field, str(err))
+            refusal.detail[0]["template_dropped_turn"] = isinstance(err, TemplateError)
+            raise refusal from None
+        max_tokens = req.max_completion_tokens or req.max_tokens or self.host.engine.spec.max_new_tokens
+        version, choices = self._sample([prompt_ids], req.n, req.seed, max_tokens, req.temperature, req.top_p,
+                                        req.top_logprobs or 0, _stops(req.stop))
+        names = {(t.get("function") or t).get("name") for t in tools or []}
+        for c in choices:
+            content, calls, c.malformed_tool_calls = parse_tool_calls(c.text, names) if tools else (c.text, [], 0)
+            c.message = {"role": "assistant", "content": content}
+            if calls:
+                c.message["tool_calls"] = calls
+                c.finish_reason = "tool_calls"
+        with self._lock:
+            self.malformed_tool_calls += sum(c.malformed_tool_calls for c in choices)
+        return Reply("chat", self.host.model_name, choices, version, req.n, req.logprobs, req.top_logprobs or 0,
+                     self.tokenizer, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+
+        @router.get("/v1/models")
+        def models() -> dict:
+            return {"object": "list", "data": [{"id": self.host.model_name, "object": "model", "owned_by": "rlspec"}]}
+
+        @router.post("/v1/completions")
+        def completions(req: CompletionRequest):
+            return self.completion(req).response()
+
+        @router.post("/v1/chat/completions")
+        def chat(req: ChatRequest):
+            return self.chat(req).response()
+
+        @router.get("/v1/rlspec/counters")
+        def counters() -> dict:
+            return {"malformed_tool_calls": self.malformed_tool_calls}
+
+        return router
