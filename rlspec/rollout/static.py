@@ -337,7 +337,9 @@ class GraphSampler:
     bucket while samples remain); every `check_every` steps the host reads which slots have ended, copies their
     samples' tokens out, and starts the next pending samples in them — it copies the prompt's K/V (prefilled once
     per distinct prompt: the G completions of a GRPO group share one prefill) into the slot, so a refill runs no
-    forward pass. Without `slots`, the pool holds all rows (up to 1,024; more run in waves, each started when
+    forward pass. Once no sample is pending and at most a quarter of the pool is live, the live slots move into a
+    pool a quarter the size or less (`shrink_tail`; its own graph), so the long tail does not pay for a full
+    pool's step (each bucket's decode layer is compiled once per process). Without `slots`, the pool holds all rows (up to 1,024; more run in waves, each started when
     the whole pool has ended): the static batch.
 
     Reproducibility: sample i's token at position t is drawn with noise keyed by (seed, i, t), and its logits
@@ -355,7 +357,7 @@ class GraphSampler:
     def __init__(self, model: torch.nn.Module, device: torch.device, use_graphs: bool | None = None,
                  compile_blocks: bool | None = None, check_every: int = 8, keep_graphs: bool = False,
                  fuse_weights: bool | None = None, sdpa: bool | None = None, compile_layers: bool | None = None,
-                 share_prefill: bool = True) -> None:
+                 share_prefill: bool = True, shrink_tail: bool = True) -> None:
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # The defaults on CUDA are the fastest measured (`python -m rlspec.perf.profile_engine`, H200, 0.5B shape, 64
@@ -367,6 +369,7 @@ class GraphSampler:
             self.decoder.compile_blocks(layers=self.use_graphs if compile_layers is None else compile_layers)
         self.check_every = check_every
         self.share_prefill = share_prefill  # False: one prefill per row (the equivalence tests' reference)
+        self.shrink_tail = shrink_tail
         # Dropping the graphs (their KV cache and memory pool) after each batch gives that memory back to a
         # colocated trainer; a later capture of a seen shape skips warm-up and costs a few milliseconds.
         self.keep_graphs = keep_graphs
@@ -437,6 +440,13 @@ class GraphSampler:
             live = [b for b in range(bucket) if occupant[b] >= 0]
             if not live:
                 break
+            if self.shrink_tail and not waves and next_sample == rows and len(live) * 4 <= bucket:
+                state = self._shrink(state, live, temperature, top_p, eos)
+                occupant, started = [occupant[b] for b in live], [started[b] for b in live]
+                bucket = state.done.shape[0]
+                occupant += [-1] * (bucket - len(live))
+                started += [0] * (bucket - len(live))
+                live = list(range(len(live)))
             chunk = min(self.check_every, max(n - (clock - started[b]) for b in live))
             for _ in range(chunk):
                 if state.graph is not None:
@@ -452,6 +462,21 @@ class GraphSampler:
                     occupant[b] = -1
         width = max(int(lengths.max()), 1)
         return tokens[:, :width].cpu(), logps[:, :width].cpu()
+
+    def _shrink(self, state: _State, live: list[int], temperature: float, top_p: float, eos: int) -> _State:
+        """The pool's tail: its `live` slots moved into the first slots of a pool of the smallest bucket that holds
+        them (its own graph), so the last long samples stop paying for a full pool's decode step."""
+        length, n = state.valid.shape[1], state.out_tokens.shape[1] - 1
+        small = self._state(graph_key((len(live), length - n), n, temperature, top_p, eos))  # the same cache length
+        moved = torch.tensor(live, device=self.device)
+        into = slice(0, len(live))
+        for name in ("keys", "values"):
+            for target, source in zip(getattr(small, name), getattr(state, name)):
+                target[into] = source[moved]
+        for name in ("logits", "position", "write", "step", "key", "valid", "done", "out_tokens", "out_logps"):
+            getattr(small, name)[into] = getattr(state, name)[moved]
+        small.done[len(live):] = True
+        return small
 
     def _start(self, state: _State, prompts: _Prompts, keys: Tensor, slots: list[int], first: int) -> None:
         """Start samples first, first + 1, ... in `slots`: their prompt's K/V and first logits, fresh counters."""
