@@ -47,6 +47,7 @@ CASES = {
     "environment with a causal lm": (None, ["rollout.env.name=minigrid"], "rollout.env.name"),
     "impossible: ranks on standalone": (None, ["hardware.num_trainer_ranks=2"], "hardware.num_trainer_ranks"),
     "impossible: batch split": (None, ["algorithm.updates_per_batch=5"], "algorithm.updates_per_batch"),
+    "negative token budget": (None, ["algorithm.micro_batch_tokens=-1"], "algorithm.micro_batch_tokens"),
     "impossible: micro batch too big": (None, ["algorithm.micro_batch_size=100"], "algorithm.micro_batch_size"),
     "impossible: vllm on cpu": (None, ["rollout.engine=vllm"], "rollout.engine"),
     "missing model directory": (None, ["model.path=/nonexistent/model"], "model.path"),
