@@ -3,7 +3,8 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail. Each writes its log and metrics under $OUT.
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab.
+# Each writes its log and metrics under $OUT.
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}
@@ -97,6 +98,13 @@ for section in "$@"; do
         CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=$p --steps 3 \
           > $OUT/profile_$p.txt 2>&1; echo "profile $p exit $?" >> $OUT/results.txt
       done ;;
+    servechat)  # issue 20: rlspec serve of the 0.5B-shaped preset answering 64 concurrent streaming chat requests
+      python3 -m rlspec.cli serve $BENCH --port 8123 > $OUT/servechat_server.log 2>&1 & SERVER=$!
+      for i in $(seq 1 120); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break; sleep 1; done
+      timeout 300 python3 -m rlspec.perf.bench_serve --url http://127.0.0.1:8123 --requests 64 --max-tokens 64 \
+        > $OUT/servechat.json 2>> $OUT/servechat_server.log
+      echo "servechat exit $?" >> $OUT/results.txt; cat $OUT/servechat.json >> $OUT/results.txt
+      kill $SERVER; wait $SERVER ;;
     *) echo "unknown section $section" >> $OUT/results.txt ;;
   esac
   echo "-- $section took $(( $(date +%s) - start )) s" >> $OUT/results.txt
