@@ -93,6 +93,10 @@ for section in "$@"; do
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH --variants fused_layers_sdpa \
         --rows 30 > $OUT/engine_fixed.txt 2>&1
       echo "engine fixed exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_fixed.txt | head -12 >> $OUT/results.txt ;;
+    train_ab)  # issue 18: the train phase alone, padded vs packed vs token budgets, uniform and spread lengths
+      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.bench_train --rows ${ROWS:-64,256} \
+        --json $OUT/train_ab.json > $OUT/train_ab.txt 2>&1; echo "train_ab exit $?" >> $OUT/results.txt
+      tail -20 $OUT/train_ab.txt >> $OUT/results.txt ;;
     profile)  # issue 9: where the standalone train phase spends its time (kernels, host syncs, busy share)
       for p in 8 32; do
         CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=$p --steps 3 \
