@@ -2,10 +2,14 @@
 
 - `app.py`: the FastAPI app (OpenAI-compatible `/v1/completions` subset with token ids and log-probs,
   `/health`, the weight version, and the bridge endpoint that runs a `sync` transport's engine half).
+- `ops.py`: the bridge's named operations and its wire format (JSON + safetensors; no code travels).
 - `client.py`: `ServerClient` (HTTP calls, errors named) and `ServedEngine`, a `RolloutEngine` over it.
 - `process.py`: building the engine from a plan, `rlspec serve`'s main, and `ServerProcess`, which starts
   the server as a child process, waits for it to be healthy and never leaves it behind.
 """
 
 TOKEN_ENV = "RLSPEC_SERVE_TOKEN"
-"""The shared secret the bridge endpoint requires (it runs code sent by the trainer)."""
+"""The shared secret the bridge endpoints require (a bridge call writes the engine's weights). Never printed."""
+TOKEN_FILE_ENV = "RLSPEC_SERVE_TOKEN_FILE"
+"""A trainer that joins a server reads the token from this file when `RLSPEC_SERVE_TOKEN` is unset (the file a
+server without `RLSPEC_SERVE_TOKEN` writes and names)."""

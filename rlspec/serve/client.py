@@ -8,7 +8,6 @@ server's traceback is attached).
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from typing import Any, Callable, Iterable
 
@@ -18,7 +17,7 @@ from torch import Tensor
 from ..core.batch import TrainBatch
 from ..errors import RunError, SpecError
 from ..rollout.base import Rollout
-from . import TOKEN_ENV
+from . import TOKEN_ENV, TOKEN_FILE_ENV, ops
 
 
 class ServerClient:
@@ -30,7 +29,7 @@ class ServerClient:
 
         self.url = url.rstrip("/")
         self.transport = transport
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+        self.token = token if token is not None else joining_token()
         self.timeout_s = timeout_s
         self.describe = describe or (lambda: "")
         self.http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False,
@@ -86,29 +85,58 @@ class ServerClient:
         response.raise_for_status()
         return response.json()
 
-    def receive(self, fn, payload, timeout_s: float | None = None) -> Any:
-        """Run `fn(engine, payload)` in the server; the engine half's exception comes back as `SyncError`
-        (a transport failure) or `RunError`, with the server's traceback."""
-        name = getattr(fn, "__qualname__", repr(fn))
-        response = self._call(f"bridge call {name}", "POST", "/bridge/receive", timeout_s,
-                              content=pickle.dumps((fn, payload)),
-                              headers={"content-type": "application/octet-stream"})
-        if response.status_code == 500 and response.headers.get("content-type") == "application/octet-stream":
-            failure = pickle.loads(response.content)
-            message = f"{self.label}: {name} failed: {failure['error']}"
+    def call(self, op_name: str, payload, timeout_s: float | None = None, weight_version: int | None = None) -> Any:
+        """Run the server's operation `op_name` (`ops.py`) on `payload`; the engine half's exception comes back
+        as `SyncError` (a transport failure) or `RunError`, with the server's traceback. `weight_version` (for an
+        operation that writes weights) labels the new weights in the same engine job."""
+        op = ops.operations()[op_name]
+        header = {"op": op_name} if weight_version is None else {"op": op_name, "weight_version": weight_version}
+        body = ops.pack(header, op.pack(payload) if op.pack is not None else payload)
+        response = self._call(f"bridge operation {op_name}", "POST", "/bridge/receive", timeout_s, content=body,
+                              headers={"content-type": ops.MEDIA_TYPE})
+        kind = response.headers.get("content-type", "")
+        if response.status_code == 500 and kind.startswith("application/json"):
+            failure = response.json()
+            message = f"{self.label}: {op_name} failed: {failure['error']}"
             if failure["sync_error"]:
                 from ..sync import SyncError
 
                 raise SyncError(f"{message}\n--- server traceback ---\n{failure['traceback'].rstrip()}")
             raise RunError(message, failure["traceback"])
         response.raise_for_status()
-        return pickle.loads(response.content)
+        if kind.startswith(ops.MEDIA_TYPE):
+            return ops.unpack(response.content)[1]
+        return ops.decode(response.json()["result"], {})
+
+    def receive(self, fn, payload, timeout_s: float | None = None) -> Any:
+        """Run a transport's engine half `fn` in the server, as the operation registered for it."""
+        try:
+            op = ops.operation_for(fn)
+        except ValueError as err:
+            raise RunError(f"{self.label}: {err}") from None
+        return self.call(op.name, payload, timeout_s)
 
     def set_weight_version(self, version: int) -> None:
         self._call("setting the weight version", "POST", "/bridge/weight_version", json={"version": version})
 
     def close(self) -> None:
         self.http.close()
+
+
+def joining_token() -> str:
+    """The bridge token of a server this run joins: `RLSPEC_SERVE_TOKEN`, else the file `RLSPEC_SERVE_TOKEN_FILE`
+    names (a missing or unreadable file is bad input, exit 2)."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    path = os.environ.get(TOKEN_FILE_ENV)
+    if not path:
+        return ""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as err:
+        raise SpecError(TOKEN_FILE_ENV, f"cannot read the bridge token file {path}: {err.strerror}",
+                        "name the file `rlspec serve` printed, or set RLSPEC_SERVE_TOKEN") from None
 
 
 def _raise_spec_error(response, context: str) -> None:
@@ -121,19 +149,6 @@ def _raise_spec_error(response, context: str) -> None:
     for item in detail if isinstance(detail, list) else ():
         if isinstance(item, dict) and item.get("spec_key"):
             raise SpecError(item["spec_key"], f"{item.get('msg', '')} ({context})", item.get("fix", ""))
-
-
-# Engine halves of the plain engine calls (module-level so they pickle by reference).
-def _logprobs(engine, batch: TrainBatch) -> Tensor:
-    return engine.logprobs(batch).cpu()
-
-
-def _load(engine, named: list) -> None:
-    engine.load_weights(named)
-
-
-def _named_cpu(engine, _payload) -> list:
-    return [(name, t.detach().cpu()) for name, t in engine.named_weights()]
 
 
 class ServedEngine:
@@ -161,16 +176,16 @@ class ServedEngine:
                        [c["logprobs"]["token_logprobs"] for c in choices], [c["text"] for c in choices])
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
-        return self.client.receive(_logprobs, batch, self.spec.request_timeout_s)
+        return self.client.call("engine.logprobs", batch, self.spec.request_timeout_s)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        self.client.receive(_load, [(n, t.detach().cpu()) for n, t in named_tensors])
+        self.client.call("engine.load_weights", [(n, t.detach().cpu()) for n, t in named_tensors])
 
     def receive(self, fn, payload) -> Any:
         return self.client.receive(fn, payload)
 
     def named_weights(self) -> list[tuple[str, Tensor]]:
-        return self.client.receive(_named_cpu, None)
+        return self.client.call("engine.named_weights", None)
 
     def set_weight_version(self, version: int) -> None:
         self.client.set_weight_version(version)
