@@ -8,6 +8,8 @@ server's traceback is attached).
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -18,6 +20,10 @@ from ..core.batch import TrainBatch
 from ..errors import RunError, SpecError
 from ..rollout.base import Rollout
 from . import TOKEN_ENV, TOKEN_FILE_ENV, ops
+
+
+class ServerLost(RunError):
+    """The server did not answer at all (connection refused or dropped): it died, or is restarting."""
 
 
 class ServerClient:
@@ -48,6 +54,8 @@ class ServerClient:
         except httpx.TimeoutException as err:
             raise RunError(f"{self.label}: {what} did not answer within {timeout_s or self.timeout_s:g} s "
                            f"({type(err).__name__}){self.describe()}") from None
+        except httpx.TransportError as err:  # refused, reset, closed mid-answer: the server is gone
+            raise ServerLost(f"{self.label} is unreachable during {what}: {type(err).__name__}: {err}{self.describe()}") from None
         except httpx.HTTPError as err:
             raise RunError(f"{self.label} is unreachable during {what}: {type(err).__name__}: {err}{self.describe()}") from None
         if 400 <= response.status_code < 500:
@@ -154,43 +162,143 @@ def _raise_spec_error(response, context: str) -> None:
 class ServedEngine:
     """`RolloutEngine` over a rollout server: sampling through `/v1/completions`, everything else through the
     bridge. `starts_in_sync` is false for a server this run joined (it may hold another run's weights), so
-    the loop pushes before the first rollout."""
+    the loop pushes before the first rollout.
 
-    def __init__(self, client: ServerClient, tokenizer, rollout_spec, starts_in_sync: bool) -> None:
+    A lost server (`ServerLost`) is waited for, up to `reconnect_s` (`rollout.server_reconnect_s`; 0: the loss
+    fails the run at once): `restart` (for a server this run started) starts a new one, then, once it is healthy,
+    `resync` (installed by the training loop) reconnects the transport and pushes the trainer's current weights,
+    and the interrupted call runs again: the interrupted step's rollouts are re-run, and each request of an agent
+    gateway waiting on this engine is retried. One thread recovers; the others wait for it and retry.
+    """
+
+    def __init__(self, client: ServerClient, tokenizer, rollout_spec, starts_in_sync: bool,
+                 reconnect_s: float = 0.0, restart: Callable[[], None] | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.spec = rollout_spec
         self.starts_in_sync = starts_in_sync
         self.num_engines = 1
+        self.reconnect_s = reconnect_s
+        self.restart = restart
+        self.resync: Callable[[], None] | None = None
+        self.version: int | None = None
+        """The last weight version this trainer labelled the server's weights with."""
+        self.reconnects = 0
+        self._recovery = threading.RLock()
+        self._epoch = 0
+        self._recovering = False
 
     @property
     def label(self) -> str:
         return self.client.label
 
+    def _resilient(self, call: Callable[[], Any]) -> Any:
+        while True:
+            epoch = self._epoch
+            try:
+                return call()
+            except ServerLost as lost:
+                if self.reconnect_s <= 0 or self._recovering:
+                    raise  # no waiting asked for, or lost again while recovering (the recovery reports it)
+                self._recover(epoch, lost)
+
+    def _recover(self, epoch: int, lost: ServerLost) -> None:
+        with self._recovery:
+            if self._epoch != epoch:
+                return  # another thread brought the server back meanwhile
+            start = time.monotonic()
+            print(f"rlspec: {self.label} was lost; waiting up to {self.reconnect_s:g} s for it to come back "
+                  f"(rollout.server_reconnect_s)", file=sys.stderr, flush=True)
+            self._recovering = True
+            try:
+                if self.restart is not None:
+                    self.restart()
+                self.client.wait_healthy(self.reconnect_s)
+                if self.resync is not None:
+                    self.resync()
+            except RunError as err:
+                raise RunError(f"{self.label} was lost and is not back within rollout.server_reconnect_s="
+                               f"{self.reconnect_s:g}: {err}\n(the loss: {lost})") from None
+            finally:
+                self._recovering = False
+            self._epoch += 1
+            self.reconnects += 1
+            print(f"rlspec: {self.label} is back after {time.monotonic() - start:.1f} s; the trainer's current weights "
+                  f"are pushed and the interrupted requests run again", file=sys.stderr, flush=True)
+
     def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
-        out = self.client.completions({"prompt": list(prompts), "n": n, "seed": seed, "logprobs": 1,
-                                       "max_tokens": self.spec.max_new_tokens, "temperature": self.spec.temperature,
-                                       "top_p": self.spec.top_p}, self.spec.request_timeout_s)
+        body = {"prompt": list(prompts), "n": n, "seed": seed, "logprobs": 1, "max_tokens": self.spec.max_new_tokens,
+                "temperature": self.spec.temperature, "top_p": self.spec.top_p}
+        out = self._resilient(lambda: self.client.completions(body, self.spec.request_timeout_s))
         choices = sorted(out["choices"], key=lambda c: c["index"])
         return Rollout([c["prompt_token_ids"] for c in choices], [c["token_ids"] for c in choices],
                        [c["logprobs"]["token_logprobs"] for c in choices], [c["text"] for c in choices])
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
-        return self.client.call("engine.logprobs", batch, self.spec.request_timeout_s)
+        return self._resilient(lambda: self.client.call("engine.logprobs", batch, self.spec.request_timeout_s))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self.client.call("engine.load_weights", [(n, t.detach().cpu()) for n, t in named_tensors])
 
     def receive(self, fn, payload) -> Any:
+        """A transport's engine half. Not retried here: after a loss the transport's own channel (an NCCL group)
+        may be gone with the server, so the push fails and the next request recovers (reconnect + push)."""
         return self.client.receive(fn, payload)
 
     def named_weights(self) -> list[tuple[str, Tensor]]:
-        return self.client.call("engine.named_weights", None)
+        return self._resilient(lambda: self.client.call("engine.named_weights", None))
 
     def set_weight_version(self, version: int) -> None:
-        self.client.set_weight_version(version)
+        self.version = version  # a recovery in between labels the pushed weights with it
+        self._resilient(lambda: self.client.set_weight_version(version))
+
+    def reconnecting(self, transport, weights) -> "ReconnectingTransport":
+        """`transport` wrapped so that a push that fails because the server was lost recovers (see the class
+        docstring); installs the `resync` a recovery runs."""
+        def resync() -> None:
+            try:
+                transport.close()  # the channel to the lost server (an NCCL group) is dead
+            except Exception:  # noqa: BLE001 - best effort: its peer is gone
+                pass
+            transport.connect(self, weights)
+            transport.push(weights, self)
+            if self.version is not None:
+                self.client.set_weight_version(self.version)
+
+        if self.reconnect_s > 0:
+            self.resync = resync
+        return ReconnectingTransport(transport, self)
+
+    def lost(self) -> bool:
+        """Whether the server does not answer a health check now."""
+        try:
+            self.client.health(timeout_s=5.0)
+        except RunError:
+            return True
+        return False
+
+
+class ReconnectingTransport:
+    """A transport whose push survives a lost rollout server: when a push fails and the server does not answer,
+    the engine recovers (waits for it, reconnects the transport, pushes the current weights); any other failure
+    is raised as it was. Everything else is the wrapped transport's."""
+
+    def __init__(self, transport, engine: ServedEngine) -> None:
+        self.transport = transport
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self.transport, name)
+
+    def push(self, weights, engine) -> int:
+        epoch = self.engine._epoch
+        try:
+            return self.transport.push(weights, engine)
+        except RunError as err:  # SyncError included
+            if self.engine.reconnect_s <= 0 or self.engine._recovering or not self.engine.lost():
+                raise
+            self.engine._recover(epoch, err if isinstance(err, ServerLost) else ServerLost(str(err)))
+            return 0  # the recovery pushed the current weights
 
     def weight_version(self) -> int | None:
         return self.client.health()["weight_version"]
-
-

@@ -168,6 +168,14 @@ class ServerProcess:
         atexit.register(self.stop)
         print(f"rlspec: rollout server pid {self.proc.pid} at {self.url} (log {self.log_path})", file=sys.stderr)
 
+    def restart(self) -> None:
+        """Stop what is left of the server and start a new one on the same port with the same token (a server
+        that died mid-run; it starts from the plan's initial weights, so the trainer pushes its own next)."""
+        self.stop()
+        self.workdir = Path(tempfile.mkdtemp(prefix="rlspec-serve-"))
+        self.log_path = self.workdir / "server.log"
+        self.start()
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 

@@ -130,7 +130,8 @@ def test_bridge_run_learns_like_colocated_and_leaves_no_server(colocated, tmp_pa
 
 
 def test_server_killed_mid_run_ends_the_run_naming_server_and_transport(tmp_path):
-    run = Run(tmp_path / "out", "examples/tiny.yaml", "algorithm.steps=500", *BRIDGE, "sync.timeout_s=10")
+    run = Run(tmp_path / "out", "examples/tiny.yaml", "algorithm.steps=500", *BRIDGE, "sync.timeout_s=10",
+              "rollout.server_reconnect_s=0")
     pid = run.server_pid()
     run.wait_for_rows(1)
     os.kill(pid, signal.SIGKILL)
@@ -210,3 +211,47 @@ def test_a_prompt_over_max_prompt_tokens_through_the_server_exits_2_naming_the_k
     run = Run(tmp_path / "out", *BASE, *BRIDGE, "rollout.max_prompt_tokens=1")  # copy_char prompts have 2
     assert run.wait() == 2, run.stderr()
     assert "rollout.max_prompt_tokens" in run.stderr() and "raise rollout.max_prompt_tokens" in run.stderr()
+
+
+def test_a_server_killed_mid_run_is_restarted_and_the_run_learns_as_if_nothing_happened(colocated, tmp_path):
+    """The run's own server is SIGKILLed between steps (the trainer paused meanwhile, so the loss lands mid-run):
+    the trainer starts a new one, pushes its weights, re-runs the interrupted requests, and every row equals the
+    colocated run's."""
+    run = Run(tmp_path / "out", *BASE, *BRIDGE, "sync.timeout_s=10", "rollout.server_reconnect_s=120")
+    pid = run.server_pid()
+    run.wait_for_rows(1)
+    run.proc.send_signal(signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        assert _gone_within(pid, 5.0)
+    finally:
+        run.proc.send_signal(signal.SIGCONT)
+    assert run.wait() == 0, run.stderr()
+    err = run.stderr()
+    assert "was lost; waiting up to 120 s" in err and "is back after" in err, err
+    assert len(re.findall(r"rollout server pid (\d+)", err)) == 2, err
+    _same_learning(read_metrics(tmp_path / "out" / "metrics.jsonl"), colocated)
+
+
+def test_a_server_that_stays_away_past_server_reconnect_s_fails_the_run(tmp_path):
+    from rlspec.serve import TOKEN_ENV
+    from rlspec.serve.process import free_port
+
+    port = free_port()
+    with open(tmp_path / "server.log", "w") as log:
+        server = subprocess.Popen(rlspec_cmd("serve", *BASE, "--port", str(port)), cwd=REPO,
+                                  env={**os.environ, TOKEN_ENV: JOINED_TOKEN}, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        run = Run(tmp_path / "out", "examples/tiny.yaml", "algorithm.steps=500", "hardware.num_threads=1", *BRIDGE,
+                  f"rollout.server_url=http://127.0.0.1:{port}", "sync.timeout_s=10", "rollout.server_reconnect_s=3",
+                  env={TOKEN_ENV: JOINED_TOKEN})
+        run.wait_for_rows(1)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    killed = time.monotonic()
+    assert run.wait(120) == 1, run.stderr()
+    assert time.monotonic() - killed < 3 + 10 + 15
+    err = run.stderr()
+    assert "is not back within rollout.server_reconnect_s=3" in err, err
