@@ -11,8 +11,8 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
-
 
 from torch import Tensor
 
@@ -20,6 +20,14 @@ from ..core.batch import TrainBatch
 from ..errors import RunError, SpecError
 from ..rollout.base import Rollout
 from . import TOKEN_ENV, TOKEN_FILE_ENV, ops
+
+
+@dataclass
+class _Recovery:
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    epoch: int = 0
+    """Recoveries so far: a thread that saw the loss before the last one retries instead of recovering again."""
+    running: bool = False
 
 
 class ServerLost(RunError):
@@ -183,10 +191,8 @@ class ServedEngine:
         self.resync: Callable[[], None] | None = None
         self.version: int | None = None
         """The last weight version this trainer labelled the server's weights with."""
-        self.reconnects = 0
-        self._recovery = threading.RLock()
-        self._epoch = 0
-        self._recovering = False
+        self.recovery = _Recovery()
+        """Shared by the shallow copies an agent gateway makes (one per request's sampling settings)."""
 
     @property
     def label(self) -> str:
@@ -194,22 +200,24 @@ class ServedEngine:
 
     def _resilient(self, call: Callable[[], Any]) -> Any:
         while True:
-            epoch = self._epoch
+            epoch = self.recovery.epoch
             try:
                 return call()
             except ServerLost as lost:
-                if self.reconnect_s <= 0 or self._recovering:
+                if self.reconnect_s <= 0 or self.recovery.running:
                     raise  # no waiting asked for, or lost again while recovering (the recovery reports it)
-                self._recover(epoch, lost)
+                self.recover(epoch, lost)
 
-    def _recover(self, epoch: int, lost: ServerLost) -> None:
-        with self._recovery:
-            if self._epoch != epoch:
+    def recover(self, epoch: int, lost: BaseException) -> None:
+        """Bring the server back (see the class docstring), unless another thread did since `epoch`."""
+        state = self.recovery
+        with state.lock:
+            if state.epoch != epoch:
                 return  # another thread brought the server back meanwhile
             start = time.monotonic()
             print(f"rlspec: {self.label} was lost; waiting up to {self.reconnect_s:g} s for it to come back "
                   f"(rollout.server_reconnect_s)", file=sys.stderr, flush=True)
-            self._recovering = True
+            state.running = True
             try:
                 if self.restart is not None:
                     self.restart()
@@ -220,9 +228,8 @@ class ServedEngine:
                 raise RunError(f"{self.label} was lost and is not back within rollout.server_reconnect_s="
                                f"{self.reconnect_s:g}: {err}\n(the loss: {lost})") from None
             finally:
-                self._recovering = False
-            self._epoch += 1
-            self.reconnects += 1
+                state.running = False
+            state.epoch += 1
             print(f"rlspec: {self.label} is back after {time.monotonic() - start:.1f} s; the trainer's current weights "
                   f"are pushed and the interrupted requests run again", file=sys.stderr, flush=True)
 
@@ -291,13 +298,13 @@ class ReconnectingTransport:
         return getattr(self.transport, name)
 
     def push(self, weights, engine) -> int:
-        epoch = self.engine._epoch
+        epoch = self.engine.recovery.epoch
         try:
             return self.transport.push(weights, engine)
         except RunError as err:  # SyncError included
-            if self.engine.reconnect_s <= 0 or self.engine._recovering or not self.engine.lost():
+            if self.engine.reconnect_s <= 0 or self.engine.recovery.running or not self.engine.lost():
                 raise
-            self.engine._recover(epoch, err if isinstance(err, ServerLost) else ServerLost(str(err)))
+            self.engine.recover(epoch, err)
             return 0  # the recovery pushed the current weights
 
     def weight_version(self) -> int | None:

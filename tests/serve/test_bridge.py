@@ -233,23 +233,64 @@ def test_a_server_killed_mid_run_is_restarted_and_the_run_learns_as_if_nothing_h
     _same_learning(read_metrics(tmp_path / "out" / "metrics.jsonl"), colocated)
 
 
+def _start_server(port: int, log_path: Path) -> subprocess.Popen:
+    from rlspec.serve import TOKEN_ENV
+
+    with open(log_path, "a") as log:
+        return subprocess.Popen(rlspec_cmd("serve", *BASE, "--port", str(port)), cwd=REPO,
+                                env={**os.environ, TOKEN_ENV: JOINED_TOKEN}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _kill(server: subprocess.Popen) -> None:
+    try:
+        os.killpg(server.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server.wait()
+
+
+def test_a_joined_server_killed_and_restarted_mid_run_is_waited_for_and_the_run_learns_as_before(colocated, tmp_path):
+    from rlspec.serve import TOKEN_ENV
+    from rlspec.serve.process import free_port
+
+    port = free_port()
+    server = _start_server(port, tmp_path / "server.log")
+    try:
+        run = Run(tmp_path / "out", *BASE, *BRIDGE, f"rollout.server_url=http://127.0.0.1:{port}", "sync.timeout_s=10",
+                  "rollout.server_reconnect_s=120", env={TOKEN_ENV: JOINED_TOKEN})
+        run.wait_for_rows(1)
+        run.proc.send_signal(signal.SIGSTOP)  # so that the loss lands mid-run however fast the steps are
+        try:
+            _kill(server)
+        finally:
+            run.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while "was lost; waiting up to 120 s" not in run.stderr():
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr()
+            time.sleep(0.1)
+        server = _start_server(port, tmp_path / "server.log")  # its operator restarts it, on the same address
+        assert run.wait() == 0, run.stderr()
+        assert "is back after" in run.stderr(), run.stderr()
+        _same_learning(read_metrics(tmp_path / "out" / "metrics.jsonl"), colocated)
+    finally:
+        _kill(server)
+
+
+@pytest.mark.slow  # the deadline logic is also tested without processes (tests/serve/test_reconnect.py)
 def test_a_server_that_stays_away_past_server_reconnect_s_fails_the_run(tmp_path):
     from rlspec.serve import TOKEN_ENV
     from rlspec.serve.process import free_port
 
     port = free_port()
-    with open(tmp_path / "server.log", "w") as log:
-        server = subprocess.Popen(rlspec_cmd("serve", *BASE, "--port", str(port)), cwd=REPO,
-                                  env={**os.environ, TOKEN_ENV: JOINED_TOKEN}, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+    server = _start_server(port, tmp_path / "server.log")
     try:
         run = Run(tmp_path / "out", "examples/tiny.yaml", "algorithm.steps=500", "hardware.num_threads=1", *BRIDGE,
                   f"rollout.server_url=http://127.0.0.1:{port}", "sync.timeout_s=10", "rollout.server_reconnect_s=3",
                   env={TOKEN_ENV: JOINED_TOKEN})
         run.wait_for_rows(1)
     finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+        _kill(server)
     killed = time.monotonic()
     assert run.wait(120) == 1, run.stderr()
     assert time.monotonic() - killed < 3 + 10 + 15
