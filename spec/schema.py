@@ -401,7 +401,7 @@ class RolloutSpec(_Section):
     server_start_timeout_s: float = 300.0
     """A rollout server (started or joined) that is not healthy within this many seconds fails the run."""
     server_reconnect_s: float = 60.0
-    """A rollout server lost mid-run (it stopped answering): wait this long for it (a joined one) or a restarted one
+    """A rollout server lost mid-run (connections refused or dropped): wait this long for it (a joined one) or a restarted one
     (one the run started) to be healthy, push the current weights and re-run the interrupted requests; 0 fails at once."""
     agent: AgentSpec = field(default_factory=AgentSpec)
     """Multi-turn black-box agent (unset: plain single-turn sampling)."""
