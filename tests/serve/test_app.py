@@ -199,3 +199,16 @@ def test_all_engine_work_runs_on_the_one_engine_thread_while_requests_overlap(se
         outs = list(pool.map(lambda _: client.post("/v1/completions", json=body), range(2)))
     assert all(o.status_code == 200 for o in outs)
     assert outs[0].json()["choices"] == outs[1].json()["choices"]  # same seed, same engine, one at a time
+
+
+def test_no_module_of_the_server_imports_pickle():
+    import ast
+    from pathlib import Path
+
+    import rlspec.serve
+
+    for path in Path(rlspec.serve.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] in ("pickle", "cloudpickle", "dill") for n in names), path
