@@ -419,6 +419,9 @@ class RolloutSpec(_Section):
     """A rollout-server request (one generation batch) that takes longer fails the run."""
     server_start_timeout_s: float = 300.0
     """A rollout server (started or joined) that is not healthy within this many seconds fails the run."""
+    server_reconnect_s: float = 60.0
+    """A rollout server lost mid-run (connections refused or dropped): wait this long for it (a joined one) or a restarted one
+    (one the run started) to be healthy, push the current weights and re-run the interrupted requests; 0 fails at once."""
     agent: AgentSpec = field(default_factory=AgentSpec)
     """Multi-turn black-box agent (unset: plain single-turn sampling)."""
 
@@ -441,6 +444,7 @@ class RolloutSpec(_Section):
                     f"{self.server_url!r} is not an http(s) URL", "e.g. http://127.0.0.1:8000, or null to start a server")
         _positive(self.request_timeout_s, f"{p}.request_timeout_s")
         _positive(self.server_start_timeout_s, f"{p}.server_start_timeout_s")
+        _non_negative(self.server_reconnect_s, f"{p}.server_reconnect_s")
 
 
 @dataclass

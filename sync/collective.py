@@ -156,6 +156,11 @@ class _Channel:
             time.sleep(POLL_S)
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _broadcast_opts(root: int):
     import torch.distributed as dist
 
@@ -485,6 +490,30 @@ class CollectiveTransport:
                               checksums([lookup[name] for name in written]))
         phases.mark("verify")
         return {"times": phases.times}
+
+    @staticmethod
+    def raw_send(_named, payload) -> list[float]:
+        """Sender half of a raw broadcast of `payload["numel"]` bf16 elements, `repeats` + 1 times (the first waits
+        for the peer): the seconds of each timed one. What `rlspec.perf.bench_sync` compares a push with."""
+        channel = _CHANNELS[(payload["id"], 0)]
+        buffer = torch.empty(payload["numel"], dtype=torch.bfloat16, device=channel.device)
+        times = []
+        for _ in range(payload["repeats"] + 1):
+            _synchronize(channel.device)
+            start = time.perf_counter()
+            channel.broadcast(buffer)
+            _synchronize(channel.device)
+            times.append(time.perf_counter() - start)
+        return times[1:]
+
+    @staticmethod
+    def raw_receive(_engine, payload) -> None:
+        """Engine half of `raw_send`."""
+        channel = _CHANNELS[(payload["id"], 1)]
+        buffer = torch.empty(payload["numel"], dtype=torch.bfloat16, device=channel.device)
+        for _ in range(payload["repeats"] + 1):
+            channel.broadcast(buffer)
+            _synchronize(channel.device)
 
     @staticmethod
     def leave(_target, payload) -> None:

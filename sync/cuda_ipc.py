@@ -76,8 +76,6 @@ class CudaIpcTransport:
     def send(named, payload) -> dict:
         """Sender half: refill the channel's buckets (laying them out and exporting their handles when the
         weights' layout is new), synchronise, and describe them."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
         phases = Phases()
         named = [(name, tensor.detach()) for name, tensor in named]
         phases.mark("export")
@@ -90,7 +88,7 @@ class CudaIpcTransport:
         if staging is None or staging.key != layout_key(named, payload["bucket_mb"]):
             _STAGED.pop(channel, None)  # free the old buckets before allocating the new ones
             staging = Staging(named, payload["bucket_mb"], f"{channel}/{next(_LAYOUTS)}")
-            staging.parts = [{"handle": reduce_tensor(flat), "entries": entries}
+            staging.parts = [{"handle": _handle(flat), "entries": entries}
                              for flat, entries in zip(staging.flats, staging.entries)]
             _STAGED[channel] = staging
             phases.mark("layout")
@@ -161,8 +159,27 @@ class CudaIpcTransport:
             pass
 
 
-def _open(handle, device_index: int) -> Tensor:
-    rebuild, args = handle
-    args = list(args)
-    args[6] = device_index  # the storage's device, as this process numbers the (same, checked) GPU
-    return rebuild(*args)
+def _handle(flat: Tensor) -> dict:
+    """The IPC handle of a flat CUDA bucket, as data (bytes and numbers, no callable): it travels over the
+    serve bridge, whose server rebuilds the tensor with its own code (`_open`)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _rebuild, args = reduce_tensor(flat)
+    (_cls, size, stride, offset, _storage_cls, dtype, _device, handle, storage_bytes, storage_offset_bytes,
+     _requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required) = args
+    return {"size": list(size), "stride": list(stride), "offset": offset, "dtype": dtype, "handle": handle,
+            "storage_bytes": storage_bytes, "storage_offset_bytes": storage_offset_bytes,
+            "ref_counter_handle": ref_counter_handle, "ref_counter_offset": ref_counter_offset,
+            "event_handle": event_handle, "event_sync_required": event_sync_required}
+
+
+def _open(handle: dict, device_index: int) -> Tensor:
+    """Map a bucket from `_handle` on `device_index` (the storage's device as this process numbers the same,
+    checked, GPU)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(torch.Tensor, torch.Size(handle["size"]), tuple(handle["stride"]), handle["offset"],
+                               torch.storage.TypedStorage, handle["dtype"], device_index, handle["handle"],
+                               handle["storage_bytes"], handle["storage_offset_bytes"], False,
+                               handle["ref_counter_handle"], handle["ref_counter_offset"], handle["event_handle"],
+                               handle["event_sync_required"])

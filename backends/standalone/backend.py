@@ -8,7 +8,8 @@
   with its process group on every exit) or joins (`rollout.server_url`, which outlives the trainer). The
   transport's engine half runs in the server through its bridge endpoint; sampling goes through its
   OpenAI-compatible `/v1/completions`. A joined server may hold another run's weights, so the loop pushes
-  before the first rollout.
+  before the first rollout. A server lost mid-run is waited for (a started one is restarted) for up to
+  `rollout.server_reconnect_s`; then the current weights are pushed and the interrupted requests re-run.
 
 The trainer is `rlspec.core.trainer.LocalTrainer` — the same code the conformance suite uses as its reference.
 """
@@ -78,13 +79,15 @@ class StandaloneBackend:
             client = ServerClient(spec.rollout.server_url, timeout_s=timeout_s + HEALTH_MARGIN_S,
                                   transport=plan.sync_method)
             client.wait_healthy(spec.rollout.server_start_timeout_s)
-            return ServedEngine(client, self.trainer.tokenizer, spec.rollout, starts_in_sync=False)
+            return ServedEngine(client, self.trainer.tokenizer, spec.rollout, starts_in_sync=False,
+                                reconnect_s=spec.rollout.server_reconnect_s)
         self.server = ServerProcess(plan)
         self.server.start()
         client = ServerClient(self.server.url, self.server.token, timeout_s + HEALTH_MARGIN_S, self.server.describe,
                               transport=plan.sync_method)
         client.wait_healthy(spec.rollout.server_start_timeout_s, self.server.alive)
-        return ServedEngine(client, self.trainer.tokenizer, spec.rollout, starts_in_sync=True)
+        return ServedEngine(client, self.trainer.tokenizer, spec.rollout, starts_in_sync=True,
+                            reconnect_s=spec.rollout.server_reconnect_s, restart=self.server.restart)
 
     def rollout_engine(self):
         assert self.engine is not None, "setup() first"

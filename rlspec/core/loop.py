@@ -36,6 +36,8 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     engine = backend.rollout_engine()
     weights = weight_source_of(backend)
     transport.connect(engine, weights)
+    if hasattr(engine, "reconnecting"):  # a rollout server, which may be lost and come back
+        transport = engine.reconnecting(transport, weights)
     # Resumed, or a joined rollout server: the engine holds other weights than the trainer's.
     if start_step or not getattr(engine, "starts_in_sync", True):
         transport.push(weights, engine)

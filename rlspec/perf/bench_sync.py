@@ -31,31 +31,6 @@ def _sync(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _raw_send(_named, payload) -> list[float]:
-    from ..sync.collective import _CHANNELS
-
-    channel = _CHANNELS[(payload["id"], 0)]
-    buffer = torch.empty(payload["numel"], dtype=torch.bfloat16, device=channel.device)
-    times = []
-    for _ in range(payload["repeats"] + 1):  # the first one waits for the peer to arrive
-        _sync(channel.device)
-        start = time.perf_counter()
-        channel.broadcast(buffer)
-        _sync(channel.device)
-        times.append(time.perf_counter() - start)
-    return times[1:]
-
-
-def _raw_receive(_engine, payload) -> None:
-    from ..sync.collective import _CHANNELS
-
-    channel = _CHANNELS[(payload["id"], 1)]
-    buffer = torch.empty(payload["numel"], dtype=torch.bfloat16, device=channel.device)
-    for _ in range(payload["repeats"] + 1):
-        channel.broadcast(buffer)
-        _sync(channel.device)
-
-
 def _d2d_copy_s(nbytes: int, repeats: int) -> list[float]:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda:0")
     dst = torch.empty_like(src)
@@ -167,11 +142,11 @@ def main(argv: list[str] | None = None) -> dict:
         want = batch_logprobs(model, batch, 1.0, 4, device).cpu()
         result["logprobs_max_abs_diff"] = float(((got - want).abs() * batch.loss_mask).max())
         if args.method == "nccl":
-            # By their importable name: run as `python -m`, this module is `__main__`, which the server is not.
-            from rlspec.perf.bench_sync import _raw_receive, _raw_send
+            from ..sync.collective import CollectiveTransport
 
             payload = {"id": transport.channel_id, "numel": nbytes // 2, "repeats": args.repeats}
-            raw, _ = transport._both(_raw_send, payload, _raw_receive, payload, gather=False)
+            raw, _ = transport._both(CollectiveTransport.raw_send, payload, CollectiveTransport.raw_receive, payload,
+                                     gather=False)
             result["raw_name"] = "broadcast"
         else:
             raw = _d2d_copy_s(nbytes, args.repeats)

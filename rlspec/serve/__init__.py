@@ -4,10 +4,14 @@
   transport's engine half), with the OpenAI routes of `openai_api.py` (`/v1/completions`,
   `/v1/chat/completions`, with token ids and log-probs) and their text plumbing in `chat.py` (chat
   templates, stop strings, tool calls).
+- `ops.py`: the bridge's named operations and its wire format (JSON + safetensors; no code travels).
 - `client.py`: `ServerClient` (HTTP calls, errors named) and `ServedEngine`, a `RolloutEngine` over it.
 - `process.py`: building the engine from a plan, `rlspec serve`'s main, and `ServerProcess`, which starts
   the server as a child process, waits for it to be healthy and never leaves it behind.
 """
 
 TOKEN_ENV = "RLSPEC_SERVE_TOKEN"
-"""The shared secret the bridge endpoint requires (it runs code sent by the trainer)."""
+"""The shared secret the bridge endpoints require (a bridge call writes the engine's weights). Never printed."""
+TOKEN_FILE_ENV = "RLSPEC_SERVE_TOKEN_FILE"
+"""A trainer that joins a server reads the token from this file when `RLSPEC_SERVE_TOKEN` is unset (the file a
+server without `RLSPEC_SERVE_TOKEN` writes and names)."""

@@ -1,14 +1,20 @@
-"""The server's HTTP app. It knows no transport: `/bridge/receive` runs `fn(engine, payload)`, the engine
-half of whichever `sync` transport the trainer uses, exactly as an in-process or Ray engine does.
+"""The server's HTTP app. It knows no transport: `/bridge/receive` runs a named operation (`ops.py`), the engine
+half of whichever `sync` transport the trainer uses, exactly as an in-process or Ray engine runs it. The server
+runs only its own code: a request names the operation and carries data (JSON + safetensors), never code.
 
 Endpoints:
 - `GET /health`: status, weight version, model, pid, how the engine samples (`cuda_graph` or `plain (why)`).
 - `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`: the OpenAI API (`openai_api.py`);
   each choice also carries `token_ids` and `prompt_token_ids`, and the log-probs are the engine's log-probs
   of the sampled tokens (log_softmax(logits / temperature), as the trainer computes them).
-- `GET|POST /bridge/weight_version`: the trainer step whose weights the engine serves (null after a failed
-  sync: the weights are then of unknown version).
-- `POST /bridge/receive`: pickled `(fn, payload)` -> pickled result; needs `Authorization: Bearer TOKEN`.
+- `GET|POST /bridge/weight_version`: the trainer step whose weights the engine serves (null while a push is
+  not yet labelled and after a failed sync: the weights are then of unknown version). A completion carries the
+  `weight_version` its tokens were sampled with: weight writes, labels and generations run one after another on
+  the engine thread, so no completion straddles two versions.
+- `POST /bridge/receive`: a bridge message (`ops.pack`: safetensors whose metadata holds the JSON header
+  `{"op": NAME, "payload": ...}`) -> the result, as JSON `{"result": ...}` or, when tensors come back, a
+  bridge message; needs `Authorization: Bearer TOKEN`. A pickled body, a malformed one or an unknown operation
+  gets a 400 naming the problem; a failing operation a 500 with JSON `{"error", "traceback", "sync_error"}`.
 
 A bad request gets a 4xx whose `detail` names the field (and, where a spec setting decides it, e.g. a prompt
 longer than `rollout.max_prompt_tokens`, the `spec_key` and its `fix`, which a trainer's client turns back
@@ -19,8 +25,8 @@ traceback. All engine work runs on one engine thread, in order; `/health` never 
 from __future__ import annotations
 
 import hmac
+import json
 import os
-import pickle
 import queue
 import threading
 import time
@@ -31,6 +37,7 @@ from typing import Any, Callable
 from fastapi import FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel, Field
 
+from . import ops
 from .openai_api import OpenAIRoutes
 
 
@@ -39,8 +46,8 @@ class VersionRequest(BaseModel):
 
 
 FAULT_ENV = "RLSPEC_SERVE_FAULT"
-"""Test hook, `skip:QUALNAME`: bridge calls of that function return without running (a peer that never
-joins a group); `hang_start`: the server never becomes healthy."""
+"""Test hook, `skip:NAME` (an operation's name or its function's qualname): bridge calls of that operation
+return without running (a peer that never joins a group); `hang_start`: the server never becomes healthy."""
 
 
 class EngineThread:
@@ -51,10 +58,12 @@ class EngineThread:
     worker threads. Requests and bridge calls queue here instead; `/health` never waits for it.
     """
 
-    def __init__(self, device, on_submitted_error: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(self, device, on_submitted_error: Callable[[BaseException], None] | None = None,
+                 on_submitted_start: Callable[[], None] | None = None) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.device = device
         self.on_submitted_error = on_submitted_error
+        self.on_submitted_start = on_submitted_start
         threading.Thread(target=self._loop, name="rlspec-engine", daemon=True).start()
 
     def _loop(self) -> None:
@@ -79,10 +88,23 @@ class EngineThread:
         self.jobs.put((fn, args, done))
         return done.result()
 
+    async def run_async(self, fn, *args):
+        """`run` for the web server's event loop: the job is queued now, in the order requests arrive, and no
+        worker thread is held while it waits (a bounded thread pool would otherwise reorder requests that
+        wait for a thread, pushes among them, and serve at most its size at once)."""
+        import asyncio
+
+        done: Future = Future()
+        self.jobs.put((fn, args, done))
+        return await asyncio.wrap_future(done)
+
     def submit(self, fn, *args) -> None:
         """Queue `fn(*args)` without waiting for it: a sync's engine half that a transport starts on its own
-        (the trainer's bridge call collects the outcome). A failure goes to `on_submitted_error`."""
+        (the trainer's bridge call collects the outcome). `on_submitted_start` runs first (such a job writes
+        weights); a failure goes to `on_submitted_error`."""
         def guarded():
+            if self.on_submitted_start is not None:
+                self.on_submitted_start()
             try:
                 fn(*args)
             except BaseException as err:  # noqa: BLE001 - the bridge call reports it; the host marks the weights
@@ -100,21 +122,47 @@ class EngineHost:
         self.skip = fault.removeprefix("skip:") if fault.startswith("skip:") else None
         self.engine = engine
         self.model_name = model_name
-        self.thread = EngineThread(getattr(engine, "device", None), on_submitted_error=self._weights_unknown)
+        self.thread = EngineThread(getattr(engine, "device", None), on_submitted_error=self._weights_unknown,
+                                   on_submitted_start=self._weights_unknown)
         self.weight_version: int | None = 0
+        """Changed only on the engine thread, between jobs: a completion reports the version it sampled with."""
         self.started = time.time()
 
-    def _weights_unknown(self, _err: BaseException) -> None:
+    def _weights_unknown(self, _err: BaseException | None = None) -> None:
         self.weight_version = None  # a sync may have written part of the weights
 
-    def receive(self, fn, payload) -> Any:
-        if self.skip is not None and getattr(fn, "__qualname__", "") == self.skip:
+    async def label(self, version: int) -> None:
+        """The weights now in the engine are trainer step `version`'s (after every job queued before)."""
+        def set_version():
+            self.weight_version = version
+
+        await self.thread.run_async(set_version)
+
+    async def receive(self, op, payload, version: int | None = None) -> Any:
+        """Run operation `op` (an `ops.Operation`) on the engine thread. One that writes weights leaves them
+        unlabelled (version null) until it succeeds with a `version` or the trainer labels them; a failure marks
+        them unknown. Completions sampled meanwhile report null, never a version their weights are not."""
+        if self.skip is not None and self.skip in (op.name, op.fn.__qualname__):
             return None
-        try:
-            return self.thread.run(fn, self.engine, payload)
-        except BaseException as err:
-            self._weights_unknown(err)
-            raise
+
+        def job():
+            if op.writes_weights:
+                self.weight_version = None
+            try:
+                result = op.fn(self.engine, payload)
+            except BaseException:
+                self._weights_unknown()
+                raise
+            if op.writes_weights and version is not None:
+                self.weight_version = version
+            return result
+
+        return await self.thread.run_async(job)
+
+
+def _json(value: dict, status_code: int = 200) -> Response:
+    """JSON that keeps non-finite floats (a sync's timings or a loss may be NaN; `JSONResponse` refuses them)."""
+    return Response(json.dumps(value), status_code=status_code, media_type="application/json")
 
 
 def build_app(host: EngineHost, token: str) -> FastAPI:
@@ -141,27 +189,42 @@ def build_app(host: EngineHost, token: str) -> FastAPI:
         return {"weight_version": host.weight_version}
 
     @app.post("/bridge/weight_version")
-    def set_version(req: VersionRequest, request: Request) -> dict:
+    async def set_version(req: VersionRequest, request: Request) -> dict:
         authorize(request)
-        host.weight_version = req.version
-        return {"weight_version": host.weight_version}
+        await host.label(req.version)
+        return {"weight_version": req.version}
+
+    known = ops.operations()
 
     @app.post("/bridge/receive")
     async def receive(request: Request) -> Response:
         authorize(request)
         body = await request.body()
         try:
-            fn, payload = pickle.loads(body)
-        except Exception as err:  # noqa: BLE001
-            raise HTTPException(400, detail=[{"loc": ["body"], "msg": f"not a pickled (fn, payload): {err}"}]) from None
-        from starlette.concurrency import run_in_threadpool
-
+            header, payload = ops.unpack(body)
+            op = known.get(header.get("op"))
+            if op is None:
+                raise ops.BridgeRequestError(f"unknown bridge operation {header.get('op')!r}; this server runs "
+                                             f"{', '.join(sorted(known))}")
+            version = header.get("weight_version")
+            if version is not None and (not op.writes_weights or not isinstance(version, int) or version < 0):
+                raise ops.BridgeRequestError(f"weight_version={version!r}: only an operation that writes weights "
+                                             "takes one, and it is a step count (an integer >= 0)")
+            if op.unpack is not None:
+                payload = op.unpack(payload)
+        except ops.BridgeRequestError as err:
+            raise HTTPException(400, detail=[{"loc": ["body"], "msg": str(err)}]) from None
+        except (TypeError, ValueError) as err:  # a payload the operation cannot take
+            raise HTTPException(400, detail=[{"loc": ["body", "payload"], "msg": f"{header.get('op')}: {err}"}]) from None
         try:
-            result = await run_in_threadpool(host.receive, fn, payload)
+            result = await host.receive(op, payload, version)
+            tensors: dict = {}
+            encoded = ops.encode(result, tensors)
         except Exception as err:  # noqa: BLE001 - reported to the trainer with the server's traceback
-            return Response(pickle.dumps({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(),
-                                          "sync_error": type(err).__name__ == "SyncError"}),
-                            status_code=500, media_type="application/octet-stream")
-        return Response(pickle.dumps(result), media_type="application/octet-stream")
+            return _json({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(),
+                          "sync_error": type(err).__name__ == "SyncError"}, status_code=500)
+        if not tensors:
+            return _json({"result": encoded})
+        return Response(ops.frame({"op": op.name, "payload": encoded}, tensors), media_type=ops.MEDIA_TYPE)
 
     return app

@@ -8,17 +8,30 @@ server's traceback is attached).
 from __future__ import annotations
 
 import os
-import pickle
+import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
-
 
 from torch import Tensor
 
 from ..core.batch import TrainBatch
 from ..errors import RunError, SpecError
 from ..rollout.base import Rollout
-from . import TOKEN_ENV
+from . import TOKEN_ENV, TOKEN_FILE_ENV, ops
+
+
+@dataclass
+class _Recovery:
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    epoch: int = 0
+    """Recoveries so far: a thread that saw the loss before the last one retries instead of recovering again."""
+    running: bool = False
+
+
+class ServerLost(RunError):
+    """The server did not answer at all (connection refused or dropped): it died, or is restarting."""
 
 
 class ServerClient:
@@ -30,7 +43,7 @@ class ServerClient:
 
         self.url = url.rstrip("/")
         self.transport = transport
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+        self.token = token if token is not None else joining_token()
         self.timeout_s = timeout_s
         self.describe = describe or (lambda: "")
         self.http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False,
@@ -49,6 +62,8 @@ class ServerClient:
         except httpx.TimeoutException as err:
             raise RunError(f"{self.label}: {what} did not answer within {timeout_s or self.timeout_s:g} s "
                            f"({type(err).__name__}){self.describe()}") from None
+        except httpx.TransportError as err:  # refused, reset, closed mid-answer: the server is gone
+            raise ServerLost(f"{self.label} is unreachable during {what}: {type(err).__name__}: {err}{self.describe()}") from None
         except httpx.HTTPError as err:
             raise RunError(f"{self.label} is unreachable during {what}: {type(err).__name__}: {err}{self.describe()}") from None
         if 400 <= response.status_code < 500:
@@ -86,29 +101,58 @@ class ServerClient:
         response.raise_for_status()
         return response.json()
 
-    def receive(self, fn, payload, timeout_s: float | None = None) -> Any:
-        """Run `fn(engine, payload)` in the server; the engine half's exception comes back as `SyncError`
-        (a transport failure) or `RunError`, with the server's traceback."""
-        name = getattr(fn, "__qualname__", repr(fn))
-        response = self._call(f"bridge call {name}", "POST", "/bridge/receive", timeout_s,
-                              content=pickle.dumps((fn, payload)),
-                              headers={"content-type": "application/octet-stream"})
-        if response.status_code == 500 and response.headers.get("content-type") == "application/octet-stream":
-            failure = pickle.loads(response.content)
-            message = f"{self.label}: {name} failed: {failure['error']}"
+    def call(self, op_name: str, payload, timeout_s: float | None = None, weight_version: int | None = None) -> Any:
+        """Run the server's operation `op_name` (`ops.py`) on `payload`; the engine half's exception comes back
+        as `SyncError` (a transport failure) or `RunError`, with the server's traceback. `weight_version` (for an
+        operation that writes weights) labels the new weights in the same engine job."""
+        op = ops.operations()[op_name]
+        header = {"op": op_name} if weight_version is None else {"op": op_name, "weight_version": weight_version}
+        body = ops.pack(header, op.pack(payload) if op.pack is not None else payload)
+        response = self._call(f"bridge operation {op_name}", "POST", "/bridge/receive", timeout_s, content=body,
+                              headers={"content-type": ops.MEDIA_TYPE})
+        kind = response.headers.get("content-type", "")
+        if response.status_code == 500 and kind.startswith("application/json"):
+            failure = response.json()
+            message = f"{self.label}: {op_name} failed: {failure['error']}"
             if failure["sync_error"]:
                 from ..sync import SyncError
 
                 raise SyncError(f"{message}\n--- server traceback ---\n{failure['traceback'].rstrip()}")
             raise RunError(message, failure["traceback"])
         response.raise_for_status()
-        return pickle.loads(response.content)
+        if kind.startswith(ops.MEDIA_TYPE):
+            return ops.unpack(response.content)[1]
+        return ops.decode(response.json()["result"], {})
+
+    def receive(self, fn, payload, timeout_s: float | None = None) -> Any:
+        """Run a transport's engine half `fn` in the server, as the operation registered for it."""
+        try:
+            op = ops.operation_for(fn)
+        except ValueError as err:
+            raise RunError(f"{self.label}: {err}") from None
+        return self.call(op.name, payload, timeout_s)
 
     def set_weight_version(self, version: int) -> None:
         self._call("setting the weight version", "POST", "/bridge/weight_version", json={"version": version})
 
     def close(self) -> None:
         self.http.close()
+
+
+def joining_token() -> str:
+    """The bridge token of a server this run joins: `RLSPEC_SERVE_TOKEN`, else the file `RLSPEC_SERVE_TOKEN_FILE`
+    names (a missing or unreadable file is bad input, exit 2)."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    path = os.environ.get(TOKEN_FILE_ENV)
+    if not path:
+        return ""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as err:
+        raise SpecError(TOKEN_FILE_ENV, f"cannot read the bridge token file {path}: {err.strerror}",
+                        "name the file `rlspec serve` printed, or set RLSPEC_SERVE_TOKEN") from None
 
 
 def _raise_spec_error(response, context: str) -> None:
@@ -123,59 +167,145 @@ def _raise_spec_error(response, context: str) -> None:
             raise SpecError(item["spec_key"], f"{item.get('msg', '')} ({context})", item.get("fix", ""))
 
 
-# Engine halves of the plain engine calls (module-level so they pickle by reference).
-def _logprobs(engine, batch: TrainBatch) -> Tensor:
-    return engine.logprobs(batch).cpu()
-
-
-def _load(engine, named: list) -> None:
-    engine.load_weights(named)
-
-
-def _named_cpu(engine, _payload) -> list:
-    return [(name, t.detach().cpu()) for name, t in engine.named_weights()]
-
-
 class ServedEngine:
     """`RolloutEngine` over a rollout server: sampling through `/v1/completions`, everything else through the
     bridge. `starts_in_sync` is false for a server this run joined (it may hold another run's weights), so
-    the loop pushes before the first rollout."""
+    the loop pushes before the first rollout.
 
-    def __init__(self, client: ServerClient, tokenizer, rollout_spec, starts_in_sync: bool) -> None:
+    A lost server (`ServerLost`) is waited for, up to `reconnect_s` (`rollout.server_reconnect_s`; 0: the loss
+    fails the run at once): `restart` (for a server this run started) starts a new one, then, once it is healthy,
+    `resync` (installed by the training loop) reconnects the transport and pushes the trainer's current weights,
+    and the interrupted call runs again: the interrupted step's rollouts are re-run, and each request of an agent
+    gateway waiting on this engine is retried. One thread recovers; the others wait for it and retry.
+    """
+
+    def __init__(self, client: ServerClient, tokenizer, rollout_spec, starts_in_sync: bool,
+                 reconnect_s: float = 0.0, restart: Callable[[], None] | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.spec = rollout_spec
         self.starts_in_sync = starts_in_sync
         self.num_engines = 1
+        self.reconnect_s = reconnect_s
+        self.restart = restart
+        self.resync: Callable[[], None] | None = None
+        self.version: int | None = None
+        """The last weight version this trainer labelled the server's weights with."""
+        self.recovery = _Recovery()
+        """Shared by the shallow copies an agent gateway makes (one per request's sampling settings)."""
 
     @property
     def label(self) -> str:
         return self.client.label
 
+    def _resilient(self, call: Callable[[], Any]) -> Any:
+        while True:
+            epoch = self.recovery.epoch
+            try:
+                return call()
+            except ServerLost as lost:
+                if self.reconnect_s <= 0 or self.recovery.running:
+                    raise  # no waiting asked for, or lost again while recovering (the recovery reports it)
+                self.recover(epoch, lost)
+
+    def recover(self, epoch: int, lost: BaseException) -> None:
+        """Bring the server back (see the class docstring), unless another thread did since `epoch`."""
+        state = self.recovery
+        with state.lock:
+            if state.epoch != epoch:
+                return  # another thread brought the server back meanwhile
+            start = time.monotonic()
+            print(f"rlspec: {self.label} was lost; waiting up to {self.reconnect_s:g} s for it to come back "
+                  f"(rollout.server_reconnect_s)", file=sys.stderr, flush=True)
+            state.running = True
+            try:
+                if self.restart is not None:
+                    self.restart()
+                self.client.wait_healthy(self.reconnect_s)
+                if self.resync is not None:
+                    self.resync()
+            except RunError as err:
+                raise RunError(f"{self.label} was lost and is not back within rollout.server_reconnect_s="
+                               f"{self.reconnect_s:g}: {err}\n(the loss: {lost})") from None
+            finally:
+                state.running = False
+            state.epoch += 1
+            print(f"rlspec: {self.label} is back after {time.monotonic() - start:.1f} s; the trainer's current weights "
+                  f"are pushed and the interrupted requests run again", file=sys.stderr, flush=True)
+
     def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
-        out = self.client.completions({"prompt": list(prompts), "n": n, "seed": seed, "logprobs": 0,
-                                       "max_tokens": self.spec.max_new_tokens, "temperature": self.spec.temperature,
-                                       "top_p": self.spec.top_p}, self.spec.request_timeout_s)
+        body = {"prompt": list(prompts), "n": n, "seed": seed, "logprobs": 0, "max_tokens": self.spec.max_new_tokens,
+                "temperature": self.spec.temperature, "top_p": self.spec.top_p}
+        out = self._resilient(lambda: self.client.completions(body, self.spec.request_timeout_s))
         choices = sorted(out["choices"], key=lambda c: c["index"])
         return Rollout([c["prompt_token_ids"] for c in choices], [c["token_ids"] for c in choices],
                        [c["logprobs"]["token_logprobs"] for c in choices], [c["text"] for c in choices])
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
-        return self.client.receive(_logprobs, batch, self.spec.request_timeout_s)
+        return self._resilient(lambda: self.client.call("engine.logprobs", batch, self.spec.request_timeout_s))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        self.client.receive(_load, [(n, t.detach().cpu()) for n, t in named_tensors])
+        self.client.call("engine.load_weights", [(n, t.detach().cpu()) for n, t in named_tensors])
 
     def receive(self, fn, payload) -> Any:
+        """A transport's engine half. Not retried here: after a loss the transport's own channel (an NCCL group)
+        may be gone with the server, so the push fails and the next request recovers (reconnect + push)."""
         return self.client.receive(fn, payload)
 
     def named_weights(self) -> list[tuple[str, Tensor]]:
-        return self.client.receive(_named_cpu, None)
+        return self._resilient(lambda: self.client.call("engine.named_weights", None))
 
     def set_weight_version(self, version: int) -> None:
-        self.client.set_weight_version(version)
+        self.version = version  # a recovery in between labels the pushed weights with it
+        self._resilient(lambda: self.client.set_weight_version(version))
+
+    def reconnecting(self, transport, weights) -> "ReconnectingTransport":
+        """`transport` wrapped so that a push that fails because the server was lost recovers (see the class
+        docstring); installs the `resync` a recovery runs."""
+        def resync() -> None:
+            try:
+                transport.close()  # the channel to the lost server (an NCCL group) is dead
+            except Exception:  # noqa: BLE001 - best effort: its peer is gone
+                pass
+            transport.connect(self, weights)
+            transport.push(weights, self)
+            if self.version is not None:
+                self.client.set_weight_version(self.version)
+
+        if self.reconnect_s > 0:
+            self.resync = resync
+        return ReconnectingTransport(transport, self)
+
+    def lost(self) -> bool:
+        """Whether the server does not answer a health check now."""
+        try:
+            self.client.health(timeout_s=5.0)
+        except RunError:
+            return True
+        return False
+
+
+class ReconnectingTransport:
+    """A transport whose push survives a lost rollout server: when a push fails and the server does not answer,
+    the engine recovers (waits for it, reconnects the transport, pushes the current weights); any other failure
+    is raised as it was. Everything else is the wrapped transport's."""
+
+    def __init__(self, transport, engine: ServedEngine) -> None:
+        self.transport = transport
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self.transport, name)
+
+    def push(self, weights, engine) -> int:
+        epoch = self.engine.recovery.epoch
+        try:
+            return self.transport.push(weights, engine)
+        except RunError as err:  # SyncError included
+            if self.engine.reconnect_s <= 0 or self.engine.recovery.running or not self.engine.lost():
+                raise
+            self.engine.recover(epoch, err)
+            return 0  # the recovery pushed the current weights
 
     def weight_version(self) -> int | None:
         return self.client.health()["weight_version"]
-
-

@@ -32,6 +32,7 @@ Greedy and top log-probs take the engine's plain sampling loop (the CUDA-graph s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import secrets
@@ -114,6 +115,17 @@ def _refuse_unsupported(req: BaseModel) -> None:
     for name, allowed in harmless.items():
         if name in values and values[name] not in allowed:
             raise bad(name, f"{name}={values[name]!r} is not supported by this server")
+
+
+@contextlib.contextmanager
+def _prompt_errors():
+    """A prompt longer than rollout.max_prompt_tokens is bad input: the spec key and its fix go along (a trainer's
+    client turns them back into the `SpecError` a colocated engine raises)."""
+    try:
+        yield
+    except SpecError as err:
+        raise HTTPException(status_code=400, detail=[{"loc": ["body", "prompt"], "msg": err.problem,
+                                                      "spec_key": err.where, "fix": err.fix}]) from None
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -266,9 +278,10 @@ class OpenAIRoutes:
         if model is not None and model != self.host.model_name:
             raise bad("model", f"this server serves {self.host.model_name!r}", status=404)
 
-    def _sample(self, prompts: list, n: int, seed: int | None, max_tokens: int, temperature: float, top_p: float,
-                top_logprobs: int, stops: list[str]) -> tuple[int | None, list[Choice]]:
-        """Sample on the engine thread; each choice cut at its stop string."""
+    def _job(self, prompts: list, n: int, seed: int | None, max_tokens: int, temperature: float, top_p: float,
+             top_logprobs: int, stops: list[str]):
+        """(the engine job, which returns the weight version it sampled with and the rollout; the function that
+        turns those into (version, choices), each choice cut at its stop string)."""
         engine = self.host.engine
         spec = dataclasses.replace(engine.spec, max_new_tokens=max_tokens, top_p=top_p,
                                    temperature=temperature if temperature > 0 else 1.0)
@@ -278,38 +291,61 @@ class OpenAIRoutes:
         def generate():
             return self.host.weight_version, engine.with_spec(spec).generate(prompts, n, seed=seed, options=options)
 
-        try:
-            version, rollout = self.host.thread.run(generate)
-        except SpecError as err:  # a prompt longer than rollout.max_prompt_tokens: the spec key and its fix go along
-            raise HTTPException(status_code=400, detail=[{"loc": ["body", "prompt"], "msg": err.problem,
-                                                          "spec_key": err.where, "fix": err.fix}]) from None
-        eos, decode = self.tokenizer.eos_token_id, decoder(self.tokenizer)
-        choices = []
-        for i, (prompt_ids, ids, logps, text) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids,
-                                                              rollout.completion_logprobs, rollout.texts)):
-            top = rollout.top_logprobs[i] if rollout.top_logprobs is not None else None
-            finish = "stop" if ids and ids[-1] == eos else "length"
-            cut = cut_at_stop(decode, ids, stops)
-            if cut is not None:
-                kept, text = cut
-                ids, logps, top, finish = ids[:kept], logps[:kept], top[:kept] if top else top, "stop"
-            choices.append(Choice(prompt_ids, ids, logps, top, text, finish))
-        return version, choices
+        def choices_of(version, rollout) -> tuple[int | None, list[Choice]]:
+            eos, decode = self.tokenizer.eos_token_id, decoder(self.tokenizer)
+            choices = []
+            for i, (prompt_ids, ids, logps, text) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids,
+                                                                  rollout.completion_logprobs, rollout.texts)):
+                top = rollout.top_logprobs[i] if rollout.top_logprobs is not None else None
+                finish = "stop" if ids and ids[-1] == eos else "length"
+                cut = cut_at_stop(decode, ids, stops)
+                if cut is not None:
+                    kept, text = cut
+                    ids, logps, top, finish = ids[:kept], logps[:kept], top[:kept] if top else top, "stop"
+                choices.append(Choice(prompt_ids, ids, logps, top, text, finish))
+            return version, choices
+
+        return generate, choices_of
+
+    def _run(self, planned):
+        """A planned request (`_completion` / `_chat`) served from a worker thread (the agent gateway)."""
+        generate, finish = planned
+        with _prompt_errors():
+            return finish(*self.host.thread.run(generate))
+
+    async def _run_async(self, planned):
+        """A planned request served from the event loop: it joins the engine thread's queue when it arrives,
+        holding no worker thread meanwhile, so requests and weight pushes run in the order they came."""
+        generate, finish = planned
+        with _prompt_errors():
+            return finish(*(await self.host.thread.run_async(generate)))
 
     def completion(self, req: CompletionRequest) -> Reply:
+        return self._run(self._completion(req))
+
+    def chat(self, req: ChatRequest, sampled: dict[int, list[int]] | None = None) -> Reply:
+        """Render, sample, parse tool calls; `sampled` splices ids for earlier assistant turns (`chat.render`)."""
+        return self._run(self._chat(req, sampled))
+
+    def _completion(self, req: CompletionRequest):
         _refuse_unsupported(req)
         self._check_model(req.model)
         if req.echo and req.logprobs is not None:
             raise bad("echo", "echo with logprobs is not supported (the prompt's log-probs are not computed)")
         prompts = self._prompts(req.prompt)
-        version, choices = self._sample(prompts, req.n, req.seed, req.max_tokens, req.temperature, req.top_p,
-                                        req.logprobs or 0, _stops(req.stop))
+        generate, choices_of = self._job(prompts, req.n, req.seed, req.max_tokens, req.temperature, req.top_p,
+                                         req.logprobs or 0, _stops(req.stop))
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
-        return Reply("completion", self.host.model_name, choices, version, req.n, req.logprobs is not None,
-                     req.logprobs or 0, self.tokenizer, req.stream,
-                     bool(req.stream_options and req.stream_options.include_usage), echo)
+
+        def finish(version, rollout) -> Reply:
+            version, choices = choices_of(version, rollout)
+            return Reply("completion", self.host.model_name, choices, version, req.n, req.logprobs is not None,
+                         req.logprobs or 0, self.tokenizer, req.stream,
+                         bool(req.stream_options and req.stream_options.include_usage), echo)
+
+        return generate, finish
 
     def _prompts(self, prompt) -> list:
         if isinstance(prompt, str):
@@ -327,8 +363,7 @@ class OpenAIRoutes:
             raise bad("prompt", f"token ids must be in [0, {vocab})")
         return prompts
 
-    def chat(self, req: ChatRequest, sampled: dict[int, list[int]] | None = None) -> Reply:
-        """Render, sample, parse tool calls; `sampled` splices ids for earlier assistant turns (`chat.render`)."""
+    def _chat(self, req: ChatRequest, sampled: dict[int, list[int]] | None = None):
         _refuse_unsupported(req)
         self._check_model(req.model)
         if req.top_logprobs and not req.logprobs:
@@ -341,19 +376,24 @@ class OpenAIRoutes:
             refusal.detail[0]["template_dropped_turn"] = isinstance(err, TemplateError)
             raise refusal from None
         max_tokens = req.max_completion_tokens or req.max_tokens or self.host.engine.spec.max_new_tokens
-        version, choices = self._sample([prompt_ids], req.n, req.seed, max_tokens, req.temperature, req.top_p,
-                                        req.top_logprobs or 0, _stops(req.stop))
+        generate, choices_of = self._job([prompt_ids], req.n, req.seed, max_tokens, req.temperature, req.top_p,
+                                         req.top_logprobs or 0, _stops(req.stop))
         names = {(t.get("function") or t).get("name") for t in tools or []}
-        for c in choices:
-            content, calls, c.malformed_tool_calls = parse_tool_calls(c.text, names) if tools else (c.text, [], 0)
-            c.message = {"role": "assistant", "content": content}
-            if calls:
-                c.message["tool_calls"] = calls
-                c.finish_reason = "tool_calls"
-        with self._lock:
-            self.malformed_tool_calls += sum(c.malformed_tool_calls for c in choices)
-        return Reply("chat", self.host.model_name, choices, version, req.n, req.logprobs, req.top_logprobs or 0,
-                     self.tokenizer, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+
+        def finish(version, rollout) -> Reply:
+            version, choices = choices_of(version, rollout)
+            for c in choices:
+                content, calls, c.malformed_tool_calls = parse_tool_calls(c.text, names) if tools else (c.text, [], 0)
+                c.message = {"role": "assistant", "content": content}
+                if calls:
+                    c.message["tool_calls"] = calls
+                    c.finish_reason = "tool_calls"
+            with self._lock:
+                self.malformed_tool_calls += sum(c.malformed_tool_calls for c in choices)
+            return Reply("chat", self.host.model_name, choices, version, req.n, req.logprobs, req.top_logprobs or 0,
+                         self.tokenizer, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+
+        return generate, finish
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -363,12 +403,12 @@ class OpenAIRoutes:
             return {"object": "list", "data": [{"id": self.host.model_name, "object": "model", "owned_by": "rlspec"}]}
 
         @router.post("/v1/completions")
-        def completions(req: CompletionRequest):
-            return self.completion(req).response()
+        async def completions(req: CompletionRequest):
+            return (await self._run_async(self._completion(req))).response()
 
         @router.post("/v1/chat/completions")
-        def chat(req: ChatRequest):
-            return self.chat(req).response()
+        async def chat(req: ChatRequest):
+            return (await self._run_async(self._chat(req))).response()
 
         @router.get("/v1/rlspec/counters")
         def counters() -> dict:

@@ -21,9 +21,9 @@ import threading
 import time
 from pathlib import Path
 
-from ..errors import RunError
+from ..errors import RunError, SpecError
 from ..spec import RunPlan
-from . import TOKEN_ENV
+from . import TOKEN_ENV, TOKEN_FILE_ENV
 
 PARENT_POLL_S = 0.5
 STOP_GRACE_S = 5.0
@@ -50,19 +50,60 @@ def build_engine(plan: RunPlan):
     return engine
 
 
-def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None) -> None:
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine (`localhost`, 127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, allow_remote: bool) -> None:
+    """A non-loopback address needs `--allow-remote` (bad input otherwise: exit 2); with it, a warning."""
+    if is_loopback(host):
+        return
+    if not allow_remote:
+        raise SpecError("--host", f"{host!r} is not a loopback address: the server would take requests from other "
+                        "machines", "pass --allow-remote to bind it anyway (the bridge still needs the token), or "
+                        "bind 127.0.0.1 and reach it through an SSH tunnel")
+    print(f"rlspec serve: WARNING: binding {host} (--allow-remote): anyone who reaches this address can request "
+          "completions; the weight bridge needs the bridge token, which travels unencrypted over plain http",
+          file=sys.stderr, flush=True)
+
+
+def bridge_token(port: int) -> tuple[str, Path | None]:
+    """The bridge token: `RLSPEC_SERVE_TOKEN`, or a fresh one written to a file only this user can read (in a
+    new private directory), whose path is returned to be named. The token itself is never printed."""
+    given = os.environ.get(TOKEN_ENV)
+    if given:
+        return given, None
+    token = secrets.token_hex(16)
+    path = Path(tempfile.mkdtemp(prefix=f"rlspec-serve-{port}-")) / "token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, path
+
+
+def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, allow_remote: bool = False) -> None:
     """Run the server in this process until it is stopped (SIGTERM/SIGINT) or its parent dies."""
     import uvicorn
 
     from .app import FAULT_ENV, EngineHost, build_app
 
+    check_bind(host, allow_remote)
     if plan.spec.hardware.num_threads:
         import torch
 
         torch.set_num_threads(plan.spec.hardware.num_threads)
-    token = os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
-    if not os.environ.get(TOKEN_ENV):
-        print(f"rlspec serve: bridge token {token} (set {TOKEN_ENV} to it for a trainer that joins)", file=sys.stderr)
+    token, token_path = bridge_token(port)
+    if token_path is not None:
+        print(f"rlspec serve: bridge token written to {token_path} (mode 0600); a trainer that joins reads it "
+              f"from {TOKEN_FILE_ENV}={token_path} or {TOKEN_ENV}", file=sys.stderr, flush=True)
     spec = plan.spec
     name = spec.model.path or spec.model.preset
     app = build_app(EngineHost(build_engine(plan), name), token)
@@ -72,7 +113,18 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None) ->
         while True:
             time.sleep(1)
     print(f"rlspec serve: {name} on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    if token_path is not None:
+        # uvicorn re-raises the SIGTERM it shut down on: exit through Python, so the token file goes with the server.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        if token_path is not None:
+            shutil.rmtree(token_path.parent, ignore_errors=True)
+
+
+def _exit_on_sigterm(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -115,6 +167,14 @@ class ServerProcess:
                                          start_new_session=True)
         atexit.register(self.stop)
         print(f"rlspec: rollout server pid {self.proc.pid} at {self.url} (log {self.log_path})", file=sys.stderr)
+
+    def restart(self) -> None:
+        """Stop what is left of the server and start a new one on the same port with the same token (a server
+        that died mid-run; it starts from the plan's initial weights, so the trainer pushes its own next)."""
+        self.stop()
+        self.workdir = Path(tempfile.mkdtemp(prefix="rlspec-serve-"))
+        self.log_path = self.workdir / "server.log"
+        self.start()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -1,8 +1,7 @@
-"""The server's HTTP app in-process (FastAPI's TestClient): completions, bad requests, the bridge endpoint."""
+"""The server's HTTP app in-process (FastAPI's TestClient): completions, bad requests, the bridge endpoint and its
+wire format (named operations, JSON + safetensors; a pickle is refused)."""
 
 from __future__ import annotations
-
-import pickle
 
 import pytest
 
@@ -67,31 +66,102 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(se
     assert health["status"] == "ok" and health["sampler"] == "plain (not on CUDA)"
 
 
-def _raise(engine, payload):
-    raise SyncError(f"boom {payload}")
+def _client(client):
+    """The trainer's own client code, over the app in-process."""
+    from fastapi.testclient import TestClient
+
+    from rlspec.serve.client import ServerClient
+
+    remote = ServerClient("http://testserver", TOKEN)
+    remote.http = TestClient(client.app, headers={"authorization": f"Bearer {TOKEN}"})
+    return remote
 
 
-def _weight_sum(engine, payload):
-    return float(sum(t.double().sum() for _, t in engine.named_weights())) + payload
+def test_bridge_needs_the_token_runs_named_operations_and_reports_failures(served):
+    import torch
 
+    from rlspec.errors import RunError
+    from rlspec.serve import ops
+    from rlspec.sync.lora import LoraTransport
 
-def test_bridge_needs_the_token_runs_engine_halves_and_reports_failures(served):
     client, host, engine = served
-    call = pickle.dumps((_weight_sum, 1.0))
+    call = ops.pack({"op": "engine.named_weights"}, None)
     assert client.post("/bridge/receive", content=call).status_code == 401
     assert client.post("/bridge/receive", content=call, headers={"authorization": "Bearer nope"}).status_code == 401
-    auth = {"authorization": f"Bearer {TOKEN}"}
-    ok = client.post("/bridge/receive", content=call, headers=auth)
-    assert ok.status_code == 200 and pickle.loads(ok.content) == pytest.approx(_weight_sum(engine, 1.0))
-    assert client.post("/bridge/weight_version", json={"version": 5}, headers=auth).json()["weight_version"] == 5
-    failed = client.post("/bridge/receive", content=pickle.dumps((_raise, 3)), headers=auth)
-    assert failed.status_code == 500
-    report = pickle.loads(failed.content)
-    assert report["sync_error"] and "boom 3" in report["error"] and "_raise" in report["traceback"]
+    remote = _client(client)
+    named = remote.call("engine.named_weights", None)
+    own = list(engine.named_weights())
+    assert [n for n, _ in named] == [n for n, _ in own] and all(torch.equal(a, b) for (_, a), (_, b) in zip(named, own))
+    first, tensor = own[0]
+    before = tensor.clone()
+    remote.call("engine.load_weights", [(first, before + 1)])
+    assert torch.equal(tensor, before + 1)
+    remote.call("engine.load_weights", [(first, before)])
+    assert remote.call("engine.describe", None)["thread"] == "rlspec-engine"
+    assert client.post("/bridge/weight_version", json={"version": 5},
+                       headers={"authorization": f"Bearer {TOKEN}"}).json()["weight_version"] == 5
+    # A transport's engine half that fails in the server: a SyncError with the server's traceback.
+    with pytest.raises(SyncError) as failed:
+        remote.receive(LoraTransport.receive, {"tensors": [(first, before)], "expected": None, "bytes": 0})
+    assert "lora.receive failed" in str(failed.value) and "server traceback" in str(failed.value)
     # A failed sync may have written part of the weights: their version is unknown until the next push.
     assert client.get("/health").json()["weight_version"] is None
-    assert client.post("/bridge/receive", content=b"junk", headers=auth).status_code == 400
+    with pytest.raises(RunError, match="is not a bridge operation"):
+        remote.receive(_thread_name, None)  # only the server's own operations can be named
     host.weight_version = 0
+
+
+def test_a_pickled_body_a_malformed_one_and_an_unknown_operation_are_refused_naming_the_problem(served):
+    import pickle
+
+    from rlspec.serve import ops
+
+    client, host, _ = served
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    ran = []
+    for body, words in ((pickle.dumps((print, "pwned")), "pickle"), (pickle.dumps((ran.append, 1), protocol=5), "pickle"),
+                        (b"junk not a message", "not a bridge message"), (b"", "empty"),
+                        (ops.pack({"op": "os.system"}, "true"), "unknown bridge operation 'os.system'"),
+                        (ops.pack({"op": "engine.logprobs"}, {"nope": 1}), "engine.logprobs")):
+        out = client.post("/bridge/receive", content=body, headers=auth)
+        assert out.status_code == 400, out.text
+        assert words in out.json()["detail"][0]["msg"], out.text
+    assert not ran and host.weight_version == 0
+
+
+def test_the_wire_format_round_trips_payloads_and_refuses_what_is_not_data():
+    import math
+
+    import torch
+
+    from rlspec.serve import ops
+
+    base = torch.arange(6.0)
+    value = {"tensors": [("a", base[:3]), ("b", base[3:])], "expected": {"a": (1.0, float("nan"))}, "n": 3,
+             "h": b"\x00\xff", "dtype": torch.bfloat16, "none": None, "size": torch.Size([2, 3]),
+             "ints": torch.tensor([1, -2], dtype=torch.int32)}
+    header, back = ops.unpack(ops.pack({"op": "x"}, value))
+    assert header == {"op": "x"}
+    assert back["tensors"][1][0] == "b" and torch.equal(back["tensors"][1][1], base[3:])
+    assert isinstance(back["tensors"][0], tuple) and back["size"] == (2, 3) and back["h"] == b"\x00\xff"
+    assert back["expected"]["a"][0] == 1.0 and math.isnan(back["expected"]["a"][1])
+    assert back["dtype"] is torch.bfloat16 and back["none"] is None and back["ints"].dtype == torch.int32
+    for bad in (print, object(), {1: 2}, {"$tensor": "t0"}):
+        with pytest.raises(TypeError):
+            ops.pack({"op": "x"}, bad)
+
+
+def test_every_engine_half_the_transports_send_is_an_operation():
+    from rlspec.serve import ops
+    from rlspec.sync.checkpoint import CheckpointTransport
+    from rlspec.sync.collective import CollectiveTransport
+    from rlspec.sync.cuda_ipc import CudaIpcTransport
+    from rlspec.sync.lora import LoraTransport
+
+    for fn in (CheckpointTransport.receive, LoraTransport.receive, CudaIpcTransport.receive, CudaIpcTransport.forget,
+               CollectiveTransport.join_receiver, CollectiveTransport.receive, CollectiveTransport.receive_streamed,
+               CollectiveTransport.leave, CollectiveTransport.raw_receive):
+        assert ops.operation_for(fn).fn is fn
 
 
 def test_a_too_long_prompt_is_bad_input_naming_the_spec_key_on_both_sides(served):
@@ -123,11 +193,22 @@ def test_all_engine_work_runs_on_the_one_engine_thread_while_requests_overlap(se
     from concurrent.futures import ThreadPoolExecutor
 
     client, _, _ = served
-    auth = {"authorization": f"Bearer {TOKEN}"}
-    named = client.post("/bridge/receive", content=pickle.dumps((_thread_name, None)), headers=auth)
-    assert pickle.loads(named.content) == "rlspec-engine"
+    assert _client(client).call("engine.describe", None)["thread"] == "rlspec-engine"
     body = {"prompt": ["ab=", "c="], "n": 2, "seed": 3, "max_tokens": 4, "logprobs": 1}
     with ThreadPoolExecutor(2) as pool:
         outs = list(pool.map(lambda _: client.post("/v1/completions", json=body), range(2)))
     assert all(o.status_code == 200 for o in outs)
     assert outs[0].json()["choices"] == outs[1].json()["choices"]  # same seed, same engine, one at a time
+
+
+def test_no_module_of_the_server_imports_pickle():
+    import ast
+    from pathlib import Path
+
+    import rlspec.serve
+
+    for path in Path(rlspec.serve.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] in ("pickle", "cloudpickle", "dill") for n in names), path

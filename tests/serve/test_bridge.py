@@ -24,6 +24,7 @@ pytestmark = pytest.mark.distributed
 
 BASE = ("examples/tiny.yaml", "algorithm.steps=3", "hardware.num_threads=1")
 BRIDGE = ("hardware.rollout=separate", "sync.method=nccl")
+JOINED_TOKEN = "joined-bridge-token-7f3a"
 
 
 def _alive(pid: int) -> bool:
@@ -97,10 +98,31 @@ def _same_learning(rows, reference) -> None:
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-9)
 
 
+def _server_token(pid: int) -> str:
+    """The bridge token a run handed its server (from the server's environment)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return env[b"RLSPEC_SERVE_TOKEN"].decode()
+
+
+def _assert_token_nowhere(token: str, *texts: str, out: Path) -> None:
+    assert len(token) >= 6
+    for i, text in enumerate(texts):
+        assert token not in text, f"the bridge token is in output {i}"
+    for path in out.rglob("*"):
+        if path.is_file() and path.suffix in ("", ".log", ".json", ".jsonl", ".yaml", ".txt"):
+            assert token not in path.read_text(errors="replace"), f"the bridge token is in {path}"
+
+
 def test_bridge_run_learns_like_colocated_and_leaves_no_server(colocated, tmp_path):
     run = Run(tmp_path / "out", *BASE, *BRIDGE, "checkpoint.every_n_steps=1", "checkpoint.keep_last=0")
     pid = run.server_pid()
+    token = _server_token(pid)
+    server_log = re.search(r"rollout server pid \d+ at \S+ \(log (\S+)\)", run.stderr()).group(1)
+    run.wait_for_rows(1)
+    logged = Path(server_log).read_text(errors="replace")  # removed when the run stops its server
     assert run.wait() == 0, run.stderr()
+    _assert_token_nowhere(token, run.stderr(), logged, out=tmp_path / "out")
     assert _gone_within(pid, 1.0), "the rollout server outlived the run"
     rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
     _same_learning(rows, colocated)
@@ -108,7 +130,8 @@ def test_bridge_run_learns_like_colocated_and_leaves_no_server(colocated, tmp_pa
 
 
 def test_server_killed_mid_run_ends_the_run_naming_server_and_transport(tmp_path):
-    run = Run(tmp_path / "out", "examples/tiny.yaml", "algorithm.steps=500", *BRIDGE, "sync.timeout_s=10")
+    run = Run(tmp_path / "out", "examples/tiny.yaml", "algorithm.steps=500", *BRIDGE, "sync.timeout_s=10",
+              "rollout.server_reconnect_s=0")
     pid = run.server_pid()
     run.wait_for_rows(1)
     os.kill(pid, signal.SIGKILL)
@@ -156,15 +179,16 @@ def test_joined_server_survives_a_trainer_restart_and_a_resumed_run_pushes_first
     from rlspec.serve.process import free_port
 
     port = free_port()
-    env = {**os.environ, TOKEN_ENV: "secret"}
+    env = {**os.environ, TOKEN_ENV: JOINED_TOKEN}
     with open(tmp_path / "server.log", "w") as log:
         server = subprocess.Popen(rlspec_cmd("serve", *BASE, "--port", str(port)), cwd=REPO, env=env,
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         joined = (*BASE, *BRIDGE, f"rollout.server_url={url}", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0")
-        first = Run(tmp_path / "first", *joined, env={TOKEN_ENV: "secret"})
+        first = Run(tmp_path / "first", *joined, env={TOKEN_ENV: JOINED_TOKEN})
         assert first.wait() == 0, first.stderr()
+        _assert_token_nowhere(JOINED_TOKEN, first.stderr(), (tmp_path / "server.log").read_text(), out=tmp_path / "first")
         assert server.poll() is None, "the joined server exited with its trainer"
         assert httpx.get(f"{url}/health").json()["weight_version"] == 3
         _same_learning(read_metrics(tmp_path / "first" / "metrics.jsonl"), colocated)
@@ -172,7 +196,7 @@ def test_joined_server_survives_a_trainer_restart_and_a_resumed_run_pushes_first
         # its weights before the first rollout, step 2 samples from the wrong policy.
         shutil.copytree(tmp_path / "first", tmp_path / "resumed")
         shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000002")
-        resumed = Run(tmp_path / "resumed", *joined, "--resume", env={TOKEN_ENV: "secret"})
+        resumed = Run(tmp_path / "resumed", *joined, "--resume", env={TOKEN_ENV: JOINED_TOKEN})
         assert resumed.wait() == 0, resumed.stderr()
         _same_learning(read_metrics(tmp_path / "resumed" / "metrics.jsonl"), colocated)
         assert httpx.get(f"{url}/health").json()["weight_version"] == 3
@@ -187,3 +211,88 @@ def test_a_prompt_over_max_prompt_tokens_through_the_server_exits_2_naming_the_k
     run = Run(tmp_path / "out", *BASE, *BRIDGE, "rollout.max_prompt_tokens=1")  # copy_char prompts have 2
     assert run.wait() == 2, run.stderr()
     assert "rollout.max_prompt_tokens" in run.stderr() and "raise rollout.max_prompt_tokens" in run.stderr()
+
+
+def test_a_server_killed_mid_run_is_restarted_and_the_run_learns_as_if_nothing_happened(colocated, tmp_path):
+    """The run's own server is SIGKILLed between steps (the trainer paused meanwhile, so the loss lands mid-run):
+    the trainer starts a new one, pushes its weights, re-runs the interrupted requests, and every row equals the
+    colocated run's."""
+    run = Run(tmp_path / "out", *BASE, *BRIDGE, "sync.timeout_s=10", "rollout.server_reconnect_s=120")
+    pid = run.server_pid()
+    run.wait_for_rows(1)
+    run.proc.send_signal(signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        assert _gone_within(pid, 5.0)
+    finally:
+        run.proc.send_signal(signal.SIGCONT)
+    assert run.wait() == 0, run.stderr()
+    err = run.stderr()
+    assert "was lost; waiting up to 120 s" in err and "is back after" in err, err
+    assert len(re.findall(r"rollout server pid (\d+)", err)) == 2, err
+    _same_learning(read_metrics(tmp_path / "out" / "metrics.jsonl"), colocated)
+
+
+def _start_server(port: int, log_path: Path) -> subprocess.Popen:
+    from rlspec.serve import TOKEN_ENV
+
+    with open(log_path, "a") as log:
+        return subprocess.Popen(rlspec_cmd("serve", *BASE, "--port", str(port)), cwd=REPO,
+                                env={**os.environ, TOKEN_ENV: JOINED_TOKEN}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _kill(server: subprocess.Popen) -> None:
+    try:
+        os.killpg(server.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server.wait()
+
+
+def test_a_joined_server_killed_and_restarted_mid_run_is_waited_for_and_the_run_learns_as_before(colocated, tmp_path):
+    from rlspec.serve import TOKEN_ENV
+    from rlspec.serve.process import free_port
+
+    port = free_port()
+    server = _start_server(port, tmp_path / "server.log")
+    try:
+        run = Run(tmp_path / "out", *BASE, *BRIDGE, f"rollout.server_url=http://127.0.0.1:{port}", "sync.timeout_s=10",
+                  "rollout.server_reconnect_s=120", env={TOKEN_ENV: JOINED_TOKEN})
+        run.wait_for_rows(1)
+        run.proc.send_signal(signal.SIGSTOP)  # so that the loss lands mid-run however fast the steps are
+        try:
+            _kill(server)
+        finally:
+            run.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while "was lost; waiting up to 120 s" not in run.stderr():
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr()
+            time.sleep(0.1)
+        server = _start_server(port, tmp_path / "server.log")  # its operator restarts it, on the same address
+        assert run.wait() == 0, run.stderr()
+        assert "is back after" in run.stderr(), run.stderr()
+        _same_learning(read_metrics(tmp_path / "out" / "metrics.jsonl"), colocated)
+    finally:
+        _kill(server)
+
+
+@pytest.mark.slow  # the deadline logic is also tested without processes (tests/serve/test_reconnect.py)
+def test_a_server_that_stays_away_past_server_reconnect_s_fails_the_run(tmp_path):
+    from rlspec.serve import TOKEN_ENV
+    from rlspec.serve.process import free_port
+
+    port = free_port()
+    server = _start_server(port, tmp_path / "server.log")
+    try:
+        run = Run(tmp_path / "out", "examples/tiny.yaml", "algorithm.steps=500", "hardware.num_threads=1", *BRIDGE,
+                  f"rollout.server_url=http://127.0.0.1:{port}", "sync.timeout_s=10", "rollout.server_reconnect_s=3",
+                  env={TOKEN_ENV: JOINED_TOKEN})
+        run.wait_for_rows(1)
+    finally:
+        _kill(server)
+    killed = time.monotonic()
+    assert run.wait(120) == 1, run.stderr()
+    assert time.monotonic() - killed < 3 + 10 + 15
+    err = run.stderr()
+    assert "is not back within rollout.server_reconnect_s=3" in err, err

@@ -13,13 +13,6 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _uses_graphs(engine, _payload) -> str:
-    """Run in the server (a bridge call): whether the requests sampled through the graph sampler."""
-    sampler = engine._graph_sampler
-    return f"sampler={type(sampler).__name__} use_graphs={getattr(sampler, 'use_graphs', None)} " \
-           f"captured={len(getattr(sampler, '_warmed', ()) or ())} kind={engine.sampler_kind()}"
-
-
 def _serve_and_complete(hardware, sync_method: str) -> None:
     from rlspec.core.backend import all_caps
     from rlspec.serve.client import ServerClient
@@ -58,8 +51,8 @@ def _serve_and_complete(hardware, sync_method: str) -> None:
             assert logps and all(math.isfinite(lp) and lp <= 0 for lp in logps)
         health = ServerClient(server.url, server.token, 60).health()
         assert health["sampler"] == "cuda_graph", health
-        used = ServerClient(server.url, server.token, 60).receive(_uses_graphs, None)
-        assert "use_graphs=True" in used, used
+        used = ServerClient(server.url, server.token, 60).call("engine.describe", None)  # how the requests sampled
+        assert used["use_graphs"] is True and used["sampler"] == "cuda_graph", used
         log = server.log_path.read_text(errors="replace")
         assert "Offset increment" not in log, log
     finally:

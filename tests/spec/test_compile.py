@@ -117,6 +117,8 @@ def test_bridge_settings_are_checked():
         spec_with(backend="multi", rollout={"server_url": "127.0.0.1:8000"})
     with pytest.raises(SpecError, match="rollout.server_start_timeout_s"):
         spec_with(backend="multi", rollout={"server_start_timeout_s": 0})
+    with pytest.raises(SpecError, match="rollout.server_reconnect_s"):
+        spec_with(backend="multi", rollout={"server_reconnect_s": -1})
 
 
 def test_plan_is_frozen():
