@@ -15,7 +15,9 @@ import torch
 
 from rlspec.core.backend import all_caps, create_backend
 from rlspec.errors import RunError
+from rlspec.core.batch import TrainBatch
 from rlspec.core.grpo import LossNorm
+from rlspec.core.step import update
 from rlspec.cluster.ray_group import FAULT_ENV
 from rlspec.spec import compile_plan, load_spec
 from rlspec.sync import build_transport
@@ -54,9 +56,14 @@ def test_matches_local_trainer_transports_and_fault(ray_session, monkeypatch):
         backend.setup(plan)
         got = run_steps(backend, plan, batch)
         check_steps(expected, got)
-        diff = max_weight_diff(dict(backend.export_weights()), dict(reference.export_weights()))
+        have = dict(backend.export_weights())
+        diff = max_weight_diff(have, dict(reference.export_weights()))
         print(f"\nSGD + KL + clip + checkpointing: max abs weight diff vs LocalTrainer after 3 steps {diff:.3g}")
         assert diff < 1e-6
+        dropped = TrainBatch(**batch.tensors())
+        dropped.loss_mask = torch.zeros_like(batch.loss_mask)  # every sample dropped: no step, no weight moves
+        assert update(plan, backend, dropped).skip_reason == "every sample was dropped"
+        assert max_weight_diff(dict(backend.export_weights()), have) == 0.0
         engine = backend.rollout_engine()
         trainer_logp = backend.logprobs(batch)
         for method in ("ray", "nccl", "checkpoint"):
