@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 
 import pytest
 import torch
@@ -21,8 +22,8 @@ from rlspec.core.step import update
 from rlspec.cluster.ray_group import FAULT_ENV
 from rlspec.spec import compile_plan, load_spec
 from rlspec.sync import build_transport
-from tests.backends.ranks import (TINY, kill_a_rank_mid_run, fixed_batch, max_weight_diff, reference_trainer, rlspec_run,
-                                  run_steps)
+from tests.backends.ranks import (TINY, kill_a_rank_mid_run, fixed_batch, max_weight_diff, preempt_whole_tree,
+                                  reference_trainer, rlspec_run, run_steps)
 
 pytestmark = pytest.mark.distributed
 
@@ -185,6 +186,10 @@ def test_watchdog_killed_rank_stops_run(tmp_path):
     assert returncode == 1, err[-4000:]
     assert elapsed < 30
     assert "run failed: trainer rank" in err and "died" in err, err[-4000:]
+
+
+def test_sigterm_to_the_whole_tree_checkpoints_and_resume_finishes(tmp_path):
+    preempt_whole_tree("fsdp", tmp_path / "preempted", signal.SIGTERM)
 
 
 def test_vla_episodes_in_two_engines_equal_standalone(tmp_path):
