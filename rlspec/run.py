@@ -117,6 +117,10 @@ def prepare_out_dir(out: Path, plan: RunPlan, resume: bool) -> tuple[int, list[P
         raise SpecError("--resume", f"{previous} is unreadable ({type(err).__name__})", "start a new --out") from None
     if refused:
         raise resume_refused(refused, started, now, out)
+    if plan.spec.model.lora.r and now["backend"] != started.get("backend", now["backend"]):
+        raise SpecError("backend", f"is {now['backend']!r} now but {started['backend']!r} in the run {out} resumes; "
+                        "a LoRA run's optimizer state is saved in its backend's own layout",
+                        f"resume with --backend {started['backend']}, or start a new --out")
     latest = Checkpoints(out / "checkpoints", 0, True).latest()
     if latest is None:
         raise SpecError("--resume", f"{out} has no completed checkpoint", "start a new run instead")

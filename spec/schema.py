@@ -533,16 +533,20 @@ RESUMABLE_CHANGES = (
     "checkpoint.every_n_steps", "checkpoint.keep_last", "checkpoint.save_optimizer",
     "hardware.stall_timeout_s", "hardware.stall_action", "hardware.preempt_grace_s", "hardware.num_threads",
     "hardware.ray_address", "hardware.placement_strategy",
+    "backend", "hardware.num_trainer_ranks", "hardware.device", "hardware.offload_params", "hardware.offload_optimizer",
+    "hardware.rollout", "sync.method",
     "sync.timeout_s", "sync.verify", "sync.bucket_mb",
     "rollout.request_timeout_s", "rollout.server_start_timeout_s", "rollout.server_url",
     "rollout.task.judge.timeout_s", "rollout.task.judge.max_retries", "rollout.task.judge.backoff_s",
     "rollout.task.judge.backoff_max_s", "rollout.task.judge.jitter", "rollout.task.judge.max_concurrency",
     "rollout.agent.timeout_s",
 )
-"""Spec fields that may change on `--resume`: how long to run, when to save, how long to wait, where to log and
-which cluster to join, none of which changes the numbers a step computes. Every other field (the model, the
-algorithm's constants, the group size, the seed, sampling, the task, the backend and its ranks, whose
-checkpoint layout is theirs) must be what the run started with: `resume_changes` names the first that is not."""
+"""Spec fields that may change on `--resume`: how long to run, when to save, how long to wait, which cluster to
+join, and where the trainer runs (backend, rank count, device, offload: a checkpoint holds the HF model and the
+optimizer state by parameter name, which every backend at any rank count resumes; LoRA excepted, see
+`rlspec.run.prepare_out_dir`), none of which changes the math of a step. Every other field (the model, the
+algorithm's constants, the group size, the seed, sampling, the task, the number of rollout engines) must be
+what the run started with: `resume_changes` names the first that is not."""
 
 
 def resume_changes(started: dict, now: dict) -> tuple[list[str], list[str]]:

@@ -90,15 +90,17 @@ def test_non_finite_loss_stops_before_checkpoint(tmp_path, capsys):
 def test_disk_full_during_checkpoint_keeps_the_previous_one(monkeypatch, tmp_path, capsys):
     """ENOSPC while writing step 3's optimizer state (after its weights): exit 1 saying so; step 1's checkpoint
     stays the latest, the partial one is gone, and --resume continues from step 1 to the end."""
-    real_save = torch.save
+    import safetensors.torch
 
-    def full_disk(obj, path, *args, **kwargs):
-        if "step_000003" in str(path):
+    real_save = safetensors.torch.save_file
+
+    def full_disk(tensors, path, *args, **kwargs):
+        if "step_000003" in str(path) and str(path).endswith("state.safetensors"):
             Path(path).write_bytes(b"\0" * 1000)  # the part that fit
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_save(obj, path, *args, **kwargs)
+        return real_save(tensors, path, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     out = tmp_path / "o"
     args = [*SMALL, "algorithm.steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep_last=1"]
     code, err, took = cli(capsys, out, *args)
@@ -107,7 +109,7 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(monkeypatch, tmp_pat
     assert "step_000001" in err and "--resume" in err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
 
-    monkeypatch.setattr(torch, "save", real_save)
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
     code, err, _ = cli(capsys, out, *args, "--resume")
     assert code == 0, err
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(6))
