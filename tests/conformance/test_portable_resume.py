@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from conformance.tolerances import TOLERANCES
+from rlspec.conformance.tolerances import TOLERANCES
 from rlspec.runtime.metrics import read_metrics
 from tests.conftest import REPO, rlspec_cmd
 
