@@ -5,8 +5,9 @@
   128 + SIGTERM, 130 for SIGINT, so scripts do not take it for a finished run); `rlspec run ... --resume`
   continues from that checkpoint. A step still sampling (no optimizer step taken yet, synchronous loop) is
   abandoned at once and the previous step is checkpointed; a step already updating finishes first. The Ray
-  actors defer the signal (`rlspec.runtime.stall.defer_termination`) so that they live to write their part. All of this must end
-  within `hardware.preempt_grace_s`: past it the process exits 128 + signal without that checkpoint (the
+  actors defer the signal (`rlspec.runtime.stall.defer_termination`) and a local Ray cluster's processes
+  start with it blocked (`rlspec.cluster.ray_utils.start_ray`), so that they live to write their part. All of
+  this must end within `hardware.preempt_grace_s`: past it the process exits 128 + signal without that checkpoint (the
   previous one stays the latest, a half-written one is never published). A second signal stops at once.
 - A non-finite loss, grad norm or KL stops the run at that step with `RunError` naming the step, before
   its weights are checkpointed: the previous checkpoint stays the latest.
@@ -147,9 +148,10 @@ class RunMonitor:
         except (AttributeError, ValueError, io.UnsupportedOperation):  # no stderr file descriptor: no backstop
             pass
         now = self._abandonable
-        print(f"rlspec: {signal.Signals(signum).name} received: "
-              f"{'abandoning this step (no update yet) and checkpointing the last completed one' if now else 'checkpointing this step once it completes'}"
-              f" within hardware.preempt_grace_s={self.grace_s:g} (send it again to stop at once)", file=sys.stderr, flush=True)
+        what = ("abandoning this step (no update yet) and checkpointing the last completed one" if now
+                else "checkpointing this step once it completes")
+        print(f"rlspec: {signal.Signals(signum).name} received: {what} within hardware.preempt_grace_s="
+              f"{self.grace_s:g} (send it again to stop at once)", file=sys.stderr, flush=True)
         if now:
             self._abandonable = False
             raise StepAbandoned()

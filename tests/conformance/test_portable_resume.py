@@ -17,8 +17,7 @@ pytest.importorskip("ray")
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.distributed
 
-SMALL = ["rollout.prompts_per_step=2", "algorithm.group_size=2", "algorithm.micro_batch_size=1",
-         "rollout.max_new_tokens=4", "algorithm.lr=1e-2", "checkpoint.keep_last=0"]
+SMALL = ["checkpoint.keep_last=0"]  # tiny.yaml's batch (64 sequences): some get a reward, so there is a gradient
 
 
 def run(out, backend: str, steps: int, *extra: str) -> None:
