@@ -143,7 +143,8 @@ def resume_refused(keys: list[str], started: dict, now: dict, out: Path) -> Spec
     others = f" (also changed: {', '.join(keys[1:])})" if len(keys) > 1 else ""
     return SpecError(key, f"is {new!r} now but {was!r} in the run {out} resumes{others}; it changes what a step "
                      "computes, so --resume keeps it", f"resume with {key}={json.dumps(was)}, or start a new --out "
-                     f"(fields that may change on --resume: {', '.join(RESUMABLE_CHANGES)})")
+                     f"(--resume may change only the {len(RESUMABLE_CHANGES)} fields that do not change the math — "
+                     "steps, checkpointing, timeouts, where the trainer runs: spec.RESUMABLE_CHANGES)")
 
 
 def _lookup(tree: dict, key: str):
