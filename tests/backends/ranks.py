@@ -115,7 +115,8 @@ def preempt_whole_tree(backend: str, out: Path, signum: int) -> None:
     from rlspec.runtime.metrics import read_metrics
 
     small = ["rollout.prompts_per_step=2", "algorithm.group_size=2", "algorithm.micro_batch_size=1",
-             "rollout.max_new_tokens=4", "checkpoint.every_n_steps=0"]
+             "rollout.max_new_tokens=4", "checkpoint.every_n_steps=0",
+             "hardware.preempt_grace_s=120"]  # 10-20 s from the signal to the exit on a busy 2-core machine
     proc = rlspec_run(backend, out, *small, "algorithm.steps=100")
     try:
         wait_for_metric_rows(proc, out / "metrics.jsonl", 2, poll_s=0.05)
