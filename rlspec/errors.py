@@ -34,6 +34,8 @@ class Stopped(Exception):
         name = signal.Signals(signum).name
         if checkpoint is not None:
             text = f"{name}: stopped after step {step}; checkpoint {checkpoint} — continue with --resume"
+        elif step is not None:
+            text = f"{name}: stopped before the first step completed; nothing to checkpoint — start the run again"
         else:
             text = f"{name} again: stopped at once, without a checkpoint of the current step"
         super().__init__(text)

@@ -17,7 +17,7 @@ from .models.factory import check_model_spec
 from .runtime.checkpoints import Checkpoints, check_resumable
 from .runtime.metrics import read_metrics
 from .runtime.monitor import RUN_LOG, RunLog, RunMonitor
-from .spec import RunPlan, compile_plan, load_spec
+from .spec import RESUMABLE_CHANGES, RunPlan, compile_plan, load_spec, resume_changes
 from .tasks import Task, build_task
 
 
@@ -110,22 +110,47 @@ def prepare_out_dir(out: Path, plan: RunPlan, resume: bool) -> tuple[int, list[P
     if not previous.is_file():
         raise SpecError("--resume", f"{out} holds no run to resume (no plan.json)", "drop --resume to start a new run")
     try:
-        same = json.loads(previous.read_text())["spec"] == json.loads(plan.to_json())["spec"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        started = json.loads(previous.read_text())["spec"]
+        now = json.loads(plan.to_json())["spec"]
+        _, refused = resume_changes(started, now)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise SpecError("--resume", f"{previous} is unreadable ({type(err).__name__})", "start a new --out") from None
-    if not same:
-        raise SpecError("--resume", f"the spec differs from the one {out} was started with",
-                        "resume with the same spec and overrides, or start a new --out")
+    if refused:
+        raise resume_refused(refused, started, now, out)
+    if plan.spec.model.lora.r and now["backend"] != started.get("backend", now["backend"]):
+        raise SpecError("backend", f"is {now['backend']!r} now but {started['backend']!r} in the run {out} resumes; "
+                        "a LoRA run's optimizer state is saved in its backend's own layout",
+                        f"resume with --backend {started['backend']}, or start a new --out")
     latest = Checkpoints(out / "checkpoints", 0, True).latest()
     if latest is None:
         raise SpecError("--resume", f"{out} has no completed checkpoint", "start a new run instead")
     start = check_resumable(latest, plan.spec.model) + 1
+    staging = out / "plan.json.tmp"  # the plan now in force (steps, cadence, timeouts may have changed)
+    staging.write_text(plan.to_json())
+    staging.replace(previous)
     if metrics.exists():  # drop rows past the checkpoint; rewrite atomically
         kept = [row for row in read_metrics(metrics) if row["step"] < start]
         staging = out / "metrics.jsonl.tmp"
         staging.write_text("".join(json.dumps(row) + "\n" for row in kept))
         staging.replace(metrics)
     return start, []
+
+
+def resume_refused(keys: list[str], started: dict, now: dict, out: Path) -> SpecError:
+    """The `SpecError` naming the first field that changed the math since the run in `out` started."""
+    key = keys[0]
+    was, new = _lookup(started, key), _lookup(now, key)
+    others = f" (also changed: {', '.join(keys[1:])})" if len(keys) > 1 else ""
+    return SpecError(key, f"is {new!r} now but {was!r} in the run {out} resumes{others}; it changes what a step "
+                     "computes, so --resume keeps it", f"resume with {key}={json.dumps(was)}, or start a new --out "
+                     f"(--resume may change only the {len(RESUMABLE_CHANGES)} fields that do not change the math — "
+                     "steps, checkpointing, timeouts, where the trainer runs: spec.RESUMABLE_CHANGES)")
+
+
+def _lookup(tree: dict, key: str):
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None = None, out: str | None = None,

@@ -496,9 +496,15 @@ class HardwareSpec(_Section):
     """No step done for this long: dump every process's stacks to OUT/stall/ (0: off); under the 30-min collective timeout."""
     stall_action: str = "fail"
     """What a stall does after the dump: fail (exit 1) | warn (keep waiting, dump again after another timeout)."""
+    preempt_grace_s: float = 30.0
+    """After SIGTERM/SIGINT, the time the run has to finish (or abandon) its step and checkpoint it; past it the
+    run exits 143 without that checkpoint (the previous one stays the latest). Schedulers kill after their own
+    grace (Slurm's KillWait, 30 s; Kubernetes' terminationGracePeriodSeconds): keep this below theirs."""
 
     def __post_init__(self) -> None:
         p = "hardware"
+        _positive(self.preempt_grace_s, f"{p}.preempt_grace_s")
+        _finite(self.preempt_grace_s, f"{p}.preempt_grace_s")
         one_of(self.device, DEVICES, f"{p}.device")
         _positive(self.num_trainer_ranks, f"{p}.num_trainer_ranks")
         _positive(self.num_rollout_engines, f"{p}.num_rollout_engines")
@@ -544,3 +550,50 @@ class Spec(_Section):
     """Checkpointing."""
     backend: str = "standalone"
     """Trainer backend (deepspeed | fsdp | standalone); `--backend` on the CLI overrides it."""
+
+
+RESUMABLE_CHANGES = (
+    "algorithm.steps",
+    "checkpoint.every_n_steps", "checkpoint.keep_last", "checkpoint.save_optimizer",
+    "hardware.stall_timeout_s", "hardware.stall_action", "hardware.preempt_grace_s", "hardware.num_threads",
+    "hardware.ray_address", "hardware.placement_strategy",
+    "backend", "hardware.num_trainer_ranks", "hardware.device", "hardware.offload_params", "hardware.offload_optimizer",
+    "hardware.rollout", "sync.method",
+    "sync.timeout_s", "sync.verify", "sync.bucket_mb",
+    "rollout.request_timeout_s", "rollout.server_start_timeout_s", "rollout.server_url",
+    "rollout.task.judge.timeout_s", "rollout.task.judge.max_retries", "rollout.task.judge.backoff_s",
+    "rollout.task.judge.backoff_max_s", "rollout.task.judge.jitter", "rollout.task.judge.max_concurrency",
+    "rollout.agent.timeout_s",
+)
+"""Spec fields that may change on `--resume`: how long to run, when to save, how long to wait, which cluster to
+join, and where the trainer runs (backend, rank count, device, offload: a checkpoint holds the HF model and the
+optimizer state by parameter name, which every backend at any rank count resumes; LoRA excepted, see
+`rlspec.run.prepare_out_dir`), none of which changes the math of a step. Every other field (the model, the
+algorithm's constants, the group size, the seed, sampling, the task, the number of rollout engines) must be
+what the run started with: `resume_changes` names the first that is not."""
+
+
+def resume_changes(started: dict, now: dict) -> tuple[list[str], list[str]]:
+    """(allowed, refused): the dotted keys whose values differ between two `Spec` dicts (`RunPlan.to_dict()["spec"]`),
+    split by `RESUMABLE_CHANGES`. A field the started run's rlspec did not have yet counts as its default."""
+    import dataclasses
+
+    old, new = _flatten(started), _flatten(now)
+    defaults = _flatten(dataclasses.asdict(Spec()))
+    changed = [key for key in sorted(old.keys() | new.keys())
+               if old.get(key, defaults.get(key, _ABSENT)) != new.get(key, _ABSENT)]
+    allowed = [key for key in changed if key in RESUMABLE_CHANGES]
+    return allowed, [key for key in changed if key not in RESUMABLE_CHANGES]
+
+
+_ABSENT = object()
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

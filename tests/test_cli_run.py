@@ -77,8 +77,20 @@ def test_resume_continues_from_the_latest_checkpoint(short_run, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     original = read_metrics(short_run / "metrics.jsonl")
     assert rows[2]["reward/mean"] == original[2]["reward/mean"]  # same sampling seed per step
-    mismatch = run_cli("run", "examples/tiny.yaml", "algorithm.steps=5", "--out", str(out), "--resume")
-    assert mismatch.returncode == 2 and "spec differs" in mismatch.stderr
+    # A field that changes the math is refused, naming it, its old value and the fix; nothing is written.
+    before = (out / "metrics.jsonl").read_bytes()
+    refused = run_cli("run", "examples/tiny.yaml", "algorithm.steps=6", "algorithm.group_size=4", "--out", str(out),
+                      "--resume")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "algorithm.group_size: is 4 now but 8 in the run" in refused.stderr
+    assert "resume with algorithm.group_size=8" in refused.stderr
+    assert (out / "metrics.jsonl").read_bytes() == before
+    # Operational fields may change: run longer, checkpoint at the end only, another stall timeout.
+    longer = run_cli("run", "examples/tiny.yaml", "algorithm.steps=5", "checkpoint.every_n_steps=0",
+                     "hardware.stall_timeout_s=60", "--out", str(out), "--resume", "--no-progress")
+    assert longer.returncode == 0, longer.stderr
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    assert json.loads((out / "plan.json").read_text())["spec"]["algorithm"]["steps"] == 5  # the plan now in force
 
 
 def test_cuda_without_cuda_is_bad_input(tmp_path):

@@ -90,15 +90,17 @@ def test_non_finite_loss_stops_before_checkpoint(tmp_path, capsys):
 def test_disk_full_during_checkpoint_keeps_the_previous_one(monkeypatch, tmp_path, capsys):
     """ENOSPC while writing step 3's optimizer state (after its weights): exit 1 saying so; step 1's checkpoint
     stays the latest, the partial one is gone, and --resume continues from step 1 to the end."""
-    real_save = torch.save
+    import safetensors.torch
 
-    def full_disk(obj, path, *args, **kwargs):
-        if "step_000003" in str(path):
+    real_save = safetensors.torch.save_file
+
+    def full_disk(tensors, path, *args, **kwargs):
+        if "step_000003" in str(path) and str(path).endswith("state.safetensors"):
             Path(path).write_bytes(b"\0" * 1000)  # the part that fit
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_save(obj, path, *args, **kwargs)
+        return real_save(tensors, path, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     out = tmp_path / "o"
     args = [*SMALL, "algorithm.steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep_last=1"]
     code, err, took = cli(capsys, out, *args)
@@ -107,7 +109,7 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(monkeypatch, tmp_pat
     assert "step_000001" in err and "--resume" in err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
 
-    monkeypatch.setattr(torch, "save", real_save)
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
     code, err, _ = cli(capsys, out, *args, "--resume")
     assert code == 0, err
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(6))
@@ -152,3 +154,51 @@ def test_check_finite_unit():
     check_finite(3, {"step": 3, "loss": 0.5, "grad_norm": float("inf")}, loss_scaled=True)  # fp16: a skipped step
     with pytest.raises(RunError, match=r"non-finite loss=nan"):
         check_finite(3, {"step": 3, "loss": float("nan"), "grad_norm": float("inf")}, loss_scaled=True)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_sampling_abandons_the_step_and_checkpoints_the_last(monkeypatch, tmp_path, capsys, signum):
+    """The signal lands inside step 2's reward (no update made in that step yet): step 2 is dropped at once, step 1
+    is checkpointed, exit 128 + signal; --resume runs steps 2.. again."""
+    import os
+
+    calls = itertools.count()
+    real = copy_char.reward
+
+    @functools.wraps(real)
+    def reward(completion, prompt, **kwargs):
+        if next(calls) == 1 + 2 * 4:  # the first reward of step 2 (call 0 is the build-time dry run)
+            os.kill(os.getpid(), signum)
+        return real(completion, prompt, **kwargs)
+
+    monkeypatch.setattr(copy_char, "reward", reward)
+    out = tmp_path / "o"
+    code, err, _ = cli(capsys, out, *SMALL, "algorithm.steps=4")
+    assert code == 128 + signum, err
+    name = signal.Signals(signum).name
+    assert "abandoning this step" in err and f"{name}: stopped after step 1" in err
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000001"]
+    monkeypatch.setattr(copy_char, "reward", real)
+    code, err, _ = cli(capsys, out, *SMALL, "algorithm.steps=4", "--resume")
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+def test_past_the_grace_period_the_run_exits_without_that_checkpoint(monkeypatch):
+    """A step that outlasts hardware.preempt_grace_s after the signal: exit 143 at the deadline, no checkpoint."""
+    import os
+
+    from rlspec.run import build_plan
+    from rlspec.runtime import monitor as monitor_module
+
+    exits = []
+    monkeypatch.setattr(monitor_module.os, "_exit", exits.append)
+    plan = build_plan(TINY, ["hardware.preempt_grace_s=0.2", "hardware.stall_timeout_s=0"])[0]
+    with monitor_module.RunMonitor(plan, Path(".")) as monitor:
+        os.kill(os.getpid(), signal.SIGTERM)  # outside `abandonable`: the step would finish first
+        deadline = time.monotonic() + 5
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert monitor.stop_signal == signal.SIGTERM
+    assert exits == [143]

@@ -91,3 +91,25 @@ def test_past_the_error_rate_the_run_fails_naming_the_key(plan):
     text = str(caught.value)
     assert "rollout.task.max_reward_error_rate=0.4" in text and "4 of 8" in text and "50.0%" in text
     assert "step 7" in text and "ConnectionError" in text and "flaky_reward" in text  # the failure's traceback
+
+
+def test_a_step_whose_every_reward_failed_leaves_the_weights_alone(monkeypatch):
+    """Every sample dropped (max_reward_error_rate=1 lets the run go on): the standalone trainer takes no optimizer
+    step, so AdamW's weight decay cannot move the weights either, and the row says why."""
+    from rlspec.core.step import metrics_row, update
+    from rlspec.core.trainer import LocalTrainer
+
+    monkeypatch.chdir(REPO)
+    plan = build_plan("examples/tiny.yaml", ["rollout.prompts_per_step=2", "algorithm.group_size=4",
+                                             "algorithm.micro_batch_size=4", "algorithm.weight_decay=0.1",
+                                             "rollout.task.max_reward_error_rate=1.0"])[0]
+    spec = plan.spec
+    trainer = LocalTrainer(spec.model, spec.algorithm, spec.rollout.temperature, spec.rollout.max_new_tokens)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    batch, counters = rollout_batch(plan, FixedEngine(), flaky_task(fail=tuple(range(8))), 0, 0, PhaseTimer())
+    result = update(plan, trainer, batch)
+    assert all(torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
+    assert not trainer.optimizer.state  # never stepped
+    row = metrics_row(plan, 0, result, PhaseTimer(step=1.0), 0, counters)
+    assert row["reward/dropped"] == 8 and row["update/skipped"] == 1
+    assert row["update/skip_reason"] == "every sample was dropped"

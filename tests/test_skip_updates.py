@@ -73,3 +73,31 @@ def test_skipping_is_off_with_kl_or_when_disabled():
     dropped = batch_of([3.0, 0.0])
     dropped.loss_mask[0] = 0
     assert nothing_to_learn(plan_with(), dropped)
+
+
+def test_a_step_whose_samples_were_all_dropped_takes_no_optimizer_step():
+    """Every reward failed: no loss token anywhere. Skipped whatever `skip_zero_advantage_updates` says, and the
+    row says why (the advantages are left non-zero: the empty mask alone decides)."""
+    for flag in ("true", "false"):
+        plan, backend = plan_with(f"algorithm.skip_zero_advantage_updates={flag}"), CountingBackend()
+        batch = batch_of([1.0, -1.0, 1.0, -1.0])
+        batch.loss_mask.zero_()
+        result = update(plan, backend, batch)
+        assert backend.calls == [] and result.skipped == 2
+        row = metrics_row(plan, 0, result, PhaseTimer(step=1.0), 0, {"reward/dropped": 4.0})
+        assert row["update/skipped"] == 1 and row["update/skip_reason"] == "every sample was dropped"
+        assert row["grad_norm"] == 0.0 and row["loss"] == 0.0
+
+
+def test_the_row_names_why_a_step_was_skipped_or_that_it_was_not():
+    plan = plan_with()
+    zero = update(plan, CountingBackend(), batch_of([0.0] * 4))
+    assert metrics_row(plan, 0, zero, PhaseTimer(step=1.0), 0)["update/skip_reason"] == "every advantage is zero"
+    # one mini-batch dropped, the other learns: the step did step the optimizer
+    part = batch_of([1.0, -1.0, 1.0, -1.0])
+    part.loss_mask[:2] = 0
+    backend = CountingBackend()
+    result = update(plan_with("algorithm.skip_zero_advantage_updates=false"), backend, part)
+    assert result.skipped == 1 and backend.calls.count("optimizer_step") == 1
+    row = metrics_row(plan, 0, result, PhaseTimer(step=1.0), 0)
+    assert row["update/skipped"] == 0 and row["update/skip_reason"] is None

@@ -24,10 +24,11 @@ from ...core.policy import accumulate
 from ...core.trainer import build_optimizer
 from ...core.weights import gather_groups
 from ...models.factory import load_model, load_tokenizer, read_safetensors_dir, save_hf
+from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
 from ...spec import RunPlan
 
 ZERO_DIR = "optimizer_zero3"
-"""DeepSpeed's own checkpoint (per-rank ZeRO partitions of weights and optimizer state) inside a save."""
+"""DeepSpeed's own checkpoint (per-rank ZeRO partitions), which rlspec wrote before the portable format: still read."""
 ZERO_TAG = "state"
 
 
@@ -175,15 +176,45 @@ class DeepSpeedWorker(RankWorker):
         return None
 
     def save(self, path: str, save_optimizer: bool) -> None:
-        """HF safetensors directory (rank 0) + DeepSpeed's per-rank ZeRO-3 state for an exact resume."""
+        """HF safetensors directory (rank 0) + the portable optimizer state by parameter name
+        (`rlspec.runtime.checkpoints`), gathered from the ZeRO-3 partitions: any backend at any rank count
+        resumes it."""
         full = dict(self._full_weights())
         if self.rank == 0:
             save_hf(self.engine.module, self.tokenizer, Path(path), state_dict={k: v.cpu() for k, v in full.items()})
         if save_optimizer:
-            self.engine.save_checkpoint(str(Path(path) / ZERO_DIR), tag=ZERO_TAG, save_latest=False)
+            tensors, step = self._portable_state()
+            if self.rank == 0:
+                write_optimizer_state(Path(path), tensors, self.plan.spec.algorithm.optimizer, step)
+
+    def _trained(self) -> list[tuple[str, Tensor]]:
+        return [(name, p) for name, p in self.engine.module.named_parameters() if p.requires_grad]
+
+    def _portable_state(self) -> tuple[dict[str, Tensor], int]:
+        """Full AdamW moments (and fp32 masters below fp32 weights) by parameter name on rank 0; every rank
+        joins each gather, parameter by parameter."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        flats = self.optimizer.fp32_partitioned_groups_flat
+        first = self.optimizer.optimizer.state.get(flats[0], {})
+        step = int(first["step"]) if "step" in first else 0
+        keys = [key for key in ADAM_KEYS if key in first]
+        if self.plan.spec.model.dtype != "float32":
+            keys.append(MASTER_KEY)
+        tensors = {}
+        for name, param in self._trained():
+            for key in keys:
+                full = safe_get_full_fp32_param(param) if key == MASTER_KEY else safe_get_full_optimizer_state(param, key)
+                if self.rank == 0:
+                    tensors[f"{name}.{key}"] = full.cpu()
+        return tensors, step
 
     def load(self, path: str) -> None:
+        """Resume from a checkpoint of any backend: the safetensors weights, then the fp32 masters and AdamW
+        moments of the portable optimizer state where saved (each rank keeps its partition). A checkpoint of an
+        older rlspec with DeepSpeed's own `ZERO_DIR` loads that instead."""
         import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         zero = Path(path) / ZERO_DIR
         if zero.is_dir():  # weights (fp32 master partitions) and optimizer state, exactly as saved
@@ -200,6 +231,25 @@ class DeepSpeedWorker(RankWorker):
                     if self.rank == 0:
                         tensor.data.copy_(weights[name].to(tensor.dtype))
         self.optimizer.refresh_fp32_params()
+        saved = read_optimizer_state(Path(path))
+        if saved is None:
+            return
+        tensors, step = saved
+        trained = self._trained()
+        for name, param in trained:
+            if f"{name}.{MASTER_KEY}" in tensors:
+                safe_set_full_fp32_param(param, tensors[f"{name}.{MASTER_KEY}"])
+        if not any(f"{name}.{ADAM_KEYS[0]}" in tensors for name, _ in trained):
+            return
+        inner = self.optimizer.optimizer
+        for flat in self.optimizer.fp32_partitioned_groups_flat:  # torch creates AdamW state lazily: create it
+            entry = inner.state[flat]
+            for key in ADAM_KEYS:
+                entry.setdefault(key, torch.zeros_like(flat))
+            entry["step"] = torch.tensor(float(step))
+        for name, param in trained:
+            for key in ADAM_KEYS:
+                safe_set_full_optimizer_state(param, tensors[f"{name}.{key}"], key)
 
 
 def _full_nbytes(tensor: Tensor) -> int:

@@ -27,10 +27,11 @@ from ...core.trainer import build_optimizer, merged_weights
 from ...core.weights import gather_groups
 from ...models.base import DTYPES
 from ...models.factory import apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_hf
+from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
 from ...spec import RunPlan
 
 STATE_DIR = "optimizer_dcp"
-"""`torch.distributed.checkpoint` of the sharded fp32 parameters and optimizer state inside a save."""
+"""`torch.distributed.checkpoint` of the sharded fp32 parameters and optimizer state inside a save (LoRA only)."""
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 
 
@@ -176,22 +177,49 @@ class FSDPWorker(RankWorker):
         return None
 
     def save(self, path: str, save_optimizer: bool) -> None:
-        """HF safetensors directory (rank 0) + the sharded fp32 parameters and optimizer state for an exact
-        resume (`torch.distributed.checkpoint`, one file per rank)."""
+        """HF safetensors directory (rank 0) + the portable optimizer state by parameter name
+        (`rlspec.runtime.checkpoints`), which any backend at any rank count resumes. With LoRA, the sharded
+        parameters and optimizer state instead (`torch.distributed.checkpoint`, one file per rank: fsdp alone
+        resumes it)."""
         full = {name: t.cpu() for name, t in self._full_weights()}
         if self.rank == 0:
             base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
             save_hf(base, self.tokenizer, Path(path), state_dict=full)
-        if save_optimizer:
+        if not save_optimizer:
+            return
+        if hasattr(self.model, "peft_config"):
             import torch.distributed.checkpoint as dcp
 
             dcp.save(self._state(), checkpoint_id=str(Path(path) / STATE_DIR))
+            return
+        tensors, step = self._portable_state()
+        if self.rank == 0:
+            write_optimizer_state(Path(path), tensors, self.plan.spec.algorithm.optimizer, step)
+
+    def _portable_state(self) -> tuple[dict[str, Tensor], int]:
+        """Full optimizer state by parameter name (and fp32 masters below fp32 weights), on rank 0 (collective)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors on rank 0 only
+        state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        tensors, step = {}, 0
+        for name, entry in state.get("state", {}).items():
+            tensors.update({f"{name}.{key}": entry[key] for key in ADAM_KEYS if key in entry})
+            step = int(entry.get("step", step))
+        if self.dtype != torch.float32:
+            trained = {name for name, p in self.model.named_parameters() if p.requires_grad}
+            masters = get_model_state_dict(self.model, options=options)
+            tensors.update({f"{name}.{MASTER_KEY}": t for name, t in masters.items() if name in trained})
+        return tensors, step
 
     def load(self, path: str) -> None:
-        """Exact resume from `STATE_DIR` when present; otherwise the safetensors weights, fresh optimizer
-        state (with LoRA the merged weights go into the base and the adapters start again at B = 0)."""
+        """Resume from a checkpoint of any backend: the portable optimizer state (`rlspec.runtime.checkpoints`)
+        and the fp32 masters where saved, else the safetensors weights; with LoRA, `STATE_DIR` when present.
+        Without optimizer state (saved with `checkpoint.save_optimizer=false`): the weights, a fresh optimizer
+        (with LoRA the merged weights go into the base and the adapters start again at B = 0)."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_state_dict)
+                                                             set_optimizer_state_dict, set_state_dict)
 
         state_dir = Path(path) / STATE_DIR
         if state_dir.is_dir():
@@ -202,13 +230,25 @@ class FSDPWorker(RankWorker):
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
             return
+        saved = read_optimizer_state(Path(path))
+        tensors, step = saved if saved is not None else ({}, 0)
         weights = read_safetensors_dir(Path(path))
         current = self.model.state_dict()
         names = {_hf_name(key): key for key in current if "lora_" not in key}
         full = {names[name]: tensor for name, tensor in weights.items() if name in names}
+        full.update({key: tensors[f"{key}.{MASTER_KEY}"] for key in current if f"{key}.{MASTER_KEY}" in tensors})
         # The saved weights are merged: B = 0 makes the adapted model compute exactly them.
         full.update({key: torch.zeros(value.shape, dtype=value.dtype) for key, value in current.items() if ".lora_B." in key})
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        if not any(key.endswith(f".{ADAM_KEYS[0]}") for key in tensors):
+            return
+        trained = [name for name, p in self.model.named_parameters() if p.requires_grad]
+        groups = [{key: value for key, value in group.items() if key != "params"} | {"params": trained}
+                  for group in self.optimizer.param_groups]  # build_optimizer makes one group
+        state = {name: {"step": torch.tensor(float(step)), **{key: tensors[f"{name}.{key}"] for key in ADAM_KEYS}}
+                 for name in trained if f"{name}.{ADAM_KEYS[0]}" in tensors}
+        set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": groups},
+                                 options=StateDictOptions(full_state_dict=True))
 
     def _state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -8,12 +8,15 @@ return. Ray is imported lazily so that `rlspec plan` and the backend registry ne
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import socket
 import time
 from typing import Any, Sequence
 
 from ..errors import RunError, SpecError
+from ..runtime.stall import STOP_SIGNALS
 
 POLL_S = 0.2
 """How often the watchdog looks at pending futures; an actor death is reported within about this."""
@@ -34,10 +37,32 @@ def start_ray(address: str | None) -> bool:
         return True
     # A private local cluster on this machine: token auth would need a token the workers cannot have.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # address="local": a new cluster even if `ray start` left one (or its stale record) on this machine.
-    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), object_store_memory=1 << 30,
-             include_dashboard=False, log_to_driver=True)
+    # Ray's processes start with SIGTERM and SIGINT blocked (a signal mask survives fork and exec; the raylet's
+    # workers inherit it): a scheduler's preemption signals every process of the run at once, and the raylet
+    # would shut the node down, actors and all, within seconds, before the driver has the ranks checkpoint
+    # (`rlspec.runtime.monitor`). The driver's own threads get the mask back at once.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        # address="local": a new cluster even if `ray start` left one (or its stale record) on this machine.
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), object_store_memory=1 << 30,
+                 include_dashboard=False, log_to_driver=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    # Registered after ray.init's own hook, so it runs first: processes deaf to SIGTERM would make Ray's
+    # graceful stop wait a second on each kind before killing it.
+    atexit.register(_stop_local_cluster)
     return True
+
+
+def _stop_local_cluster() -> None:
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is not None and ray.is_initialized():
+        try:
+            node.kill_all_processes(check_alive=False, allow_graceful=False)
+        except Exception:  # noqa: BLE001 - best effort at exit; Ray's own hook follows
+            pass
 
 
 def check_cluster_fits(bundles: Sequence[dict[str, float]], address: str | None) -> None:

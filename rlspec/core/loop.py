@@ -11,12 +11,13 @@ from the same pieces as this one (`rlspec.core.step`: `rollout_batch`, `update`,
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from ..runtime.checkpoints import Checkpoints
 from ..runtime.metrics import MetricsLog, PhaseTimer
-from ..runtime.monitor import RunMonitor
+from ..runtime.monitor import RunMonitor, StepAbandoned
 from ..spec import RunPlan
 from ..tasks import Task
 from .backend import Backend, weight_source_of
@@ -55,11 +56,12 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
 
         rows = async_steps(plan, backend, engine, task, transport, weights, pad_id, start_step)
     else:
-        rows = sync_steps(plan, backend, engine, task, transport, weights, pad_id, start_step, envs, gateway)
+        rows = sync_steps(plan, backend, engine, task, transport, weights, pad_id, start_step, envs, gateway, monitor)
+    done = saved = None  # the last step completed here, the last checkpoint written here
     try:
         for row in rows:
             log.log(row)
-            step = row["step"]
+            step = done = row["step"]
             stop = monitor is not None and monitor.step_done(step, row)
             last = step == spec.algorithm.steps - 1
             every = spec.checkpoint.every_n_steps
@@ -67,6 +69,11 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
                 saved = checkpoints.save(step, backend, {"backend": plan.backend})
                 if stop and not last:
                     raise monitor.stopped(step, saved)
+    except StepAbandoned:
+        # A stop signal while sampling: the weights are still those of the last completed step.
+        if done is not None and (saved is None or saved.name != f"step_{done:06d}"):
+            saved = checkpoints.save(done, backend, {"backend": plan.backend})
+        raise monitor.stopped(done if done is not None else start_step - 1, saved or checkpoints.latest()) from None
     finally:
         rows.close()  # async: closes the pool and ends the rollout loop
         if gateway is not None:
@@ -77,16 +84,19 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
 
 
 def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, weights, pad_id: int,
-               start_step: int, envs=None, gateway: AgentGateway | None = None) -> Iterator[dict]:
-    """One metrics row per step, each step in turn: generate (or run the environments' episodes), train, sync."""
+               start_step: int, envs=None, gateway: AgentGateway | None = None,
+               monitor: RunMonitor | None = None) -> Iterator[dict]:
+    """One metrics row per step, each step in turn: generate (or run the environments' episodes), train, sync.
+    A stop signal while a step samples abandons it (`RunMonitor.abandonable`)."""
     spec = plan.spec
     for step in range(start_step, spec.algorithm.steps):
         timer = PhaseTimer()
         with timer("step"):
-            if envs is None:
-                batch, counters = rollout_batch(plan, engine, task, step, pad_id, timer, gateway)
-            else:
-                batch, counters = envs.rollout_batch(step, timer)
+            with monitor.abandonable() if monitor is not None else nullcontext():
+                if envs is None:
+                    batch, counters = rollout_batch(plan, engine, task, step, pad_id, timer, gateway)
+                else:
+                    batch, counters = envs.rollout_batch(step, timer)
             with timer("train"):
                 result = update(plan, backend, batch)
             sync_bytes = 0

@@ -36,6 +36,12 @@ class StepResult:
     grad_norms: list[float]
     skipped: int = 0
     """Mini-batch updates skipped: nothing to learn (`nothing_to_learn`)."""
+    skip_reason: str | None = None
+    """Why the step took no optimizer step at all (`SKIP_REASONS`); None when it took one."""
+
+
+SKIP_REASONS = {"dropped": "every sample was dropped", "zero_advantage": "every advantage is zero"}
+"""`update/skip_reason` of a metrics row whose step took no optimizer step."""
 
 
 def rollout_batch(plan: RunPlan, engine, task: Task, step: int, pad_id: int, timer: PhaseTimer,
@@ -87,12 +93,19 @@ def check_reward_errors(scores: Scores, max_rate: float, step: int) -> None:
 def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
     """All optimizer updates of one rollout batch (mini-batch after mini-batch).
 
-    A mini-batch with nothing to learn (`nothing_to_learn`) is skipped when
-    `algorithm.skip_zero_advantage_updates` is on; `StepResult.skipped` counts them."""
+    A mini-batch without a loss token (every sample in it dropped) is always skipped: its loss has no
+    gradient, yet AdamW would move the weights on momentum and weight decay. A mini-batch whose advantages
+    are all zero (`nothing_to_learn`) is skipped when `algorithm.skip_zero_advantage_updates` is on.
+    `StepResult.skipped` counts them; `skip_reason` says why a step took no optimizer step at all."""
     size = len(batch) // plan.batch.updates_per_batch  # env rollouts: rows vary per step (a multiple of this split)
     starts = range(0, len(batch), size)
     skip = plan.spec.algorithm.skip_zero_advantage_updates
-    todo = [start for start in starts if not (skip and nothing_to_learn(plan, batch.select(start, start + size)))]
+    empty = [not bool(batch.loss_mask[start:start + size].any()) for start in starts]
+    todo = [start for start, none in zip(starts, empty)
+            if not none and not (skip and nothing_to_learn(plan, batch.select(start, start + size)))]
+    reason = None
+    if not todo:
+        reason = SKIP_REASONS["dropped"] if all(empty) else SKIP_REASONS["zero_advantage"]
     if todo and plan.batch.updates_per_batch > 1:
         batch.old_logprobs = backend.logprobs(batch)
     if todo and plan.needs_reference_model:
@@ -106,7 +119,7 @@ def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
         grad_norms.append(backend.optimizer_step())
         for key, value in stats.items():  # sums over mini-batches; a peak is a peak
             totals[key] = max(totals.get(key, 0.0), value) if key == "peak_mem_gb" else totals.get(key, 0.0) + value
-    return StepResult(batch, totals, grad_norms, skipped=len(starts) - len(todo))
+    return StepResult(batch, totals, grad_norms, skipped=len(starts) - len(todo), skip_reason=reason)
 
 
 def nothing_to_learn(plan: RunPlan, mini: TrainBatch) -> bool:
@@ -156,6 +169,8 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: PhaseTimer,
         "tis/ratio_mean": stats["is_ratio_sum"] / tokens if tis else None,
         "tis/clipped_frac": stats["is_clipped_tokens"] / tokens if tis and plan.spec.algorithm.tis_cap is not None else None,
         "train/skipped_updates": result.skipped,
+        "update/skipped": int(result.skip_reason is not None),
+        "update/skip_reason": result.skip_reason,
         "reward/errors": 0.0,
         "reward/dropped": 0.0,
         **(counters or {}),

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..models.factory import apply_lora, copy_weights, load_model, load_tokenizer, read_safetensors_dir, save_hf
+from ..runtime.checkpoints import ADAM_KEYS, read_optimizer_state, write_optimizer_state
 from ..spec import AlgorithmSpec, ModelSpec
 from .batch import TrainBatch
 from .grpo import LossConfig, LossNorm
@@ -111,7 +112,8 @@ class LocalTrainer:
         if hasattr(self.model, "peft_config"):
             self.model.save_pretrained(path / ADAPTER_DIR)
         if save_optimizer:
-            torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)
+            tensors, step = local_optimizer_state(self.model, self.optimizer)
+            write_optimizer_state(path, tensors, self.algo.optimizer, step)
 
     def load(self, path: Path) -> None:
         if hasattr(self.model, "peft_config"):
@@ -121,8 +123,38 @@ class LocalTrainer:
             set_peft_model_state_dict(self.model, read_safetensors_dir(path / ADAPTER_DIR))
         else:
             copy_weights(self.model, read_safetensors_dir(path).items())
-        if (path / OPTIMIZER_FILE).is_file():
+        saved = read_optimizer_state(path)
+        if saved is not None:
+            load_local_optimizer_state(self.model, self.optimizer, *saved)
+        elif (path / OPTIMIZER_FILE).is_file():  # written by rlspec before the portable format
             self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
+
+
+def local_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], int]:
+    """The portable optimizer state (`rlspec.runtime.checkpoints`) of an optimizer over unsharded parameters."""
+    tensors, step = {}, 0
+    for name, param in model.named_parameters():
+        state = optimizer.state.get(param, {})
+        for key in ADAM_KEYS:
+            if key in state:
+                tensors[f"{name}.{key}"] = state[key]
+        if "step" in state:
+            step = int(state["step"])
+    return tensors, step
+
+
+def load_local_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor],
+                               step: int) -> None:
+    """Put portable optimizer state back into an optimizer over unsharded parameters (by parameter name)."""
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    state = {}
+    for name, param in model.named_parameters():
+        if id(param) in index and f"{name}.{ADAM_KEYS[0]}" in tensors:
+            state[index[id(param)]] = {"step": torch.tensor(float(step)),
+                                       **{key: tensors[f"{name}.{key}"].to(param.dtype) for key in ADAM_KEYS}}
+    saved = optimizer.state_dict()
+    saved["state"] = state
+    optimizer.load_state_dict(saved)  # moves each tensor to its parameter's device
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:

@@ -1,4 +1,15 @@
-"""Checkpoint directories under OUT/checkpoints/step_NNNNNN, written atomically, pruned to `keep_last`."""
+"""Checkpoint directories under OUT/checkpoints/step_NNNNNN, written atomically, pruned to `keep_last`.
+
+What a checkpoint holds is the same whichever backend and rank count wrote it, so any backend at any rank count
+resumes it: the HF model (`model.safetensors`, `from_pretrained` loads it) and the optimizer state by parameter
+name, not by shard layout, in the folder `optimizer/` (`OPTIMIZER_DIR`; beside the model, a loader of
+`*.safetensors` would take it for weights):
+- `optimizer/state.safetensors`: for each trained parameter (its `named_parameters()` name), full fp32 tensors
+  `{name}.exp_avg` and `{name}.exp_avg_sq` (AdamW; SGD keeps none), and `{name}.master`, the fp32 master
+  weight, where the trainer keeps one beside weights of a lower `model.dtype` (fsdp, deepspeed);
+- `optimizer/state.json`: `{"format": 1, "optimizer": ..., "step": N}`, N the optimizer steps taken (AdamW's bias
+  correction reads it).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +22,12 @@ from pathlib import Path
 from ..errors import RunError, SpecError
 
 STATE_FILE = "trainer_state.json"
+OPTIMIZER_DIR = "optimizer"
+OPTIMIZER_TENSORS = "state.safetensors"
+OPTIMIZER_META = "state.json"
+OPTIMIZER_FORMAT = 1
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+MASTER_KEY = "master"
 
 
 class Checkpoints:
@@ -31,7 +48,7 @@ class Checkpoints:
             backend.save(staging)
             if not self.save_optimizer:
                 for file in staging.glob("optimizer*"):
-                    file.unlink()
+                    shutil.rmtree(file) if file.is_dir() else file.unlink()
             # Written last: a directory counts as a checkpoint only once this file is in it.
             (staging / STATE_FILE).write_text(json.dumps({"step": step, **extra}, indent=2))
             _fsync_tree(staging)
@@ -95,6 +112,29 @@ def check_resumable(checkpoint: Path, model_spec) -> int:
     except SpecError as err:
         raise SpecError("--resume", f"checkpoint {checkpoint.name}: {err.problem}", fix) from None
     return step
+
+
+def write_optimizer_state(path: Path, tensors: dict, optimizer: str, step: int) -> None:
+    """Write the portable optimizer state (see the module docstring) into checkpoint directory `path`."""
+    from safetensors.torch import save_file
+
+    folder = path / OPTIMIZER_DIR
+    folder.mkdir(exist_ok=True)
+    save_file({name: t.detach().float().contiguous().cpu() for name, t in tensors.items()}, str(folder / OPTIMIZER_TENSORS))
+    (folder / OPTIMIZER_META).write_text(json.dumps({"format": OPTIMIZER_FORMAT, "optimizer": optimizer, "step": int(step)}))
+
+
+def read_optimizer_state(path: Path) -> tuple[dict, int] | None:
+    """(tensors by `{name}.{key}`, step) of the portable optimizer state in `path`; None when it holds none."""
+    meta = path / OPTIMIZER_DIR / OPTIMIZER_META
+    if not meta.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    info = json.loads(meta.read_text())
+    if info.get("format") != OPTIMIZER_FORMAT:
+        raise RunError(f"{meta}: optimizer state format {info.get('format')!r}, this rlspec reads {OPTIMIZER_FORMAT}")
+    return load_file(str(path / OPTIMIZER_DIR / OPTIMIZER_TENSORS)), int(info["step"])
 
 
 def _fsync_tree(root: Path) -> None:

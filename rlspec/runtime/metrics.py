@@ -17,9 +17,9 @@ METRIC_KEYS = (
     "response_len/p50", "response_len/p90", "response_len/max",
     "timing_s/gen", "timing_s/reward", "timing_s/train", "timing_s/sync", "timing_s/step", "perf/tokens_per_s",
     "perf/completion_tokens_per_s", "sync/bytes", "sync/gb_per_s", "mem/peak_gb", "reward/errors", "reward/dropped",
-    "tis/ratio_mean", "tis/clipped_frac", "train/skipped_updates",
+    "tis/ratio_mean", "tis/clipped_frac", "train/skipped_updates", "update/skipped", "update/skip_reason",
 )
-"""Keys of every row. `rollout.mode=async` adds `async/staleness_mean`, `async/pool_size`, `timing_s/wait`;
+"""Keys of every row (`update/skipped` is 1 when the step took no optimizer step, `update/skip_reason` says why). `rollout.mode=async` adds `async/staleness_mean`, `async/pool_size`, `timing_s/wait`;
 a task may add its own reward counters (the judge's `reward/judge_requests`, `reward/retries`, `reward/fallbacks`)."""
 
 

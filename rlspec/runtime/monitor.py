@@ -1,9 +1,14 @@
 """What watches a run while the loop runs: SIGTERM, non-finite numbers, stalls, and the run's own log.
 
-- SIGTERM (a scheduler's preemption notice): the current step finishes, a checkpoint of it is written,
-  and the run ends with `Stopped` (exit 143 = 128 + SIGTERM, the usual "terminated" status, so scripts
-  do not take it for a finished run); `rlspec run ... --resume` continues from that checkpoint. A second
-  SIGTERM stops at once, without a checkpoint.
+- SIGTERM (a scheduler's preemption notice; Slurm and Kubernetes send it to every process of the run at
+  once) or SIGINT (Ctrl-C): the run checkpoints its last completed step and ends with `Stopped` (exit 143 =
+  128 + SIGTERM, 130 for SIGINT, so scripts do not take it for a finished run); `rlspec run ... --resume`
+  continues from that checkpoint. A step still sampling (no optimizer step taken yet, synchronous loop) is
+  abandoned at once and the previous step is checkpointed; a step already updating finishes first. The Ray
+  actors defer the signal (`rlspec.runtime.stall.defer_termination`) and a local Ray cluster's processes
+  start with it blocked (`rlspec.cluster.ray_utils.start_ray`), so that they live to write their part. All of
+  this must end within `hardware.preempt_grace_s`: past it the process exits 128 + signal without that checkpoint (the
+  previous one stays the latest, a half-written one is never published). A second signal stops at once.
 - A non-finite loss, grad norm or KL stops the run at that step with `RunError` naming the step, before
   its weights are checkpointed: the previous checkpoint stays the latest.
 - A stall (`rlspec.runtime.stall`): after the dump, `stall_action=fail` interrupts the main thread (SIGUSR1) so
@@ -16,6 +21,8 @@
 
 from __future__ import annotations
 
+import faulthandler
+import io
 import math
 import os
 import re
@@ -23,13 +30,16 @@ import signal
 import sys
 import threading
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import RunError, Stopped
 from ..spec import RunPlan
-from .stall import StallWatchdog
+from .stall import STOP_SIGNALS, StallWatchdog
 
+GRACE_BACKSTOP_S = 10.0
+"""Past `hardware.preempt_grace_s` + this, a process whose exit timer could not run exits 1 (with every stack)."""
 HARD_EXIT_AFTER_S = 60.0
 """After a fatal stall, how long the main thread has to unwind before the process exits 1 by itself."""
 CHECKED_METRICS = ("loss", "grad_norm", "kl")
@@ -49,12 +59,21 @@ def check_finite(step: int, row: dict, loss_scaled: bool = False) -> None:
                        "algorithm.max_grad_norm, and check the rewards")
 
 
+class StepAbandoned(BaseException):
+    """Raised in the main thread by a stop signal while the step may still be dropped (`abandonable`): no weight
+    has changed in it yet. A BaseException, so that no `except Exception` on the way swallows it."""
+
+
 class RunMonitor:
-    """Context manager around `rlspec.core.loop.train`; the loop calls `step_done` after each step's metrics."""
+    """Context manager around `rlspec.core.loop.train`; the loop calls `step_done` after each step's metrics,
+    and marks with `abandonable` the part of a step that a stop signal may cut short."""
 
     def __init__(self, plan: RunPlan, out_dir: Path, actors: Callable[[], Sequence[tuple[str, Any]]] = lambda: ()) -> None:
         hw = plan.spec.hardware
         self.stop_signal: int | None = None
+        self.grace_s = hw.preempt_grace_s
+        self._grace: threading.Timer | None = None
+        self._abandonable = False
         self._loss_scaled = plan.spec.model.dtype == "float16"
         self._main = threading.current_thread() is threading.main_thread()
         self._previous: dict[int, Any] = {}
@@ -69,7 +88,8 @@ class RunMonitor:
 
     def __enter__(self) -> "RunMonitor":
         if self._main:  # Python delivers signals to the main thread only; elsewhere, no signal handling
-            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._on_stop_signal)
             self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._raise_stall)
         if self.watchdog is not None:
             self.watchdog.start()
@@ -78,8 +98,11 @@ class RunMonitor:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
-        if self._hard_exit is not None:
-            self._hard_exit.cancel()
+        for timer in (self._hard_exit, self._grace):
+            if timer is not None:
+                timer.cancel()
+        if self._grace is not None:
+            faulthandler.cancel_dump_traceback_later()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         if self.stall is not None and exc is not None and exc is not self.stall:
@@ -94,17 +117,44 @@ class RunMonitor:
             self.watchdog.beat(step)
         return self.stop_signal is not None
 
-    def stopped(self, step: int, checkpoint: Path | None) -> Stopped:
+    def stopped(self, step: int | None, checkpoint: Path | None) -> Stopped:
         return Stopped(self.stop_signal or signal.SIGTERM, step, checkpoint)
+
+    @contextmanager
+    def abandonable(self):
+        """The part of a step with no optimizer step in it (sampling, scoring): a stop signal inside it, or one
+        that came before it, raises `StepAbandoned` instead of waiting for the step to end."""
+        if self.stop_signal is not None:
+            raise StepAbandoned()
+        self._abandonable = True
+        try:
+            yield
+        finally:
+            self._abandonable = False
 
     # --- signals -----------------------------------------------------------------------------------------
 
-    def _on_sigterm(self, signum: int, frame) -> None:
+    def _on_stop_signal(self, signum: int, frame) -> None:
         if self.stop_signal is not None:
             raise Stopped(signum, None, None)
         self.stop_signal = signum
-        print(f"rlspec: {signal.Signals(signum).name} received: stopping after this step's checkpoint "
-              "(send it again to stop at once)", file=sys.stderr, flush=True)
+        self._grace = threading.Timer(self.grace_s, _grace_exit, (signum, self.grace_s))
+        self._grace.daemon = True
+        self._grace.start()
+        # The timer needs the GIL; a main thread stuck in C code holding it would keep it from firing. This
+        # backstop needs nothing: it prints every thread's stack and exits 1.
+        try:
+            faulthandler.dump_traceback_later(self.grace_s + GRACE_BACKSTOP_S, exit=True, file=sys.__stderr__)
+        except (AttributeError, ValueError, io.UnsupportedOperation):  # no stderr file descriptor: no backstop
+            pass
+        now = self._abandonable
+        what = ("abandoning this step (no update yet) and checkpointing the last completed one" if now
+                else "checkpointing this step once it completes")
+        print(f"rlspec: {signal.Signals(signum).name} received: {what} within hardware.preempt_grace_s="
+              f"{self.grace_s:g} (send it again to stop at once)", file=sys.stderr, flush=True)
+        if now:
+            self._abandonable = False
+            raise StepAbandoned()
 
     def _on_stall(self, message: str) -> None:
         print(f"rlspec: {message}", file=sys.stderr, flush=True)
@@ -121,6 +171,12 @@ class RunMonitor:
         if self.stall is not None and not self._stall_raised:
             self._stall_raised = True
             raise self.stall
+
+
+def _grace_exit(signum: int, grace_s: float) -> None:
+    print(f"rlspec: {signal.Signals(signum).name}: no checkpoint completed within hardware.preempt_grace_s={grace_s:g}; "
+          "exiting without one (the latest checkpoint is unchanged; continue with --resume)", file=sys.stderr, flush=True)
+    os._exit(128 + int(signum))
 
 
 def _hard_exit(message: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -80,11 +81,47 @@ def nvidia_smi() -> str:
         return f"nvidia-smi unavailable: {err!r}\n"
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""A scheduler's preemption notice and Ctrl-C: the driver checkpoints on them (`rlspec.runtime.monitor`)."""
+
+
 class StackReporter:
-    """Mixin for Ray actor classes: `stacks()` answers from its own thread (see the module docstring)."""
+    """Mixin for Ray actor classes: `stacks()` answers from its own thread (see the module docstring). Built inside
+    a Ray worker, the actor also defers the stop signals (`defer_termination`)."""
+
+    def __new__(cls, *args, **kwargs):
+        # Here rather than in each actor's __init__: every rlspec actor class inherits this, and its
+        # construction is the one call Ray makes on the actor process's main thread.
+        if _in_ray_worker():
+            defer_termination()
+        return super().__new__(cls)
 
     def stacks(self) -> str:
         return format_stacks(type(self).__name__) + cuda_report()
+
+
+def defer_termination() -> None:
+    """Record SIGTERM and SIGINT instead of dying of them (a Ray worker's default), so that the driver, which
+    gets the same signal from the scheduler, can still have this actor save its part of a checkpoint; the
+    driver's exit ends the actor. Only from the main thread (Python's rule for signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _note_deferred)
+
+
+def _note_deferred(signum: int, frame) -> None:
+    print(f"rlspec: {signal.Signals(signum).name} deferred in actor pid {os.getpid()}: the driver checkpoints and "
+          "ends the run", file=sys.stderr, flush=True)
+
+
+def _in_ray_worker() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+    except Exception:  # noqa: BLE001 - no ray, or an older layout: not an actor of ours
+        return False
 
 
 def remote_class(cls: type, **ray_options: Any):

@@ -100,3 +100,50 @@ def kill_a_rank_mid_run(backend: str, worker_title: str, out: Path) -> tuple[int
     print(f"\nkilled a {backend} trainer rank; the run exited with {proc.returncode} after {elapsed:.1f} s; stderr ends:\n"
           + "\n".join(line for line in err.splitlines() if "rlspec" in line or "died" in line.lower())[-1500:])
     return proc.returncode, elapsed, err
+
+
+def preempt_whole_tree(backend: str, out: Path, signum: int) -> None:
+    """Run tiny.yaml (small steps) on 2 ranks of `backend`; after 2 steps send `signum` to the driver and every
+    process under it at once (Ray's own, the rank and engine actors: what Slurm and Kubernetes do). The run must
+    checkpoint its last completed step and exit 128 + signum; `--resume` (with more steps: an allowed change)
+    then finishes."""
+    import signal
+    import time
+
+    import psutil
+
+    from rlspec.runtime.metrics import read_metrics
+
+    small = ["rollout.prompts_per_step=2", "algorithm.group_size=2", "algorithm.micro_batch_size=1",
+             "rollout.max_new_tokens=4", "checkpoint.every_n_steps=0",
+             "hardware.preempt_grace_s=120"]  # 10-20 s from the signal to the exit on a busy 2-core machine
+    proc = rlspec_run(backend, out, *small, "algorithm.steps=100")
+    try:
+        wait_for_metric_rows(proc, out / "metrics.jsonl", 2, poll_s=0.05)
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        for member in tree:
+            try:
+                member.send_signal(signum)
+            except psutil.Error:
+                pass
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    name = signal.Signals(signum).name
+    print(f"\n{name} to {len(tree)} processes of a {backend} run: exit {proc.returncode} {took:.1f} s later; "
+          f"{[line for line in err.splitlines() if line.startswith('rlspec:')][-1:]}")
+    assert proc.returncode == 128 + signum, err[-4000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    last = rows[-1]["step"]
+    assert [r["step"] for r in rows] == list(range(last + 1)) and last >= 1
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{last:06d}"]
+    assert f"{name}: stopped after step {last}" in err and "--resume" in err
+    assert "died" not in err
+
+    proc = rlspec_run(backend, out, *small, f"algorithm.steps={last + 3}", "--resume")
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-4000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(last + 3))

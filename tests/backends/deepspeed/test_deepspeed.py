@@ -99,7 +99,7 @@ def test_cli_run_smoke_and_resume(tmp_path):
     assert all(r["sync/bytes"] > 0 for r in rows)
     final = tmp_path / "run" / "checkpoints" / "step_000002"
     AutoModelForCausalLM.from_pretrained(final)  # save() wrote a loadable HF directory
-    assert (final / "optimizer_zero3").is_dir()
+    assert (final / "optimizer" / "state.safetensors").is_file()  # the portable optimizer state
 
     shutil.copytree(tmp_path / "run", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000002")

@@ -137,3 +137,11 @@ def test_more_ranks_than_the_cluster_holds_is_bad_input(tmp_path):
     assert proc.returncode == 2, err[-3000:]
     assert "hardware.num_trainer_ranks: the plan's ranks and engines need 4.5 CPUs" in err and "Traceback" not in err
     assert not out.exists()
+
+
+@pytest.mark.slow  # the fsdp backend's CI test covers the shared path (the monitor, deferred actor signals)
+@pytest.mark.parametrize("signum", [15, 2])
+def test_stop_signal_to_the_whole_tree_checkpoints_and_resume_finishes(tmp_path, signum):
+    from tests.backends.ranks import preempt_whole_tree
+
+    preempt_whole_tree("deepspeed", tmp_path / "preempted", signum)

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 
 import pytest
 import torch
 
 from rlspec.core.backend import all_caps, create_backend
 from rlspec.errors import RunError
+from rlspec.core.batch import TrainBatch
 from rlspec.core.grpo import LossNorm
+from rlspec.core.step import update
 from rlspec.cluster.ray_group import FAULT_ENV
 from rlspec.spec import compile_plan, load_spec
 from rlspec.sync import build_transport
-from tests.backends.ranks import (TINY, kill_a_rank_mid_run, fixed_batch, max_weight_diff, reference_trainer, rlspec_run,
-                                  run_steps)
+from tests.backends.ranks import (TINY, kill_a_rank_mid_run, fixed_batch, max_weight_diff, preempt_whole_tree,
+                                  reference_trainer, rlspec_run, run_steps)
 
 pytestmark = pytest.mark.distributed
 
@@ -54,9 +57,14 @@ def test_matches_local_trainer_transports_and_fault(ray_session, monkeypatch):
         backend.setup(plan)
         got = run_steps(backend, plan, batch)
         check_steps(expected, got)
-        diff = max_weight_diff(dict(backend.export_weights()), dict(reference.export_weights()))
+        have = dict(backend.export_weights())
+        diff = max_weight_diff(have, dict(reference.export_weights()))
         print(f"\nSGD + KL + clip + checkpointing: max abs weight diff vs LocalTrainer after 3 steps {diff:.3g}")
         assert diff < 1e-6
+        dropped = TrainBatch(**batch.tensors())
+        dropped.loss_mask = torch.zeros_like(batch.loss_mask)  # every sample dropped: no step, no weight moves
+        assert update(plan, backend, dropped).skip_reason == "every sample was dropped"
+        assert max_weight_diff(dict(backend.export_weights()), have) == 0.0
         engine = backend.rollout_engine()
         trainer_logp = backend.logprobs(batch)
         for method in ("ray", "nccl", "checkpoint"):
@@ -158,7 +166,7 @@ def test_cli_run_and_exact_resume(tmp_path):
     assert all(r["sync/bytes"] > 0 for r in rows)
     final = tmp_path / "run" / "checkpoints" / "step_000002"
     AutoModelForCausalLM.from_pretrained(final)  # save() wrote a loadable HF directory
-    assert (final / "optimizer_dcp").is_dir()
+    assert (final / "optimizer" / "state.safetensors").is_file()  # the portable optimizer state
 
     shutil.copytree(tmp_path / "run", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000002")
@@ -178,6 +186,10 @@ def test_watchdog_killed_rank_stops_run(tmp_path):
     assert returncode == 1, err[-4000:]
     assert elapsed < 30
     assert "run failed: trainer rank" in err and "died" in err, err[-4000:]
+
+
+def test_sigterm_to_the_whole_tree_checkpoints_and_resume_finishes(tmp_path):
+    preempt_whole_tree("fsdp", tmp_path / "preempted", signal.SIGTERM)
 
 
 def test_vla_episodes_in_two_engines_equal_standalone(tmp_path):
