@@ -467,6 +467,35 @@ class SyncSpec(_Section):
 
 
 @dataclass
+class DeepSpeedSpec(_Section):
+    """ZeRO-3 communication knobs of the `deepspeed` backend (`backends/deepspeed/README.md` says what each trades).
+
+    Sizes are element counts (parameters or gradient values), as DeepSpeed counts them, not bytes. Other backends
+    ignore this section.
+    """
+
+    overlap_comm: bool = False
+    """Overlap gradient reduce-scatter with the backward (DeepSpeed's `overlap_comm`); costs extra bucket memory."""
+    contiguous_gradients: bool = True
+    """Copy reduced gradients into one contiguous buffer as they are produced (`contiguous_gradients`)."""
+    reduce_bucket_numel: int = 50_000_000
+    """Gradient values reduced per collective (`reduce_bucket_size`)."""
+    prefetch_bucket_numel: int = 50_000_000
+    """Parameter values gathered ahead of use (`stage3_prefetch_bucket_size`); 0 turns prefetching off."""
+    param_persistence_numel: int = 100_000
+    """Parameters with fewer values stay whole on every rank, never partitioned (`stage3_param_persistence_threshold`)."""
+    max_live_numel: int = 1_000_000_000
+    """Gathered parameter values a rank keeps at once before releasing some (`stage3_max_live_parameters`)."""
+
+    def __post_init__(self) -> None:
+        p = "hardware.deepspeed"
+        _positive(self.reduce_bucket_numel, f"{p}.reduce_bucket_numel")
+        _non_negative(self.prefetch_bucket_numel, f"{p}.prefetch_bucket_numel")
+        _non_negative(self.param_persistence_numel, f"{p}.param_persistence_numel")
+        _positive(self.max_live_numel, f"{p}.max_live_numel")
+
+
+@dataclass
 class HardwareSpec(_Section):
     """Where things run."""
 
@@ -492,6 +521,8 @@ class HardwareSpec(_Section):
     """No step done for this long: dump every process's stacks to OUT/stall/ (0: off); under the 30-min collective timeout."""
     stall_action: str = "fail"
     """What a stall does after the dump: fail (exit 1) | warn (keep waiting, dump again after another timeout)."""
+    deepspeed: DeepSpeedSpec = field(default_factory=DeepSpeedSpec)
+    """ZeRO-3 bucket, prefetch and overlap settings (the `deepspeed` backend only)."""
 
     def __post_init__(self) -> None:
         p = "hardware"
