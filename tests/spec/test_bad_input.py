@@ -48,6 +48,8 @@ CASES = {
     "impossible: ranks on standalone": (None, ["hardware.num_trainer_ranks=2"], "hardware.num_trainer_ranks"),
     "impossible: batch split": (None, ["algorithm.updates_per_batch=5"], "algorithm.updates_per_batch"),
     "negative token budget": (None, ["algorithm.micro_batch_tokens=-1"], "algorithm.micro_batch_tokens"),
+    "impossible: compiled layers on deepspeed": (None, ["model.compile_layers=true", "backend=deepspeed"],
+                                                 "model.compile_layers"),
     "zero reduce bucket": (None, ["hardware.deepspeed.reduce_bucket_numel=0"], "hardware.deepspeed.reduce_bucket_numel"),
     "negative persistence threshold": (None, ["hardware.deepspeed.param_persistence_numel=-1"],
                                        "hardware.deepspeed.param_persistence_numel"),
