@@ -84,8 +84,10 @@ class FSDPWorker(RankWorker):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # fp32 master parameters (exact for a bf16 start); MixedPrecisionPolicy computes in model.dtype.
         model = apply_lora(model.float(), spec.model, spec.algorithm.seed)
-        self.compiled = CompiledBlocks(model, spec.model.compile_layers)
         self.model = shard_model(model, mesh, self.dtype, offload)  # moves the shards to the mesh's device
+        # After sharding: transformers wraps the forward of FSDP2's block subclass again, and only the outermost
+        # wrapper applies gradient checkpointing, so the forward to compile is the sharded class's.
+        self.compiled = CompiledBlocks(self.model, spec.model.compile_layers)
         self.model.train()
         self.optimizer = build_optimizer(self.model.parameters(), spec.algorithm)
         if self.plan.needs_reference_model:
