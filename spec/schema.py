@@ -192,7 +192,7 @@ class ModelSpec(_Section):
     """Attention kernel (eager | sdpa | flash_attention_2); eager makes trainer and engine agree bit-for-bit on CPU."""
     compile_layers: bool = False
     """`torch.compile` each decoder layer for the train forward/backward (regional compilation, dynamic shapes so
-    packed lengths do not recompile; `rlspec.core.policy.CompiledBlocks`); standalone and fsdp backends. The first
+    packed lengths do not recompile; `rlspec.core.policy.CompiledBlocks`); causal_lm on the standalone and fsdp backends. The first
     step pays the compile (tens of seconds); off by default."""
     lora: LoraSpec = field(default_factory=LoraSpec)
     """LoRA settings."""
@@ -208,6 +208,8 @@ class ModelSpec(_Section):
         require(self.eos_hazard == 0 or (self.path is None and self.kind == "causal_lm"), f"{p}.eos_hazard",
                 "applies to random-init causal_lm presets only", "drop model.eos_hazard, or unset model.path")
         one_of(self.kind, MODEL_KINDS, f"{p}.kind")
+        require(not (self.compile_layers and self.kind == "vla"), f"{p}.compile_layers",
+                "regional compilation is wired and tested for causal_lm policies only", "set model.compile_layers=false")
         one_of(self.dtype, DTYPES, f"{p}.dtype")
         one_of(self.attn_implementation, ("eager", "sdpa", "flash_attention_2"), f"{p}.attn_implementation")
         require(bool(self.preset) or bool(self.path), f"{p}.preset",

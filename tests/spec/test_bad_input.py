@@ -50,6 +50,7 @@ CASES = {
     "negative token budget": (None, ["algorithm.micro_batch_tokens=-1"], "algorithm.micro_batch_tokens"),
     "impossible: compiled layers on deepspeed": (None, ["model.compile_layers=true", "backend=deepspeed"],
                                                  "model.compile_layers"),
+    "compiled layers of a vla": (None, ["model=tiny_llava", "model.compile_layers=true"], "model.compile_layers"),
     "zero reduce bucket": (None, ["hardware.deepspeed.reduce_bucket_numel=0"], "hardware.deepspeed.reduce_bucket_numel"),
     "negative persistence threshold": (None, ["hardware.deepspeed.param_persistence_numel=-1"],
                                        "hardware.deepspeed.param_persistence_numel"),
