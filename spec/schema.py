@@ -192,8 +192,8 @@ class ModelSpec(_Section):
     """Attention kernel (eager | sdpa | flash_attention_2); eager makes trainer and engine agree bit-for-bit on CPU."""
     compile_layers: bool = False
     """`torch.compile` each decoder layer for the train forward/backward (regional compilation, dynamic shapes so
-    packed lengths do not recompile; `rlspec.core.policy.CompiledBlocks`); causal_lm on the standalone and fsdp backends. The first
-    step pays the compile (tens of seconds); off by default."""
+    packed lengths do not recompile; `rlspec.core.policy.CompiledBlocks`); causal_lm on the standalone and fsdp
+    backends. The first step pays the compile (tens of seconds); off by default."""
     lora: LoraSpec = field(default_factory=LoraSpec)
     """LoRA settings."""
     eos_hazard: float = 0.0
