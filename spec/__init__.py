@@ -3,11 +3,11 @@
 from .compile import BackendCaps, BatchPlan, Placement, RunPlan, compile_plan
 from .errors import SpecError
 from .load import load_spec, preset_names
-from .schema import (AgentSpec, AlgorithmSpec, CheckpointSpec, EnvSpec, HardwareSpec, JudgeSpec, LoraSpec, ModelSpec,
-                     RESUMABLE_CHANGES, RolloutSpec, Spec, SyncSpec, TaskSpec, resume_changes)
+from .schema import (AgentSpec, AlgorithmSpec, CheckpointSpec, DeepSpeedSpec, EnvSpec, HardwareSpec, JudgeSpec,
+                     LoraSpec, ModelSpec, RESUMABLE_CHANGES, RolloutSpec, Spec, SyncSpec, TaskSpec, resume_changes)
 
 __all__ = [
-    "AgentSpec", "AlgorithmSpec", "BackendCaps", "BatchPlan", "CheckpointSpec", "EnvSpec", "HardwareSpec", "JudgeSpec",
+    "AgentSpec", "AlgorithmSpec", "BackendCaps", "BatchPlan", "CheckpointSpec", "DeepSpeedSpec", "EnvSpec", "HardwareSpec", "JudgeSpec",
     "LoraSpec", "ModelSpec",
     "Placement", "RESUMABLE_CHANGES", "RolloutSpec", "RunPlan", "Spec", "SpecError", "SyncSpec", "TaskSpec", "compile_plan",
     "load_spec", "preset_names", "resume_changes",

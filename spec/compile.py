@@ -29,6 +29,8 @@ class BackendCaps:
     engines: tuple[str, ...] = ("hf",)
     devices: tuple[str, ...] = ("cpu", "cuda")
     supports_lora: bool = False
+    compiles_layers: bool = False
+    """Honours `model.compile_layers`."""
     max_trainer_ranks: int = 1_000_000
     single_process: bool = False
     """Trainer and engine live in one process (the only case where `sync.method=shared` is possible)."""
@@ -115,6 +117,9 @@ def _check_support(spec: Spec, caps: BackendCaps, backends: Mapping[str, Backend
     require(model.lora.r == 0 or caps.supports_lora, "model.lora.r",
             f"LoRA is not supported by backend {caps.name}",
             f"set model.lora.r=0, or use one of: {_supporters(backends, lambda c: c.supports_lora)}")
+    require(not model.compile_layers or caps.compiles_layers, "model.compile_layers",
+            f"regional compilation is not wired into backend {caps.name}",
+            f"set model.compile_layers=false, or use one of: {_supporters(backends, lambda c: c.compiles_layers)}")
     require(hw.rollout in caps.placements, "hardware.rollout",
             f"hardware.rollout={hw.rollout} is not supported by backend {caps.name}",
             f"use one of: {', '.join(caps.placements)}")

@@ -190,6 +190,10 @@ class ModelSpec(_Section):
     """Recompute activations in backward to save memory."""
     attn_implementation: str = "eager"
     """Attention kernel (eager | sdpa | flash_attention_2); eager makes trainer and engine agree bit-for-bit on CPU."""
+    compile_layers: bool = False
+    """`torch.compile` each decoder layer for the train forward/backward (regional compilation, dynamic shapes so
+    packed lengths do not recompile; `rlspec.core.policy.CompiledBlocks`); causal_lm on the standalone and fsdp
+    backends. The first step pays the compile (tens of seconds); off by default."""
     lora: LoraSpec = field(default_factory=LoraSpec)
     """LoRA settings."""
     eos_hazard: float = 0.0
@@ -204,6 +208,8 @@ class ModelSpec(_Section):
         require(self.eos_hazard == 0 or (self.path is None and self.kind == "causal_lm"), f"{p}.eos_hazard",
                 "applies to random-init causal_lm presets only", "drop model.eos_hazard, or unset model.path")
         one_of(self.kind, MODEL_KINDS, f"{p}.kind")
+        require(not (self.compile_layers and self.kind == "vla"), f"{p}.compile_layers",
+                "regional compilation is wired and tested for causal_lm policies only", "set model.compile_layers=false")
         one_of(self.dtype, DTYPES, f"{p}.dtype")
         one_of(self.attn_implementation, ("eager", "sdpa", "flash_attention_2"), f"{p}.attn_implementation")
         require(bool(self.preset) or bool(self.path), f"{p}.preset",
@@ -471,6 +477,35 @@ class SyncSpec(_Section):
 
 
 @dataclass
+class DeepSpeedSpec(_Section):
+    """ZeRO-3 communication knobs of the `deepspeed` backend (`backends/deepspeed/README.md` says what each trades).
+
+    Sizes are element counts (parameters or gradient values), as DeepSpeed counts them, not bytes. Other backends
+    ignore this section.
+    """
+
+    overlap_comm: bool = False
+    """Overlap gradient reduce-scatter with the backward (DeepSpeed's `overlap_comm`); costs extra bucket memory."""
+    contiguous_gradients: bool = True
+    """Copy reduced gradients into one contiguous buffer as they are produced (`contiguous_gradients`)."""
+    reduce_bucket_numel: int = 50_000_000
+    """Gradient values reduced per collective (`reduce_bucket_size`)."""
+    prefetch_bucket_numel: int = 50_000_000
+    """Parameter values gathered ahead of use (`stage3_prefetch_bucket_size`); 0 turns prefetching off."""
+    param_persistence_numel: int = 100_000
+    """Parameters with fewer values stay whole on every rank, never partitioned (`stage3_param_persistence_threshold`)."""
+    max_live_numel: int = 1_000_000_000
+    """Gathered parameter values a rank keeps at once before releasing some (`stage3_max_live_parameters`)."""
+
+    def __post_init__(self) -> None:
+        p = "hardware.deepspeed"
+        _positive(self.reduce_bucket_numel, f"{p}.reduce_bucket_numel")
+        _non_negative(self.prefetch_bucket_numel, f"{p}.prefetch_bucket_numel")
+        _non_negative(self.param_persistence_numel, f"{p}.param_persistence_numel")
+        _positive(self.max_live_numel, f"{p}.max_live_numel")
+
+
+@dataclass
 class HardwareSpec(_Section):
     """Where things run."""
 
@@ -500,6 +535,8 @@ class HardwareSpec(_Section):
     """After SIGTERM/SIGINT, the time the run has to finish (or abandon) its step and checkpoint it; past it the
     run exits 143 without that checkpoint (the previous one stays the latest). Schedulers kill after their own
     grace (Slurm's KillWait, 30 s; Kubernetes' terminationGracePeriodSeconds): keep this below theirs."""
+    deepspeed: DeepSpeedSpec = field(default_factory=DeepSpeedSpec)
+    """ZeRO-3 bucket, prefetch and overlap settings (the `deepspeed` backend only)."""
 
     def __post_init__(self) -> None:
         p = "hardware"
@@ -563,7 +600,15 @@ RESUMABLE_CHANGES = (
     "rollout.request_timeout_s", "rollout.server_start_timeout_s", "rollout.server_url",
     "rollout.task.judge.timeout_s", "rollout.task.judge.max_retries", "rollout.task.judge.backoff_s",
     "rollout.task.judge.backoff_max_s", "rollout.task.judge.jitter", "rollout.task.judge.max_concurrency",
-    "rollout.agent.timeout_s",
+    "rollout.agent.timeout_s", "rollout.server_reconnect_s",
+    # how a step is executed, not what it computes: the split into micro-batches (the loss normalisation is the
+    # batch's, whatever the split), compiled layers, the engine's slot pool (a sample's tokens are keyed by seed,
+    # sample and position, not by its slot) and DeepSpeed's buckets
+    "algorithm.micro_batch_size", "algorithm.micro_batch_tokens", "model.compile_layers",
+    "rollout.continuous_batching", "rollout.decode_slots",
+    "hardware.deepspeed.overlap_comm", "hardware.deepspeed.contiguous_gradients",
+    "hardware.deepspeed.reduce_bucket_numel", "hardware.deepspeed.prefetch_bucket_numel",
+    "hardware.deepspeed.param_persistence_numel", "hardware.deepspeed.max_live_numel",
 )
 """Spec fields that may change on `--resume`: how long to run, when to save, how long to wait, which cluster to
 join, and where the trainer runs (backend, rank count, device, offload: a checkpoint holds the HF model and the

@@ -36,7 +36,7 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
     """The DeepSpeed config, every value that matters written from the plan (DeepSpeed's defaults are not
     neutral: an omitted `gradient_clipping` clips at 1.0)."""
     spec, batch = plan.spec, plan.batch
-    dtype = spec.model.dtype
+    dtype, knobs = spec.model.dtype, spec.hardware.deepspeed
     offload_params = "cpu" if spec.hardware.offload_params else "none"
     offload_optimizer = "cpu" if spec.hardware.offload_optimizer else "none"
     config: dict[str, Any] = {
@@ -50,13 +50,13 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
             "stage": 3,
             "offload_param": {"device": offload_params, "pin_memory": offload_params == "cpu"},
             "offload_optimizer": {"device": offload_optimizer, "pin_memory": offload_optimizer == "cpu"},
-            "overlap_comm": False,
-            "contiguous_gradients": True,
+            "overlap_comm": knobs.overlap_comm,
+            "contiguous_gradients": knobs.contiguous_gradients,
             "reduce_scatter": True,
-            "reduce_bucket_size": 50_000_000,
-            "stage3_prefetch_bucket_size": 50_000_000,
-            "stage3_param_persistence_threshold": 100_000,
-            "stage3_max_live_parameters": 1_000_000_000,
+            "reduce_bucket_size": knobs.reduce_bucket_numel,
+            "stage3_prefetch_bucket_size": knobs.prefetch_bucket_numel,
+            "stage3_param_persistence_threshold": knobs.param_persistence_numel,
+            "stage3_max_live_parameters": knobs.max_live_numel,
             "stage3_max_reuse_distance": 1_000_000_000,
             "stage3_gather_16bit_weights_on_model_save": False,
         },

@@ -17,7 +17,7 @@ from ...spec import BackendCaps, RunPlan
 class FSDPBackend(RankGroupBackend):
     caps = BackendCaps(name="fsdp", model_kinds=("causal_lm", "vla"), placements=("colocated", "separate"),
                        sync_methods=("ray", "nccl", "checkpoint", "cuda_ipc"), engines=("hf",), devices=("cpu", "cuda"),
-                       supports_lora=True, requires=("ray",), install_hint="pip install 'rlspec[fsdp]'")
+                       supports_lora=True, compiles_layers=True, requires=("ray",), install_hint="pip install 'rlspec[fsdp]'")
 
     def setup(self, plan: RunPlan) -> None:
         try:

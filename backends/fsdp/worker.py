@@ -22,7 +22,7 @@ from torch import Tensor
 from ...cluster.ray_group import RankWorker, sharded_logprobs
 from ...core.batch import TrainBatch
 from ...core.grpo import LossConfig, LossNorm
-from ...core.policy import accumulate
+from ...core.policy import CompiledBlocks, accumulate, block_classes
 from ...core.trainer import build_optimizer, merged_weights
 from ...core.weights import gather_groups
 from ...models.base import DTYPES
@@ -33,13 +33,6 @@ from ...spec import RunPlan
 STATE_DIR = "optimizer_dcp"
 """`torch.distributed.checkpoint` of the sharded fp32 parameters and optimizer state inside a save (LoRA only)."""
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
-
-
-def block_classes(model: torch.nn.Module) -> set[str]:
-    """Class names to shard one by one: the model's `_no_split_modules` (transformers collects them from
-    every sub-model, so a VLM names its vision-encoder layers too)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return set(getattr(base, "_no_split_modules", None) or ())
 
 
 def shard_model(model: torch.nn.Module, mesh, param_dtype: torch.dtype, offload: bool) -> torch.nn.Module:
@@ -65,6 +58,7 @@ class FSDPWorker(RankWorker):
         super().__init__(plan, rank, world_size, fault)
         self.model = None
         self.reference = None
+        self.compiled = None
 
     def setup(self, master: tuple[str, int]) -> None:
         import torch.distributed as dist
@@ -92,6 +86,9 @@ class FSDPWorker(RankWorker):
         # fp32 master parameters (exact for a bf16 start); MixedPrecisionPolicy computes in model.dtype.
         model = apply_lora(model.float(), spec.model, spec.algorithm.seed)
         self.model = shard_model(model, mesh, self.dtype, offload)  # moves the shards to the mesh's device
+        # After sharding: transformers wraps the forward of FSDP2's block subclass again, and only the outermost
+        # wrapper applies gradient checkpointing, so the forward to compile is the sharded class's.
+        self.compiled = CompiledBlocks(self.model, spec.model.compile_layers)
         self.model.train()
         self.optimizer = build_optimizer(self.model.parameters(), spec.algorithm)
         if self.plan.needs_reference_model:
@@ -124,8 +121,9 @@ class FSDPWorker(RankWorker):
             self.model.set_requires_gradient_sync(done == num_micro)
             (loss * self.world_size).backward()
 
-        stats = accumulate(self.model, shard, self.plan.batch.micro_batch_size, norm, self.loss_cfg,
-                           self.plan.spec.rollout.temperature, backward, self.device, sizes)
+        with self.compiled.active():
+            stats = accumulate(self.model, shard, self.plan.batch.micro_batch_size, norm, self.loss_cfg,
+                               self.plan.spec.rollout.temperature, backward, self.device, sizes)
         if self.device.type == "cuda":
             stats["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return stats

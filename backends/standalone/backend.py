@@ -42,7 +42,7 @@ def uses_server(plan: RunPlan) -> bool:
 class StandaloneBackend:
     caps = BackendCaps(name="standalone", model_kinds=("causal_lm", "vla"), placements=("colocated", "separate"),
                        sync_methods=("shared", "checkpoint", "nccl", "lora", "cuda_ipc"), engines=("hf",),
-                       devices=("cpu", "cuda"), supports_lora=True, max_trainer_ranks=1, single_process=True)
+                       devices=("cpu", "cuda"), supports_lora=True, compiles_layers=True, max_trainer_ranks=1, single_process=True)
 
     def __init__(self) -> None:
         self.trainer: LocalTrainer | None = None

@@ -26,7 +26,8 @@ the ZeRO-3 engine): the same inputs, with full logits of the T real tokens inste
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -232,6 +233,42 @@ def accumulate(model: torch.nn.Module, shard: TrainBatch, micro_batch_size: int,
     if totals is None:
         return dict.fromkeys(STAT_KEYS, 0.0)
     return dict(zip(STAT_KEYS, totals.tolist()))
+
+
+def block_classes(model: torch.nn.Module) -> set[str]:
+    """Class names of the model's repeated blocks: its `_no_split_modules` (transformers collects them from every
+    sub-model, so a VLM names its vision-encoder layers too)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(getattr(base, "_no_split_modules", None) or ())
+
+
+class CompiledBlocks:
+    """Regional compilation (`model.compile_layers`): `torch.compile` of each block's `forward`, switched on only
+    inside `active()`, which the trainers wrap around the train forward/backward.
+
+    The block's own forward is compiled, not its `__call__`, so module hooks (FSDP2's gathers) stay outside the
+    graph, and the state-dict names do not change. `dynamic=True`: a packed row's length changes with every
+    micro-batch, and a graph specialised on it would recompile each time. Off `active()` (log-prob passes, and
+    the rollout engine, which may decode with the trainer's own model) the blocks run their plain forward.
+    """
+
+    def __init__(self, model: torch.nn.Module, enabled: bool) -> None:
+        names = block_classes(model) if enabled else set()
+        if enabled and not names:
+            raise RuntimeError(f"{type(model).__name__} names no _no_split_modules: no blocks to compile")
+        # Matched through the class's bases: FSDP2 renames a sharded block's class (FSDPQwen2DecoderLayer).
+        self.blocks = [(m, torch.compile(m.forward, dynamic=True)) for m in model.modules()
+                       if any(cls.__name__ in names for cls in type(m).__mro__)]
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        for block, compiled in self.blocks:
+            block.forward = compiled
+        try:
+            yield
+        finally:
+            for block, _ in self.blocks:
+                del block.forward  # the class's forward again
 
 
 def add_stats(*parts: dict[str, float]) -> dict[str, float]:

@@ -18,7 +18,7 @@ from ..runtime.checkpoints import ADAM_KEYS, read_optimizer_state, write_optimiz
 from ..spec import AlgorithmSpec, ModelSpec
 from .batch import TrainBatch
 from .grpo import LossConfig, LossNorm
-from .policy import accumulate, batch_logprobs
+from .policy import CompiledBlocks, accumulate, batch_logprobs
 from .weights import state_items
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -71,6 +71,7 @@ class LocalTrainer:
             base.gradient_checkpointing_enable()
         self.model = apply_lora(base, model_spec, algo.seed).to(self.device)
         self.model.train()
+        self.compiled = CompiledBlocks(self.model, model_spec.compile_layers)
         self.optimizer = build_optimizer(self.model.parameters(), algo)
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
@@ -83,8 +84,9 @@ class LocalTrainer:
         sizes = None
         if self.algo.micro_batch_tokens:
             ((batch, sizes),) = batch.token_shards(1, self.algo.micro_batch_tokens)
-        return accumulate(self.model, batch, self.algo.micro_batch_size, norm, self.loss_cfg, self.temperature,
-                          lambda loss: loss.backward(), self.device, sizes)
+        with self.compiled.active():
+            return accumulate(self.model, batch, self.algo.micro_batch_size, norm, self.loss_cfg, self.temperature,
+                              lambda loss: loss.backward(), self.device, sizes)
 
     def optimizer_step(self) -> float:
         norm = grad_norm_and_clip(self.model.parameters(), self.algo.max_grad_norm)

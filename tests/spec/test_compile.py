@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 
@@ -169,3 +170,24 @@ def test_the_multi_gpu_presets_compile_to_the_placement_they_state(hardware, ran
     engine_devices = set(plan.placement.engine_devices)
     assert len(engine_devices) == engines
     assert (engine_devices == set(plan.placement.trainer_devices)) == (sync == "cuda_ipc")
+
+
+def test_resume_allow_list_names_real_fields_and_splits_changes():
+    """Every field the resume rules allow to change exists (a renamed field would silently become refused), and
+    a change is sorted into allowed and refused by that list alone."""
+    import dataclasses
+
+    from rlspec.spec import RESUMABLE_CHANGES, Spec, resume_changes
+    from rlspec.spec.schema import _flatten
+
+    fields = set(_flatten(dataclasses.asdict(Spec())))
+    assert set(RESUMABLE_CHANGES) <= fields, set(RESUMABLE_CHANGES) - fields
+    started = dataclasses.asdict(Spec())
+    now = copy.deepcopy(started)
+    now["algorithm"]["steps"] += 5
+    now["rollout"]["decode_slots"] += 1
+    now["algorithm"]["group_size"] += 1
+    now["model"]["eos_hazard"] = 0.01
+    allowed, refused = resume_changes(started, now)
+    assert allowed == ["algorithm.steps", "rollout.decode_slots"]
+    assert refused == ["algorithm.group_size", "model.eos_hazard"]

@@ -213,3 +213,23 @@ def test_vla_episodes_in_two_engines_equal_standalone(tmp_path):
             assert got[key] == want[key], key
         assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow  # each rank compiles its blocks (Inductor, tens of seconds per rank on a CPU)
+def test_compiled_layers_match_local_trainer(ray_session):
+    """`model.compile_layers` on 2 FSDP2 ranks (compiled after `fully_shard`, gathers outside the graph), packed
+    token-budget micro-batches, gradient checkpointing: the uncompiled single-process reference's losses, norms
+    and weights."""
+    overrides = ["algorithm.optimizer=sgd", "algorithm.lr=1e-1", "algorithm.micro_batch_size=2",
+                 "algorithm.micro_batch_tokens=24", "model.gradient_checkpointing=true"]
+    plan = make_plan(*overrides, "model.compile_layers=true")
+    batch = fixed_batch()
+    reference = reference_trainer(make_plan(*overrides))
+    expected = run_steps(reference, plan, batch, steps=2)
+    backend = create_backend("fsdp")
+    try:
+        backend.setup(plan)
+        check_steps(expected, run_steps(backend, plan, batch, steps=2))
+        assert max_weight_diff(dict(backend.export_weights()), dict(reference.export_weights())) < 1e-5
+    finally:
+        backend.shutdown()

@@ -1,0 +1,36 @@
+"""The DeepSpeed config built from a plan carries the spec's ZeRO-3 knobs (no DeepSpeed world needed)."""
+
+from __future__ import annotations
+
+from rlspec.backends.deepspeed.worker import ds_config
+from rlspec.core.backend import all_caps
+from rlspec.spec import Spec, compile_plan, load_spec
+from tests.backends.ranks import TINY
+
+KNOBS = {  # spec key under hardware.deepspeed -> (value set here, DeepSpeed's zero_optimization key)
+    "overlap_comm": (True, "overlap_comm"),
+    "contiguous_gradients": (False, "contiguous_gradients"),
+    "reduce_bucket_numel": (12_345_678, "reduce_bucket_size"),
+    "prefetch_bucket_numel": (0, "stage3_prefetch_bucket_size"),
+    "param_persistence_numel": (4_321, "stage3_param_persistence_threshold"),
+    "max_live_numel": (987_654_321, "stage3_max_live_parameters"),
+}
+
+
+def _plan(*overrides: str):
+    return compile_plan(load_spec(TINY, list(overrides), "deepspeed"), all_caps())
+
+
+def test_spec_knobs_reach_zero_optimization():
+    plan = _plan(*(f"hardware.deepspeed.{key}={value}" for key, (value, _) in KNOBS.items()))
+    for train in (True, False):  # the frozen reference engine is configured the same way
+        zero = ds_config(plan, train=train)["zero_optimization"]
+        assert {ds_key: zero[ds_key] for _, ds_key in KNOBS.values()} == {ds_key: v for v, ds_key in KNOBS.values()}
+        assert zero["stage"] == 3
+
+
+def test_defaults_come_from_the_schema():
+    zero = ds_config(_plan())["zero_optimization"]
+    defaults = Spec().hardware.deepspeed
+    assert {ds_key: zero[ds_key] for _, ds_key in KNOBS.values()} == {
+        ds_key: getattr(defaults, key) for key, (_, ds_key) in KNOBS.items()}
