@@ -3,7 +3,8 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab.
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab
+# scale7b weak15b sync7b.
 # Each writes its log and metrics under $OUT.
 set -u
 ROOT=$PWD
@@ -109,6 +110,24 @@ for section in "$@"; do
         > $OUT/servechat.json 2>> $OUT/servechat_server.log
       echo "servechat exit $?" >> $OUT/results.txt; cat $OUT/servechat.json >> $OUT/results.txt
       kill $SERVER; wait $SERVER ;;
+    scale7b)  # issue 22 (needs 8 GPUs): the 7B shape, bf16, 64 prompts x 8 on the long-tailed lengths, fsdp and deepspeed
+      # colocated on 8 GPUs (a trainer rank and an engine per GPU), one bench call
+      timeout 590 $RL bench $ROOT/examples/bench_longtail.yaml model=qwen2_7b_shape hardware=gpu8_colocated \
+        rollout.prompts_per_step=64 algorithm.steps=3 --backends fsdp,deepspeed --out /tmp/b_scale7b \
+        > $OUT/scale7b.log 2>&1; echo "exit $?" >> $OUT/results.txt
+      keep scale7b /tmp/b_scale7b; tail -8 $OUT/scale7b.log >> $OUT/results.txt ;;
+    weak15b)  # issue 22 (needs 8 GPUs): weak scaling of fsdp, the 1.5B shape, 8 prompts x 8 per GPU on 1, 2, 4, 8 GPUs
+      for n in 1 2 4 8; do
+        hw=$([ $n = 1 ] && echo "hardware=gpu1" || echo "hardware=gpu${n}_colocated")
+        timeout 280 $RL bench $ROOT/examples/bench_longtail.yaml model=qwen2_1p5b_shape $hw \
+          rollout.prompts_per_step=$((8 * n)) algorithm.steps=3 --backends fsdp --out /tmp/b_weak$n \
+          > $OUT/weak15b_$n.log 2>&1; echo "weak $n exit $?" >> $OUT/results.txt
+        keep weak15b_$n /tmp/b_weak$n; tail -3 $OUT/weak15b_$n.log >> $OUT/results.txt
+      done ;;
+    sync7b)  # issue 22: the 7B shape's nccl push to one rollout server beside a raw broadcast of the same bytes (2 GPUs;
+      # a push to 8 engines needs a bridge with several receivers, not built yet)
+      timeout 400 python3 -m rlspec.perf.bench_sync --method nccl --model qwen2_7b_shape --repeats 5 \
+        --json $OUT/bench_sync7b.json >> $OUT/results.txt 2>&1 ;;
     *) echo "unknown section $section" >> $OUT/results.txt ;;
   esac
   echo "-- $section took $(( $(date +%s) - start )) s" >> $OUT/results.txt

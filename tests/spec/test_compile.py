@@ -157,7 +157,7 @@ def test_command_line_preset_overrides_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("hardware, ranks, engines, sync", [
-    ("gpu4_colocated", 4, 4, "cuda_ipc"), ("gpu4_split", 2, 2, "nccl"),
+    ("gpu2_colocated", 2, 2, "cuda_ipc"), ("gpu4_colocated", 4, 4, "cuda_ipc"), ("gpu4_split", 2, 2, "nccl"),
     ("gpu8_colocated", 8, 8, "cuda_ipc"), ("gpu8_split", 4, 4, "nccl"),
 ])
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
