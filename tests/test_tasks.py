@@ -23,6 +23,11 @@ def test_copy_char_reward_and_prompts():
     assert task.reward("xxxx", p) == 1.0
     assert task.reward("xyxy", p) == 0.5
     assert task.reward("x", p) == 0.25  # an early end scores the missing characters as wrong
+    repeated = build_task(TaskSpec(name="copy_char", dataset_kwargs={"alphabet": "xy", "repeat": 3}), seed=1)
+    assert {p.text for p in repeated.sample(3, 50)} == {"xxx=", "yyy="}
+    assert [p.meta for p in repeated.sample(3, 50)] == [p.meta for p in prompts]
+    with pytest.raises(SpecError, match=r"rollout\.task\.dataset_kwargs.*repeat must be at least 1"):
+        build_task(TaskSpec(name="copy_char", dataset_kwargs={"repeat": 0}), seed=1)
 
 
 @pytest.mark.parametrize("completion, method, want", [

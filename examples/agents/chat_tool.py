@@ -1,7 +1,8 @@
 """A two-turn chat agent with one tool, written with the `openai` client's chat API
 (examples/agent_chat_tool.yaml; `pip install rlspec[agents]`).
 
-Turn 1: the user message is the copy_char prompt ("c="); the model answers (up to 4 tokens). The agent then
+Turn 1: the user message is the copy_char prompt (the letter written 16 times, "cccccccccccccccc=", in
+examples/agent_chat_tool.yaml); the model answers (up to 4 tokens). The agent then
 calls its one tool, `length` (how many characters the answer so far has), as the model's tool call when the
 model wrote a well-formed one and on the model's behalf otherwise, and sends the result back as a
 `role: tool` message. Turn 2: the model answers again. The final answer is both turns' text joined;

@@ -28,7 +28,10 @@ def _named_task(spec: TaskSpec, seed: int) -> RewardTask:
     if spec.name == "copy_char":
         check_kwargs(copy_char.make_prompt_source, spec.dataset_kwargs, f"{key}.dataset_kwargs", skip=0)
         check_kwargs(copy_char.reward, spec.reward_kwargs, f"{key}.reward_kwargs", skip=2)
-        source = copy_char.make_prompt_source(**spec.dataset_kwargs)
+        try:
+            source = copy_char.make_prompt_source(**spec.dataset_kwargs)
+        except ValueError as err:
+            raise SpecError(f"{key}.dataset_kwargs", str(err), "see rlspec.tasks.copy_char") from None
         return _dry_run(RewardTask("copy_char", source, copy_char.reward, spec.reward_kwargs, seed), f"{key}.reward_kwargs")
     if spec.name == "gsm8k":
         if spec.data_path is None:
