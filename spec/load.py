@@ -170,12 +170,15 @@ def _key_fix(key: str) -> str:
     import dataclasses
 
     cls, parts = Spec, key.split(".")
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1]):
         fields = {f.name: f for f in dataclasses.fields(cls)}
         sub = fields.get(part)
-        if sub is None or not isinstance(sub.default_factory, type):  # type: ignore[arg-type]
+        factory = None if sub is None else sub.default_factory
+        if factory is dict:  # a free-form mapping (e.g. dataset_kwargs): a new key needs Hydra's append syntax
+            return f"to add a key to the mapping {'.'.join(parts[:depth + 1])}, prefix the override with +: +{key}=..."
+        if not (isinstance(factory, type) and dataclasses.is_dataclass(factory)):
             break
-        cls = sub.default_factory  # type: ignore[assignment]
+        cls = factory  # type: ignore[assignment]
     valid = ", ".join(f.name for f in dataclasses.fields(cls))
     where = ".".join(parts[:-1]) or "the top level"
     return f"valid keys in {where}: {valid}"

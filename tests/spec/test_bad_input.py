@@ -32,6 +32,7 @@ CASES = {
     "unknown key in override": (None, ["algorithm.lrr=0.1"], "algorithm.lrr"),
     "unknown nested key in override": (None, ["model.lora.rank=4"], "model.lora.rank"),
     "appended unknown key": (None, ["+algorithm.foo=1"], "algorithm.foo"),
+    "new key in a mapping without +": (None, ["rollout.task.dataset_kwargs.repeat=8"], "+rollout.task.dataset_kwargs.repeat"),
     "wrong type in yaml": ("algorithm:\n  group_size: many\n", [], "algorithm.group_size"),
     "wrong type in override": (None, ["algorithm.lr=fast"], "algorithm.lr"),
     "out of range": (None, ["algorithm.group_size=1"], "algorithm.group_size"),
