@@ -139,8 +139,7 @@ def test_more_ranks_than_the_cluster_holds_is_bad_input(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.slow  # the fsdp backend's CI test covers the shared path (the monitor, deferred actor signals)
-@pytest.mark.parametrize("signum", [15, 2])
+@pytest.mark.parametrize("signum", [15, pytest.param(2, marks=pytest.mark.slow)])  # SIGINT: the same path as SIGTERM
 def test_stop_signal_to_the_whole_tree_checkpoints_and_resume_finishes(tmp_path, signum):
     from tests.backends.ranks import preempt_whole_tree
 
