@@ -46,3 +46,20 @@ def wait_for_metric_rows(proc, metrics: Path, rows: int, timeout_s: float = 300,
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         assert time.monotonic() < deadline, f"the run did not write {rows} metrics rows within {timeout_s} s"
         time.sleep(poll_s)
+
+
+def interrupt_after_rows(proc, metrics: Path, rows: int, interrupt, timeout_s: float = 120) -> tuple[str, float]:
+    """Once the run `proc` has written `rows` metrics rows, call `interrupt()` (send a signal, kill a rank) and wait
+    for the run to exit: returns (its stderr, seconds from the interruption to the exit). The run never outlives
+    the test."""
+    import time
+
+    try:
+        wait_for_metric_rows(proc, metrics, rows, poll_s=0.05)
+        interrupt()
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=timeout_s)
+        return err, time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()

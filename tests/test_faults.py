@@ -17,7 +17,7 @@ import torch
 from rlspec.cli import main
 from rlspec.runtime.metrics import read_metrics
 from rlspec.tasks import copy_char
-from tests.conftest import REPO, rlspec_cmd, wait_for_metric_rows
+from tests.conftest import REPO, interrupt_after_rows, rlspec_cmd
 
 TINY = str(REPO / "examples" / "tiny.yaml")
 SMALL = ["rollout.prompts_per_step=2", "algorithm.group_size=2", "algorithm.micro_batch_size=4", "rollout.max_new_tokens=4"]
@@ -122,15 +122,7 @@ def test_sigterm_checkpoints_then_exits_143_and_resume_continues(tmp_path):
     out = tmp_path / "o"
     args = ["run", TINY, *SMALL, "algorithm.steps=30", "checkpoint.every_n_steps=0", "--out", str(out), "--no-progress"]
     proc = subprocess.Popen(rlspec_cmd(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_metric_rows(proc, out / "metrics.jsonl", 2, poll_s=0.05)
-        proc.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        _, err = proc.communicate(timeout=120)
-        took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    err, took = interrupt_after_rows(proc, out / "metrics.jsonl", 2, lambda: proc.send_signal(signal.SIGTERM))
     print(f"\nSIGTERM: exit {proc.returncode} {took:.2f} s after the signal; {err.strip().splitlines()[-1]}")
     assert proc.returncode == 143, err[-3000:]
     rows = read_metrics(out / "metrics.jsonl")

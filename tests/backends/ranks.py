@@ -12,7 +12,7 @@ import torch
 from rlspec.core.batch import TrainBatch
 from rlspec.core.grpo import LossNorm
 from rlspec.core.trainer import LocalTrainer
-from tests.conftest import wait_for_metric_rows
+from tests.conftest import interrupt_after_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -83,20 +83,14 @@ def actor_pids(root_pid: int, title: str) -> list[int]:
 def kill_a_rank_mid_run(backend: str, worker_title: str, out: Path) -> tuple[int, float, str]:
     """Run tiny.yaml on 2 ranks of `backend`, SIGKILL one rank actor after step 2; return the run's exit code,
     the seconds from the kill to the exit, and its stderr."""
-    import time
-
     proc = rlspec_run(backend, out, "algorithm.steps=200")
-    try:
-        wait_for_metric_rows(proc, out / "metrics.jsonl", 2)
+
+    def kill_a_rank() -> None:
         pids = actor_pids(proc.pid, worker_title)
         assert len(pids) == 2, pids
         os.kill(max(pids), 9)
-        killed = time.monotonic()
-        _, err = proc.communicate(timeout=60)
-        elapsed = time.monotonic() - killed
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+
+    err, elapsed = interrupt_after_rows(proc, out / "metrics.jsonl", 2, kill_a_rank, timeout_s=60)
     print(f"\nkilled a {backend} trainer rank; the run exited with {proc.returncode} after {elapsed:.1f} s; stderr ends:\n"
           + "\n".join(line for line in err.splitlines() if "rlspec" in line or "died" in line.lower())[-1500:])
     return proc.returncode, elapsed, err
@@ -108,7 +102,6 @@ def preempt_whole_tree(backend: str, out: Path, signum: int) -> None:
     checkpoint its last completed step and exit 128 + signum; `--resume` (with more steps: an allowed change)
     then finishes."""
     import signal
-    import time
 
     import psutil
 
@@ -118,20 +111,17 @@ def preempt_whole_tree(backend: str, out: Path, signum: int) -> None:
              "rollout.max_new_tokens=4", "checkpoint.every_n_steps=0",
              "hardware.preempt_grace_s=120"]  # 10-20 s from the signal to the exit on a busy 2-core machine
     proc = rlspec_run(backend, out, *small, "algorithm.steps=100")
-    try:
-        wait_for_metric_rows(proc, out / "metrics.jsonl", 2, poll_s=0.05)
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    tree = []
+
+    def signal_the_tree() -> None:
+        tree.extend([psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)])
         for member in tree:
             try:
                 member.send_signal(signum)
             except psutil.Error:
                 pass
-        sent = time.monotonic()
-        _, err = proc.communicate(timeout=120)
-        took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+
+    err, took = interrupt_after_rows(proc, out / "metrics.jsonl", 2, signal_the_tree)
     name = signal.Signals(signum).name
     print(f"\n{name} to {len(tree)} processes of a {backend} run: exit {proc.returncode} {took:.1f} s later; "
           f"{[line for line in err.splitlines() if line.startswith('rlspec:')][-1:]}")
