@@ -8,7 +8,6 @@ micro-batch loop `rlspec.core.policy.accumulate` on its shard. Anything that tou
 
 from __future__ import annotations
 
-import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -126,19 +125,15 @@ class DeepSpeedWorker(RankWorker):
         each); every rank runs as many (see `rlspec.core.packing.plan_split`)."""
         self.maybe_fail()
         engine = self.engine
-        num_micro = len(sizes) if sizes is not None else math.ceil(len(shard) / self.plan.batch.micro_batch_size)
-        done = 0
 
         def backward(loss: Tensor) -> None:
             # The loss share is normalised by global counts (LossNorm); DeepSpeed averages gradients
             # over ranks, so undo that with x world size, and skip its 1/gradient_accumulation_steps.
-            nonlocal done
-            done += 1
-            engine.set_gradient_accumulation_boundary(done == num_micro)
             engine.backward(loss * self.world_size, scale_wrt_gas=False)
 
         stats = accumulate(engine, shard, self.plan.batch.micro_batch_size, norm, self.loss_cfg,
-                           self.plan.spec.rollout.temperature, backward, self.device, sizes)
+                           self.plan.spec.rollout.temperature, backward, self.device, sizes,
+                           boundary=engine.set_gradient_accumulation_boundary)
         if self.device.type == "cuda":
             stats["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return stats

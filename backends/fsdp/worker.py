@@ -109,21 +109,18 @@ class FSDPWorker(RankWorker):
         """Forward + backward over `shard` in micro-batches of `sizes` sequences (default `micro_batch_size`
         each); every rank runs as many (see `rlspec.core.packing.plan_split`)."""
         self.maybe_fail()
-        num_micro = len(sizes) if sizes is not None else math.ceil(len(shard) / self.plan.batch.micro_batch_size)
-        done = 0
 
         def backward(loss: Tensor) -> None:
             # The loss share is normalised by global counts (LossNorm); FSDP averages gradients over the
-            # ranks, so undo that with x world size. Gradients are reduce-scattered once, after the last
-            # micro-batch; before that each rank accumulates its unsharded gradients.
-            nonlocal done
-            done += 1
-            self.model.set_requires_gradient_sync(done == num_micro)
+            # ranks, so undo that with x world size.
             (loss * self.world_size).backward()
 
+        # Gradients are reduce-scattered once, after the last micro-batch (`boundary`); before that each rank
+        # accumulates its unsharded gradients.
         with self.compiled.active():
             stats = accumulate(self.model, shard, self.plan.batch.micro_batch_size, norm, self.loss_cfg,
-                               self.plan.spec.rollout.temperature, backward, self.device, sizes)
+                               self.plan.spec.rollout.temperature, backward, self.device, sizes,
+                               boundary=self.model.set_requires_gradient_sync)
         if self.device.type == "cuda":
             stats["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return stats

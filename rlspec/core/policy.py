@@ -211,22 +211,26 @@ def micro_batch_loss(model: torch.nn.Module, mb: TrainBatch, norm: LossNorm, cfg
 
 def accumulate(model: torch.nn.Module, shard: TrainBatch, micro_batch_size: int, norm: LossNorm, cfg: LossConfig,
                temperature: float, backward: Callable[[Tensor], None], device: torch.device | str,
-               sizes: list[int] | None = None) -> dict[str, float]:
+               sizes: list[int] | None = None, boundary: Callable[[bool], None] | None = None) -> dict[str, float]:
     """Run forward + `backward(loss)` over `shard` in micro-batches; return summed statistics.
 
     The micro-batches are `sizes` consecutive rows each (the token-budget split, `TrainBatch.token_shards`;
     0 = a placeholder), by default `micro_batch_size` rows each. Each is packed where `packs` says so.
 
     `backward` receives the loss share of each micro-batch (see `rlspec.core.grpo.aggregate`): the caller
-    scales it for its gradient reduction (e.g. x world size under an averaging all-reduce).
+    scales it for its gradient reduction (e.g. x world size under an averaging all-reduce). `boundary`, when
+    given, is told before each backward whether it is the last one (a sharded model reduces its gradients
+    across ranks only then).
 
     The statistics stay on the device, summed in fp64 (what adding them as Python floats gives), and are
     read once at the end: the loop itself never waits for the device.
     """
     totals = None
     sizes = chunk_sizes(len(shard), micro_batch_size) if sizes is None else sizes
-    for mb, packing in shard.split(sizes, device, packs(model, shard)):
+    for i, (mb, packing) in enumerate(shard.split(sizes, device, packs(model, shard))):
         loss, stats = micro_batch_loss(model, mb, norm, cfg, temperature, packing)
+        if boundary is not None:
+            boundary(i == len(sizes) - 1)
         backward(loss)
         part = torch.stack([stats[key].detach().to(torch.float64) for key in STAT_KEYS])
         totals = part if totals is None else totals + part
