@@ -3,8 +3,9 @@
 from .compile import BackendCaps, BatchPlan, Placement, RunPlan, compile_plan
 from .errors import SpecError
 from .load import load_spec, preset_names
+from .resume import RESUMABLE_CHANGES, resume_changes
 from .schema import (AgentSpec, AlgorithmSpec, CheckpointSpec, DeepSpeedSpec, EnvSpec, HardwareSpec, JudgeSpec,
-                     LoraSpec, ModelSpec, RESUMABLE_CHANGES, RolloutSpec, Spec, SyncSpec, TaskSpec, resume_changes)
+                     LoraSpec, ModelSpec, RolloutSpec, Spec, SyncSpec, TaskSpec)
 
 __all__ = [
     "AgentSpec", "AlgorithmSpec", "BackendCaps", "BatchPlan", "CheckpointSpec", "DeepSpeedSpec", "EnvSpec", "HardwareSpec", "JudgeSpec",

@@ -178,9 +178,9 @@ def test_resume_allow_list_names_real_fields_and_splits_changes():
     import dataclasses
 
     from rlspec.spec import RESUMABLE_CHANGES, Spec, resume_changes
-    from rlspec.spec.schema import _flatten
+    from rlspec.spec.resume import flatten
 
-    fields = set(_flatten(dataclasses.asdict(Spec())))
+    fields = set(flatten(dataclasses.asdict(Spec())))
     assert set(RESUMABLE_CHANGES) <= fields, set(RESUMABLE_CHANGES) - fields
     started = dataclasses.asdict(Spec())
     now = copy.deepcopy(started)

@@ -1,0 +1,61 @@
+"""Which spec fields may change on `--resume` (`rlspec.run.prepare_out_dir` applies the rule)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .schema import Spec
+
+RESUMABLE_CHANGES = (
+    "algorithm.steps",
+    "checkpoint.every_n_steps", "checkpoint.keep_last", "checkpoint.save_optimizer",
+    "hardware.stall_timeout_s", "hardware.stall_action", "hardware.preempt_grace_s", "hardware.num_threads",
+    "hardware.ray_address", "hardware.placement_strategy",
+    "backend", "hardware.num_trainer_ranks", "hardware.device", "hardware.offload_params", "hardware.offload_optimizer",
+    "hardware.rollout", "sync.method",
+    "sync.timeout_s", "sync.verify", "sync.bucket_mb",
+    "rollout.request_timeout_s", "rollout.server_start_timeout_s", "rollout.server_url",
+    "rollout.task.judge.timeout_s", "rollout.task.judge.max_retries", "rollout.task.judge.backoff_s",
+    "rollout.task.judge.backoff_max_s", "rollout.task.judge.jitter", "rollout.task.judge.max_concurrency",
+    "rollout.agent.timeout_s", "rollout.server_reconnect_s",
+    # how a step is executed, not what it computes: the split into micro-batches (the loss normalisation is the
+    # batch's, whatever the split), compiled layers, the engine's slot pool (a sample's tokens are keyed by seed,
+    # sample and position, not by its slot) and DeepSpeed's buckets
+    "algorithm.micro_batch_size", "algorithm.micro_batch_tokens", "model.compile_layers",
+    "rollout.continuous_batching", "rollout.decode_slots",
+    "hardware.deepspeed.overlap_comm", "hardware.deepspeed.contiguous_gradients",
+    "hardware.deepspeed.reduce_bucket_numel", "hardware.deepspeed.prefetch_bucket_numel",
+    "hardware.deepspeed.param_persistence_numel", "hardware.deepspeed.max_live_numel",
+)
+"""Spec fields that may change on `--resume`: how long to run, when to save, how long to wait, which cluster to
+join, and where the trainer runs (backend, rank count, device, offload: a checkpoint holds the HF model and the
+optimizer state by parameter name, which every backend at any rank count resumes; LoRA excepted, see
+`rlspec.run.prepare_out_dir`), none of which changes the math of a step. Every other field (the model, the
+algorithm's constants, the group size, the seed, sampling, the task, the number of rollout engines) must be
+what the run started with: `resume_changes` names the first that is not."""
+
+
+def resume_changes(started: dict, now: dict) -> tuple[list[str], list[str]]:
+    """(allowed, refused): the dotted keys whose values differ between two `Spec` dicts (`RunPlan.to_dict()["spec"]`),
+    split by `RESUMABLE_CHANGES`. A field the started run's rlspec did not have yet counts as its default."""
+    old, new = flatten(started), flatten(now)
+    defaults = flatten(dataclasses.asdict(Spec()))
+    changed = [key for key in sorted(old.keys() | new.keys())
+               if old.get(key, defaults.get(key, _ABSENT)) != new.get(key, _ABSENT)]
+    allowed = [key for key in changed if key in RESUMABLE_CHANGES]
+    return allowed, [key for key in changed if key not in RESUMABLE_CHANGES]
+
+
+_ABSENT = object()
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested spec dict as {dotted key: value}."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
