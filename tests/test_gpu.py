@@ -79,7 +79,7 @@ def test_graph_captured_sampling_follows_a_known_categorical():
     """The sampler inside a replayed CUDA graph (noise keyed by sample and step, the step advanced in the graph):
     right frequencies (chi-square) and reproducible per seed."""
     from rlspec.rollout.noise import sample_keys
-    from rlspec.rollout.static import sample_from_logits
+    from rlspec.rollout.sampling import sample_from_logits
 
     probs = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04], device="cuda")
     rows, replays = 4096, 25

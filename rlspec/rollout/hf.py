@@ -102,7 +102,7 @@ class HFEngine:
             return "plain (not on CUDA)"
         if not self.spec.cuda_graph:
             return "plain (rollout.cuda_graph is false)"
-        from .static import unsupported_reason
+        from .decoder import unsupported_reason
 
         reason = unsupported_reason(self.model)
         return f"plain ({reason})" if reason else "cuda_graph"
@@ -111,7 +111,8 @@ class HFEngine:
         """The CUDA-graph sampler when it can run this model here, else None (the plain loop)."""
         if self.device.type != "cuda" or not self.spec.cuda_graph:
             return None
-        from .static import GraphSampler, unsupported_reason
+        from .decoder import unsupported_reason
+        from .static import GraphSampler
 
         if self._graph_sampler is None and unsupported_reason(self.model) is None:
             self._graph_sampler = GraphSampler(self.model, self.device)

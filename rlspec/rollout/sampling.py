@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .noise import keyed_exponential
+
 
 @dataclass(frozen=True)
 class SampleOptions:
@@ -43,3 +45,30 @@ def next_token(logits: Tensor, temperature: float, top_p: float, generator: torc
         return logp.argmax(dim=-1), logp
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return torch.multinomial(top_p_filter(logp.exp(), top_p), 1, generator=generator).squeeze(-1), logp
+
+
+def sample_from_logits(logits: Tensor, temperature: float, top_p: float, keys: Tensor, steps: Tensor,
+                       race=None, noise=None) -> tuple[Tensor, Tensor]:
+    """One token per row and its log-probability under the full softmax at `temperature` (the trainer's
+    definition, before top-p). Row i's noise is keyed by (`keys[i]`, `steps[i]`) (`keyed_exponential`).
+
+    The exponential race `argmax(p / E)`, `E ~ Exp(1)` i.i.d., picks i with probability p_i / sum(p): a
+    categorical sample with static shapes and no host sync. Without top-p it is `argmax(logits / T - log E)`
+    (`race`, which a caller may pass compiled: the noise, the race and the log-sum-exp in one pass over the
+    logits, no [B, V] softmax); with top-p, `noise` may be the compiled `keyed_exponential`.
+    """
+    if top_p >= 1.0:
+        return (race or exponential_race)(logits, keys, steps, temperature)
+    draws = (noise or keyed_exponential)(keys, steps, logits.shape[-1])
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    token = torch.argmax(top_p_filter(logp.exp(), top_p) / draws, dim=-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def exponential_race(logits: Tensor, keys: Tensor, steps: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """`argmax(softmax(logits / T) / E)` and the winner's log-probability, without forming the softmax."""
+    noise = keyed_exponential(keys, steps, logits.shape[-1])
+    scaled = logits.float() / temperature
+    token = torch.argmax(scaled - noise.log(), dim=-1)
+    logp = scaled.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    return token, logp

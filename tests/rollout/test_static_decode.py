@@ -11,7 +11,9 @@ from rlspec.core.policy import batch_logprobs
 from rlspec.rollout.base import collate, engine_logprobs_tensor
 from rlspec.rollout.hf import HFEngine
 from rlspec.rollout.noise import keyed_exponential, open_uniform, sample_keys
-from rlspec.rollout.static import GraphSampler, StaticDecoder, sample_from_logits, unsupported_reason
+from rlspec.rollout.decoder import StaticDecoder, unsupported_reason
+from rlspec.rollout.sampling import sample_from_logits
+from rlspec.rollout.static import GraphSampler
 from rlspec.spec import ModelSpec, RolloutSpec
 
 

@@ -1,0 +1,237 @@
+"""`StaticDecoder`: the forward pass the CUDA-graph sampler (`rlspec.rollout.static`) runs.
+
+A small forward for Llama-style decoders (Qwen2, Llama, Mistral without a sliding window) that reads the
+transformers module's own weight tensors — weights still arrive by HF name through `HFEngine.load_weights`,
+and a colocated trainer's in-place optimizer steps are seen directly. Without `sdpa` its attention follows
+transformers' eager attention (scores in the model dtype, softmax in fp32); with it (the CUDA default) it is
+`scaled_dot_product_attention`; either way the engine's log-probs agree with the trainer's within bf16
+rounding (`tests/test_gpu.py`). On CUDA it also runs each layer's q/k/v and gate/up projections as one GEMM
+each, over fused copies refreshed before every batch (`fuse_weights`), and compiles one function per decoder
+layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .noise import keyed_exponential
+from .sampling import exponential_race
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why `StaticDecoder` cannot run `model` (None when it can)."""
+    if hasattr(model, "peft_config"):
+        return "the model carries LoRA adapters"
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {getattr(config, 'model_type', None)!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "the model uses sliding-window layers"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} is not silu"
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", "default") != "default":
+        return "the model's RoPE is not the default kind"
+    return None
+
+
+class StaticDecoder:
+    """Forward pass over the HF module's weights, writing K/V into caller-owned static caches."""
+
+    def __init__(self, model: torch.nn.Module, sdpa: bool = False) -> None:
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(f"StaticDecoder cannot run this model: {reason}")
+        config = model.config
+        self.model = model
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
+        self.num_layers = config.num_hidden_layers
+        self.vocab_size = config.vocab_size
+        self.rotary = model.model.rotary_emb
+        self.sdpa = sdpa
+        self._compiled = None
+        self.race = None  # the compiled `exponential_race` and `keyed_exponential`, with the compiled blocks
+        self.noise = None
+        self._fused: list[tuple[Tensor, Tensor | None, Tensor]] | None = None
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self._qkv_sizes = (q_size, kv_size, kv_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    def weight_pointers(self) -> tuple[int, ...]:
+        """Storage addresses a captured graph baked in; they change only if a weight is re-allocated."""
+        return tuple(p.data_ptr() for p in self.model.parameters())
+
+    @torch.no_grad()
+    def fuse_weights(self) -> None:
+        """Keep each layer's q/k/v projections as one [q+k+v, hidden] matrix and gate/up as one [2 x ffn, hidden]
+        (and refresh them from the module's current weights): a decode step then runs 2 GEMMs where it ran 5.
+
+        The fused matrices are copies (for the 0.5B shape about 0.47 GB in bf16), so call this before every
+        batch: a colocated trainer's optimizer steps and a sync write the module's weights, not these.
+        Refreshing copies into the same buffers, so captured graphs stay valid.
+        """
+        layers = self.model.model.layers
+        if self._fused is None:
+            self._fused = []
+            for layer in layers:
+                attn, ffn = layer.self_attn, layer.mlp
+                wqkv = torch.empty(sum(self._qkv_sizes), attn.q_proj.weight.shape[1], dtype=attn.q_proj.weight.dtype,
+                                   device=attn.q_proj.weight.device)
+                bqkv = None if attn.q_proj.bias is None else torch.empty(sum(self._qkv_sizes), dtype=attn.q_proj.bias.dtype,
+                                                                         device=attn.q_proj.bias.device)
+                w_gate_up = torch.empty(2 * ffn.gate_proj.weight.shape[0], ffn.gate_proj.weight.shape[1],
+                                        dtype=ffn.gate_proj.weight.dtype, device=ffn.gate_proj.weight.device)
+                self._fused.append((wqkv, bqkv, w_gate_up))
+        for layer, (wqkv, bqkv, w_gate_up) in zip(layers, self._fused):
+            attn, ffn = layer.self_attn, layer.mlp
+            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], out=wqkv)
+            if bqkv is not None:
+                torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=bqkv)
+            torch.cat([ffn.gate_proj.weight, ffn.up_proj.weight], out=w_gate_up)
+
+    def unfuse_weights(self) -> None:
+        """Drop the fused copies (their memory goes back to the allocator)."""
+        self._fused = None
+
+    def new_cache(self, batch: int, length: int, device) -> tuple[list[Tensor], list[Tensor]]:
+        shape = (batch, self.num_kv_heads, length, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        return keys, values
+
+    def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x.to(dtype)
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions[..., None].float() * self.rotary.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = self.rotary.attention_scaling
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor) -> Tensor:
+        """q [b, H, T, D] against the whole cache [b, Hkv, S, D]; `allowed` [b, T, S] (bool).
+
+        Query heads are grouped onto their shared K/V head with a reshape, not a copy of the cache.
+        """
+        b, _, t, d = q.shape
+        if self.sdpa:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], scale=self.scaling,
+                                                  enable_gqa=True)
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(b, self.num_kv_heads, groups * t, d)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling
+        scores = scores.view(b, self.num_kv_heads, groups, t, -1)
+        scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs.view(b, self.num_kv_heads, groups * t, -1), values)
+        return out.view(b, self.num_heads, t, d)
+
+    def _qkv(self, x: Tensor, norm: Tensor, weights: tuple, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`weights`: (wq, bq, wk, bk, wv, bv), or the fused (wqkv, bqkv)."""
+        b, t, _ = x.shape
+        h = self._rms_norm(x, norm)
+        if len(weights) == 2:
+            q, k, v = F.linear(h, *weights).split(self._qkv_sizes, dim=-1)
+        else:
+            wq, bq, wk, bk, wv, bv = weights
+            q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+        q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+
+    def _attention_block(self, x: Tensor, q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, wo: Tensor,
+                         bo: Tensor | None) -> Tensor:
+        b, t, _ = x.shape
+        out = self._attend(q, keys, values, allowed)
+        return x + F.linear(out.transpose(1, 2).reshape(b, t, -1), wo, bo)
+
+    def _mlp_block(self, x: Tensor, norm: Tensor, weights: tuple) -> Tensor:
+        """`weights`: (w_gate, w_up, w_down), or the fused (w_gate_up, w_down)."""
+        h = self._rms_norm(x, norm)
+        if len(weights) == 2:
+            gate, up = F.linear(h, weights[0]).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(h, weights[0]), F.linear(h, weights[1])
+        return x + F.linear(F.silu(gate) * up, weights[-1])
+
+    def compile_blocks(self, layers: bool = False) -> None:
+        """Fuse the elementwise work (norms, RoPE, softmax, SiLU, residual adds) with torch.compile; shapes are
+        static. `layers`: one compiled function per decoder layer (the K/V cache writes included, so fusion
+        crosses the block boundaries), compiled once and reused by every layer; else one per block."""
+        if layers:
+            self._compiled = torch.compile(self._layer, dynamic=False)
+        else:
+            blocks = tuple(torch.compile(f, dynamic=False) for f in self._blocks())
+            self._compiled = lambda *args: self._layer(*args, blocks=blocks)
+        self.race = torch.compile(exponential_race, dynamic=False)
+        self.noise = torch.compile(keyed_exponential, dynamic=False)  # top-p < 1: one kernel, not ~30 over [B, V]
+
+    def uncompile_blocks(self) -> None:
+        self._compiled = None
+        self.race = self.noise = None
+
+    def _blocks(self):
+        return self._qkv, self._attention_block, self._mlp_block
+
+    def _layer(self, x: Tensor, weights: tuple, k_cache: Tensor, v_cache: Tensor, slots: Tensor, allowed: Tensor,
+               cos: Tensor, sin: Tensor, blocks=None) -> Tensor:
+        """One decoder layer; its K/V go to cache `slots` [b, T] (each row its own). `weights` from `_layer_weights`."""
+        qkv, attention, mlp = blocks or self._blocks()
+        norm1, qkv_weights, wo, bo, norm2, mlp_weights = weights
+        q, k, v = qkv(x, norm1, qkv_weights, cos, sin)
+        index = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        k_cache.scatter_(2, index, k)
+        v_cache.scatter_(2, index, v)
+        x = attention(x, q, k_cache, v_cache, allowed, wo, bo)
+        return mlp(x, norm2, mlp_weights)
+
+    def _layer_weights(self, index: int, layer) -> tuple:
+        attn, ffn = layer.self_attn, layer.mlp
+        if self._fused is not None:
+            wqkv, bqkv, w_gate_up = self._fused[index]
+            qkv, mlp = (wqkv, bqkv), (w_gate_up, ffn.down_proj.weight)
+        else:
+            qkv = (attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight,
+                   attn.v_proj.bias)
+            mlp = (ffn.gate_proj.weight, ffn.up_proj.weight, ffn.down_proj.weight)
+        return (layer.input_layernorm.weight, qkv, attn.o_proj.weight, attn.o_proj.bias,
+                layer.post_attention_layernorm.weight, mlp)
+
+    def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
+                keys: list[Tensor], values: list[Tensor], compiled: bool = False) -> Tensor:
+        """Logits [b, V] of the last of `ids` [b, T]; K/V of all T tokens go to cache `slots`: [T] (the same for
+        every row) or [b, T] (each row its own, as the continuous-batching decode step writes).
+
+        `compiled` uses the torch.compile'd layers or blocks (decode steps: one shape per graph); prefill
+        shapes vary with the prompt width, so prefill runs the plain ones.
+        """
+        run = self._compiled if compiled and self._compiled is not None else self._layer
+        body = self.model.model
+        if slots.dim() == 1:
+            slots = slots.expand(ids.shape[0], -1)
+        x = body.embed_tokens(ids)
+        cos, sin = self._rope(positions, x.dtype)
+        cos, sin = cos[:, None], sin[:, None]
+        for index, (layer, k_cache, v_cache) in enumerate(zip(body.layers, keys, values)):
+            x = run(x, self._layer_weights(index, layer), k_cache, v_cache, slots, allowed, cos, sin)
+        x = self._rms_norm(x[:, -1], body.norm.weight)
+        return F.linear(x, self.model.get_output_embeddings().weight)
