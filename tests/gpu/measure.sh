@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab profile_ab
 # scale7b weak15b sync7b.
 # Each writes its log and metrics under $OUT.
 set -u
@@ -102,6 +102,13 @@ for section in "$@"; do
       for p in 8 32; do
         CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=$p --steps 3 \
           > $OUT/profile_$p.txt 2>&1; echo "profile $p exit $?" >> $OUT/results.txt
+      done ;;
+    profile_ab)  # issue 18: the packed train phase at 32 x 8 under a 16k-token budget, eager layers against compiled ones
+      # (model.compile_layers); PT_EXTRA=<overrides> adds to both
+      for c in false true; do
+        CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=32 \
+          algorithm.micro_batch_tokens=16384 model.compile_layers=$c ${PT_EXTRA:-} --steps 4 > $OUT/profile_ab_$c.txt 2>&1
+        echo "profile compile_layers=$c exit $?" >> $OUT/results.txt; head -4 $OUT/profile_ab_$c.txt >> $OUT/results.txt
       done ;;
     servechat)  # issue 20: rlspec serve of the 0.5B-shaped preset answering 64 concurrent streaming chat requests
       python3 -m rlspec.cli serve $BENCH --port 8123 > $OUT/servechat_server.log 2>&1 & SERVER=$!
