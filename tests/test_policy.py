@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlspec.core.batch import position_ids
@@ -47,6 +48,52 @@ def test_chunked_head_gradients_equal_autograd_for_states_weight_and_bias():
     assert torch.allclose(logp, plain, atol=1e-6) and not entropy.requires_grad  # head(chunk): other matmul shapes
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=1e-6, rtol=0)
+
+
+def test_fused_head_equals_the_plain_head_in_log_probs_entropy_and_gradients():
+    """The fused chunk (`_head_stats` / `_head_grad`, compiled on CUDA) is the same math as the plain chunk;
+    here both run eagerly in fp32, at two temperatures, over chunks of 3 rows and one chunk."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(6, 13, bias=True)
+    hidden = torch.randn(2, 8, 6, requires_grad=True)
+    ids = torch.randint(0, 13, (2, 8))
+    weights = torch.randn(2, 8)
+    for temperature in (1.0, 0.7):
+        for chunk_elems in (13 * 3, 1 << 20):
+            outs = {}
+            for fused in (False, True):
+                logp, entropy = token_logprobs_and_entropy(hidden, ids, temperature, head=head,
+                                                           chunk_elems=chunk_elems, fused=fused)
+                grads = torch.autograd.grad((logp * weights).sum(), (hidden, head.weight, head.bias))
+                outs[fused] = (logp, entropy, *grads)
+            assert not outs[True][1].requires_grad
+            for got, want in zip(outs[True], outs[False]):
+                assert torch.allclose(got, want, atol=1e-5, rtol=0), (temperature, chunk_elems)
+
+
+@pytest.mark.gpu
+def test_fused_head_on_cuda_bf16_matches_the_plain_head():
+    """On CUDA in bf16 the chunked head runs fused and compiled by default: log-probs and entropies as the plain
+    fp32 chunk computes them from the same bf16 logits (up to summation order), gradients within bf16 rounding,
+    over several chunks and a second length (no recompile per shape)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 5000, bias=False).cuda().to(torch.bfloat16)
+    for length in (300, 171):
+        hidden = torch.randn(2, length, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        ids = torch.randint(0, 5000, (2, length), device="cuda")
+        weights = torch.randn(2, length, device="cuda")
+        outs = {}
+        for fused in (None, False):  # None: the default, fused here
+            logp, entropy = token_logprobs_and_entropy(hidden, ids, 0.9, head=head, chunk_elems=5000 * 2 * 64,
+                                                       fused=fused)
+            grads = torch.autograd.grad((logp * weights).sum(), (hidden, head.weight))
+            outs[fused] = (logp, entropy, *grads)
+        (logp, entropy, g_hidden, g_weight), (p_logp, p_entropy, p_hidden, p_weight) = outs[None], outs[False]
+        assert torch.allclose(logp, p_logp, atol=1e-4) and torch.allclose(entropy, p_entropy, atol=1e-4)
+        for got, want in ((g_hidden, p_hidden), (g_weight, p_weight)):
+            assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), float((got - want).abs().max())
 
 
 def test_micro_batches_of_uneven_length_carry_every_token_aligned_field():

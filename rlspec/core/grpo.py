@@ -51,7 +51,9 @@ local loss by W before backward.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -239,28 +241,43 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
 
 
 def token_logprobs_and_entropy(states: Tensor, input_ids: Tensor, temperature: float = 1.0,
-                               head: torch.nn.Module | None = None,
-                               chunk_elems: int = 1 << 25) -> tuple[Tensor, Tensor]:
+                               head: torch.nn.Module | None = None, chunk_elems: int | None = None,
+                               fused: bool | None = None) -> tuple[Tensor, Tensor]:
     """`token_logprobs` and `token_entropy` (entropy detached), computed over chunks of positions.
 
     `states` are the logits [N, L, V], or with `head` (a `Linear`) the final hidden states [N, L, H] and
     `head(h)` the logits, so the full logits never exist: at a 152k vocabulary a batch of 64 x 270 tokens is
     5 GB of bf16 logits and 10 GB per fp32 intermediate. Each chunk holds at most `chunk_elems` logits, and
-    backward recomputes a chunk's logits from its states (`_ChunkedLogprobs`) rather than keeping them. The
-    log-softmax is row-wise, so chunked log-probs and entropies are bit-identical to the plain ones; an
-    input that fits one chunk takes exactly the unchunked ops (gradients included).
+    backward recomputes a chunk's logits from its states (`_ChunkedLogprobs`) rather than keeping them.
+
+    Two ways to run a chunk (`fused`; by default fused exactly for a head on CUDA in 16 bits, the train path
+    on a GPU):
+    - plain: fp32 log_softmax, gather and entropy as `token_logprobs` / `token_entropy` write them. The
+      log-softmax is row-wise, so chunked log-probs and entropies are bit-identical to the plain ones; an
+      input that fits one chunk takes exactly the unchunked ops (gradients included). The CPU and fp32 path,
+      which the conformance suite compares bit for bit.
+    - fused (`_head_stats`, `_head_grad`, torch.compile'd on CUDA): the same math in fp32 read from the 16-bit
+      logits in two reductions, keeping the row's log-sum-exp for backward, whose logits gradient is one
+      elementwise pass. A chunk then costs a few reads of its 16-bit logits instead of about ten passes over
+      fp32 copies, which made the head's elementwise work as slow as the whole model's matmuls (measured: 0.35
+      of 0.92 s of kernels in a 32 x 8 train phase); with no fp32 copies a chunk may hold 4x the logits.
+      Equal to plain up to fp32 summation order.
     """
     targets = input_ids[:, 1:]
     rows, length = targets.shape
     vocab = head.weight.shape[0] if head is not None else states.shape[-1]
+    if fused is None:
+        fused = head is not None and states.is_cuda and states.dtype in (torch.bfloat16, torch.float16)
+    if chunk_elems is None:
+        chunk_elems = 1 << 27 if fused else 1 << 25
     chunk = max(1, chunk_elems // max(rows * vocab, 1))
-    if length <= chunk:
+    if length <= chunk and not fused:
         logits = states if head is None else head(states)
         picked, entropy = _chunk_logprobs(logits[:, :-1], targets, temperature)
     else:
         weight = None if head is None else head.weight
         bias = None if head is None else head.bias
-        picked, entropy = _ChunkedLogprobs.apply(states[:, :-1], weight, bias, targets, temperature, chunk)
+        picked, entropy = _ChunkedLogprobs.apply(states[:, :-1], weight, bias, targets, temperature, chunk, fused)
     return torch.nn.functional.pad(picked, (1, 0)), torch.nn.functional.pad(entropy, (1, 0))
 
 
@@ -277,32 +294,68 @@ def _chunk_logprobs(states: Tensor, targets: Tensor, temperature: float,
     return picked, entropy
 
 
+def _head_stats(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused chunk's forward: log p(target), the entropy and the log-sum-exp of z = logits / T, per row.
+    log p_t = z_t - lse; H = -sum_j p_j (z_j - lse) = lse - sum_j p_j z_j."""
+    z = _at_least_fp32(logits) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (torch.exp(z - lse.unsqueeze(-1)) * z).sum(-1)
+    return picked, entropy, lse
+
+
+def _head_grad(logits: Tensor, targets: Tensor, lse: Tensor, grad_picked: Tensor, temperature: float) -> Tensor:
+    """The fused chunk's backward: d loss / d logits = g (onehot(t) - softmax(z)) / T, in the logits' dtype."""
+    z = _at_least_fp32(logits) / temperature
+    hit = torch.arange(logits.shape[-1], device=logits.device) == targets.unsqueeze(-1)
+    grad = (hit.to(z.dtype) - torch.exp(z - lse.unsqueeze(-1))) * (grad_picked.to(z.dtype) / temperature).unsqueeze(-1)
+    return grad.to(logits.dtype)
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """`fn` under torch.compile, made once per process (dynamic: chunks differ in rows and positions)."""
+    return torch.compile(fn, dynamic=True)
+
+
+def _head_kernel(fn: Callable, on_cuda: bool) -> Callable:
+    return _compiled(fn) if on_cuda else fn  # eager elsewhere: the CPU tests check the math, not the compiler
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """Log-probs and entropies of states [N, L, H] under `logits = states @ weight.T + bias` (or of logits
-    [N, L, V] when `weight` is None), `positions` columns at a time.
+    [N, L, V] when `weight` is None), `positions` columns at a time, plain or fused
+    (`token_logprobs_and_entropy`).
 
-    Forward keeps only the states; backward recomputes each chunk's logits, takes the gradient
-    d logp_t / d z = (onehot(t) - softmax(z / T)) / T through the chunk and adds the weight's share in place.
-    So a chunk's fp32 logits live only while that chunk runs, and the weight gradient is one buffer rather
-    than one full-size tensor per chunk that autograd would sum (under `torch.utils.checkpoint` it also
-    kept each chunk's graph machinery and ran the forward's entropy again).
+    Forward keeps only the states (and, fused, each row's log-sum-exp); backward recomputes each chunk's
+    logits, takes the gradient d logp_t / d z = (onehot(t) - softmax(z / T)) / T through the chunk and adds the
+    weight's share in place. So a chunk's logits live only while that chunk runs, and the weight gradient is
+    one buffer rather than one full-size tensor per chunk that autograd would sum (under
+    `torch.utils.checkpoint` it also kept each chunk's graph machinery and ran the forward's entropy again).
     """
 
     @staticmethod
-    def forward(ctx, states, weight, bias, targets, temperature, positions):
-        head = None if weight is None else (lambda x: torch.nn.functional.linear(x, weight, bias))
-        parts = [_chunk_logprobs(piece, target, temperature, head)
-                 for piece, target in zip(states.split(positions, dim=1), targets.split(positions, dim=1))]
-        ctx.save_for_backward(states, weight, bias, targets)
-        ctx.temperature, ctx.positions = temperature, positions
-        picked, entropy = torch.cat([p for p, _ in parts], dim=1), torch.cat([e for _, e in parts], dim=1)
+    def forward(ctx, states, weight, bias, targets, temperature, positions, fused=False):
+        head = (lambda x: x) if weight is None else (lambda x: torch.nn.functional.linear(x, weight, bias))
+        pieces = zip(states.split(positions, dim=1), targets.split(positions, dim=1))
+        if fused:
+            stats = _head_kernel(_head_stats, states.is_cuda)
+            parts = [stats(head(piece), target, temperature) for piece, target in pieces]
+            lse = torch.cat([part[2] for part in parts], dim=1)
+        else:
+            parts = [_chunk_logprobs(piece, target, temperature, None if weight is None else head)
+                     for piece, target in pieces]
+            lse = None
+        ctx.save_for_backward(states, weight, bias, targets, lse)
+        ctx.temperature, ctx.positions, ctx.fused = temperature, positions, fused
+        picked, entropy = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
         ctx.mark_non_differentiable(entropy)
         return picked, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_picked, _grad_entropy):
-        states, weight, bias, targets = ctx.saved_tensors
+        states, weight, bias, targets, lse = ctx.saved_tensors
         temperature, step = ctx.temperature, ctx.positions
         grad_states = torch.empty_like(states) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if weight is not None and ctx.needs_input_grad[1] else None
@@ -310,19 +363,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, states.shape[1], step):
             cols = slice(start, start + step)
             piece = states[:, cols]
-            logits = piece if weight is None else torch.nn.functional.linear(piece, weight, bias)
-            logits = _at_least_fp32(logits)
-            logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
-            del logits
-            # The backward autograd runs for gather then log_softmax (then / T), op for op, so the gradients
-            # are autograd's bit for bit; a chunk's peak is three fp32 copies of its logits, as before.
-            grad = torch.zeros_like(logp).scatter_(-1, targets[:, cols].unsqueeze(-1),
-                                                  grad_picked[:, cols].to(logp.dtype).unsqueeze(-1))
-            grad = torch.ops.aten._log_softmax_backward_data(grad, logp, -1, logp.dtype)
-            del logp
-            if temperature != 1.0:
-                grad.div_(temperature)
-            grad = grad.to(states.dtype if weight is None else weight.dtype)
+            out_dtype = states.dtype if weight is None else weight.dtype
+            if ctx.fused:
+                logits = piece if weight is None else torch.nn.functional.linear(piece, weight, bias)
+                grad = _head_kernel(_head_grad, states.is_cuda)(logits, targets[:, cols], lse[:, cols],
+                                                                 grad_picked[:, cols], temperature).to(out_dtype)
+                del logits
+            else:
+                grad = _plain_logits_grad(piece, weight, bias, targets[:, cols], grad_picked[:, cols], temperature,
+                                          out_dtype)
             if weight is None:
                 if grad_states is not None:
                     grad_states[:, cols] = grad
@@ -334,7 +383,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_weight.addmm_(grad.t(), piece.flatten(0, 1))
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
-        return grad_states, grad_weight, grad_bias, None, None, None
+        return grad_states, grad_weight, grad_bias, None, None, None, None
+
+
+def _plain_logits_grad(piece: Tensor, weight: Tensor | None, bias: Tensor | None, targets: Tensor,
+                       grad_picked: Tensor, temperature: float, out_dtype: torch.dtype) -> Tensor:
+    # The backward autograd runs for gather then log_softmax (then / T), op for op, so the gradients are
+    # autograd's bit for bit; a chunk's peak is three fp32 copies of its logits, as before.
+    logits = _at_least_fp32(piece if weight is None else torch.nn.functional.linear(piece, weight, bias))
+    logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+    del logits
+    grad = torch.zeros_like(logp).scatter_(-1, targets.unsqueeze(-1), grad_picked.to(logp.dtype).unsqueeze(-1))
+    grad = torch.ops.aten._log_softmax_backward_data(grad, logp, -1, logp.dtype)
+    del logp
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad.to(out_dtype)
 
 
 def _at_least_fp32(t: Tensor) -> Tensor:

@@ -198,9 +198,11 @@ class StaticDecoder:
         qkv, attention, mlp = blocks or self._blocks()
         norm1, qkv_weights, wo, bo, norm2, mlp_weights = weights
         q, k, v = qkv(x, norm1, qkv_weights, cos, sin)
-        index = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        k_cache.scatter_(2, index, k)
-        v_cache.scatter_(2, index, v)
+        # An indexed store, not scatter_: compiled, scatter_ became a scatter into a copy of the whole cache and a
+        # copy back (two full-cache passes per layer and cache); index_put_ writes only the new positions in place.
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        k_cache[rows, :, slots] = k.transpose(1, 2)
+        v_cache[rows, :, slots] = v.transpose(1, 2)
         x = attention(x, q, k_cache, v_cache, allowed, wo, bo)
         return mlp(x, norm2, mlp_weights)
 
