@@ -42,11 +42,30 @@ def keyed_exponential(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:
     """
     row = _mix32(keys ^ _mix32(steps & _MASK32))
     salt = _mix32(row ^ 0x45D9F3B)
-    ids = torch.arange(vocab, device=keys.device)
-    x = _mix32(_mix32(ids[None] ^ row[:, None]) ^ salt[:, None])
+    ids = torch.arange(vocab, device=keys.device, dtype=torch.int32)
+    x = _mix32_int32(_mix32_int32(ids[None] ^ _as_int32(row)[:, None]) ^ _as_int32(salt)[:, None])
     return -torch.log(open_uniform(x))
 
 
+def _as_int32(x: Tensor) -> Tensor:
+    """int64 values in [0, 2^32) as int32 with the same 32 bits."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def _mix32_int32(x: Tensor) -> Tensor:
+    """`_mix32` on the same 32 bits held in int32, bit for bit: products wrap modulo 2^32 (the multipliers are
+    below 2^31, so the product stays int32) and each right shift is masked to a logical one. The [B, vocab] noise is hashed here: 64-bit integer products cost a GPU several
+    32-bit ones (the decode step's sampler kernel took 80 us at 64 rows x 152k in int64)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * 0x5BD1E995
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x27D4EB2F
+    return x ^ ((x >> 15) & 0x1FFFF)
+
+
 def open_uniform(x: Tensor) -> Tensor:
-    """float32 in (0, 1) from 32-bit hashes `x`: the top 23 bits, centred in their interval."""
-    return ((x >> 9).float() + 0.5) * 2.0 ** -23
+    """float32 in (0, 1) from 32-bit hashes `x` (int64 in [0, 2^32) or the same bits in int32): the top 23 bits,
+    centred in their interval."""
+    return (((x >> 9) & 0x7FFFFF).float() + 0.5) * 2.0 ** -23

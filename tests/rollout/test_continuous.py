@@ -100,3 +100,16 @@ def test_one_prefill_per_group_samples_what_separate_prefills_sample(model):
     _, b = _generate(model, GraphSampler(model, "cpu", use_graphs=False, check_every=4, share_prefill=False), top_p=0.9)
     assert a.completion_ids == b.completion_ids
     assert _max_logp_diff(a, b) < 1e-5
+
+
+def test_int32_noise_hash_is_the_int64_hash_bit_for_bit():
+    """The [B, V] noise is hashed in int32 (wrapping products, masked shifts) for speed; its bits must be the
+    32-bit hash `_mix32` defines in int64, or the sampler's draws would change with the arithmetic."""
+    from rlspec.rollout import noise
+
+    values = torch.arange(-2**31, 2**31, 2**31 // 50_000 * 3 + 1, dtype=torch.int64)
+    ints = noise._as_int32(values & noise._MASK32)
+    want = noise._mix32(noise._mix32(values & noise._MASK32) ^ 0x9E3779B9)
+    got = noise._mix32_int32(noise._mix32_int32(ints) ^ noise._as_int32(torch.tensor(0x9E3779B9)))
+    assert got.dtype == torch.int32 and torch.equal(got.long() & noise._MASK32, want)
+    assert torch.equal(noise.open_uniform(got), noise.open_uniform(want))
