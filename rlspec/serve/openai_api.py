@@ -291,9 +291,11 @@ class OpenAIRoutes:
         options = SampleOptions(greedy=temperature == 0, top_logprobs=top_logprobs)
         seed = seed if seed is not None else secrets.randbits(31)
 
+        numbered = {"first_sample": first_sample} if first_sample else {}  # only engines that number samples take it
+
         def generate():
             return self.host.weight_version, engine.with_spec(spec).generate(prompts, n, seed=seed, options=options,
-                                                                                first_sample=first_sample)
+                                                                                **numbered)
 
         def choices_of(version, rollout) -> tuple[int | None, list[Choice]]:
             eos, decode = self.tokenizer.eos_token_id, decoder(self.tokenizer)
