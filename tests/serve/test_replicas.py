@@ -241,3 +241,37 @@ def test_two_started_servers_with_checkpoint_learn_as_one_server(one_server, tmp
     _same_rows(rows, one_server)
     assert all(r["sync/bytes"] > 0 and r["timing_s/sync_replica_1"] > 0 for r in rows)
 
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # the recovery of one server among several is tested without processes above
+def test_one_of_two_started_servers_killed_mid_run_is_restarted_alone_and_the_run_learns_as_before(one_server, tmp_path):
+    import re
+    import time
+
+    out, log_path = tmp_path / "out", tmp_path / "run.stderr"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(rlspec_cmd("run", *BASE, "sync.method=nccl", "hardware.num_rollout_engines=2",
+                                           "sync.timeout_s=10", "rollout.server_reconnect_s=120", "--out", str(out),
+                                           "--no-progress"), cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        pids = [int(p) for p in re.findall(r"rollout server pid (\d+)", log_path.read_text())]
+        assert len(pids) == 2
+        proc.send_signal(signal.SIGSTOP)  # so that the loss lands mid-run however fast the steps are
+        try:
+            os.kill(pids[1], signal.SIGKILL)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert proc.wait(timeout=300) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = log_path.read_text()
+    assert err.count("was lost; waiting up to 120 s") == 1 and "is back after" in err, err
+    assert len(re.findall(r"rollout server pid (\d+)", err)) == 3, "only the lost server is started again"
+    _same_rows(read_metrics(out / "metrics.jsonl"), one_server)
