@@ -522,7 +522,7 @@ class HardwareSpec(_Section):
     num_trainer_ranks: int = 1
     """Data-parallel trainer ranks (processes)."""
     num_rollout_engines: int = 1
-    """Rollout engine replicas (multi-process backends)."""
+    """Rollout engine replicas: Ray engine actors (fsdp, deepspeed) or, separate, rlspec serve processes (standalone)."""
     rollout: str = "colocated"
     """colocated (engines share the trainer's devices) | separate (engines on their own devices)."""
     offload_params: bool = False
