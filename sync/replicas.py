@@ -2,7 +2,7 @@
 standalone backend's rollout servers, `rlspec.serve.replicas`).
 
 Each replica gets a transport of its own, connected to it alone, and a push runs them all at once (one thread
-each) and returns the bytes sent in all. A replica that exposes `reconnecting` (a rollout server) wraps its
+each; the first push one after another) and returns the bytes sent in all. A replica that exposes `reconnecting` (a rollout server) wraps its
 transport, so a lost server recovers its own channel without touching the others'. The cost against one
 broadcast group to every replica: the sender sends the weights once per replica (its link's bandwidth shared
 by the pushes in flight), where a broadcast sends about one copy whatever the count; `metrics` reports each
@@ -24,6 +24,7 @@ class PerReplica:
         self.replicas: list = []
         self.pool: ThreadPoolExecutor | None = None
         self.last_push_s: list[float] = []
+        self.pushed = False
 
     def connect(self, engine, weights=None) -> None:
         from . import build_transport
@@ -38,15 +39,21 @@ class PerReplica:
         self.pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="rlspec-push")
 
     def push(self, weights, engine) -> int:
-        """Push to every replica at once; wait for all, then raise the first failure (in replica order)."""
+        """Push to every replica at once; wait for all, then raise the first failure (in replica order). The first
+        push goes to one replica after another: there each transport lays out its buffers and, on CUDA, captures
+        its checksum graphs, which is kept out of the other pushes' way."""
         def one(transport, replica) -> tuple[int, float]:
             start = time.perf_counter()
             sent = transport.push(weights, replica)
             return sent, time.perf_counter() - start
 
-        futures = [self.pool.submit(one, t, r) for t, r in zip(self.transports, self.replicas)]
-        wait(futures)
-        results = [f.result() for f in futures]
+        if not self.pushed:
+            results = [one(t, r) for t, r in zip(self.transports, self.replicas)]
+            self.pushed = True
+        else:
+            futures = [self.pool.submit(one, t, r) for t, r in zip(self.transports, self.replicas)]
+            wait(futures)
+            results = [f.result() for f in futures]
         self.last_push_s = [seconds for _, seconds in results]
         return sum(sent for sent, _ in results)
 

@@ -144,9 +144,10 @@ def test_the_transport_runs_once_per_server_and_its_owner_closes_the_first(monke
     assert [(what, engine) for what, _, engine in log] == [("connect", "server0"), ("connect", "server1"),
                                                            ("connect", "server2")]
     assert log[0][1] is first and len({id(t) for _, t, _ in log}) == 3
-    log.clear()
-    assert transport.push(None, Engine()) == 30
-    assert sorted(engine for _, _, engine in log) == ["server0", "server1", "server2"]
+    for _ in range(2):  # the first push one server after another, the next ones at once
+        log.clear()
+        assert transport.push(None, Engine()) == 30
+        assert sorted(engine for _, _, engine in log) == ["server0", "server1", "server2"]
     assert sorted(transport.metrics()) == [f"timing_s/sync_replica_{i}" for i in range(3)]
     assert transport.metrics() == {}, "a step without a push reports no push time"
     built = transport.transports[1:]
