@@ -28,7 +28,7 @@ from ...core.batch import TrainBatch
 from ...core.grpo import LossNorm
 from ...core.trainer import LocalTrainer
 from ...core.weights import LocalWeights
-from ...errors import RunError
+from ...errors import RunError, SpecError
 from ...models.factory import apply_lora, copy_weights, load_model
 from ...rollout.hf import HFEngine
 from ...spec import BackendCaps, RunPlan
@@ -80,7 +80,8 @@ class StandaloneBackend:
         rollout = plan.spec.rollout
         urls = rollout.server_urls or ([rollout.server_url] if rollout.server_url is not None else [])
         if urls:
-            engines = [self._joined(plan, url) for url in urls]
+            keys = [f"rollout.server_urls[{i}]" for i in range(len(urls))] if rollout.server_urls else ["rollout.server_url"]
+            engines = [self._joined(plan, url, key) for url, key in zip(urls, keys)]
         else:
             self.servers = [ServerProcess(plan, index=i) for i in range(len(plan.placement.engine_devices))]
             for server in self.servers:  # they load their models side by side
@@ -88,12 +89,18 @@ class StandaloneBackend:
             engines = [self._started(plan, server) for server in self.servers]
         return engines[0] if len(engines) == 1 else ServedReplicas(engines, self.trainer.tokenizer)
 
-    def _joined(self, plan: RunPlan, url: str):
+    def _joined(self, plan: RunPlan, url: str, key: str):
+        """A server this run joins; one that never answers at its address is bad input naming `key` (exit 2)."""
         from ...serve.client import ServedEngine, ServerClient
 
         rollout = plan.spec.rollout
         client = ServerClient(url, timeout_s=plan.spec.sync.timeout_s + HEALTH_MARGIN_S, transport=plan.sync_method)
-        client.wait_healthy(rollout.server_start_timeout_s)
+        try:
+            client.wait_healthy(rollout.server_start_timeout_s)
+        except RunError as err:
+            client.close()
+            raise SpecError(key, f"no healthy rollout server at {url} ({err})",
+                            "start `rlspec serve` there first, or fix the URL") from None
         return ServedEngine(client, self.trainer.tokenizer, rollout, starts_in_sync=False,
                             reconnect_s=rollout.server_reconnect_s)
 

@@ -174,6 +174,18 @@ def test_combinations_that_cannot_work_name_the_key(overrides, key):
     assert err.value.where == key, str(err.value)
 
 
+def test_a_listed_server_that_never_answers_is_bad_input_naming_its_entry(tmp_path):
+    from rlspec.serve.process import free_port
+
+    urls = f"[http://127.0.0.1:{free_port()},http://127.0.0.1:{free_port()}]"  # nothing listens there
+    done = _run(tmp_path / "out", "hardware.num_rollout_engines=2", f"rollout.server_urls={urls}",
+                "rollout.server_start_timeout_s=0.5")
+    assert done.returncode == 2, done.stderr
+    assert "rollout.server_urls[0]: no healthy rollout server at http://127.0.0.1:" in done.stderr, done.stderr
+    assert "start `rlspec serve` there first, or fix the URL" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists(), "bad input leaves nothing behind"
+
+
 def _serve(port: int, log_path) -> subprocess.Popen:
     from rlspec.serve import TOKEN_ENV
 
