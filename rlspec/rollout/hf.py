@@ -10,7 +10,9 @@ On CUDA (with `rollout.cuda_graph`, for Llama-style decoders without LoRA) sampl
 `rlspec.rollout.static.GraphSampler`: a slot-indexed KV cache and the decode step captured in CUDA graphs,
 with continuous batching (`rollout.continuous_batching`, `rollout.decode_slots`) and one prefill per prompt.
 Elsewhere, for any other model, and for a request that asks for greedy decoding or the top log-probs of each
-step (`SampleOptions`, sent by a rollout server's OpenAI routes), the plain loop below runs.
+step (`SampleOptions`, sent by a rollout server's OpenAI routes), the plain loop below runs. Both draw sample i's
+noise keyed by (seed, i, position) (`rlspec.rollout.noise`), not from a generator shared by the batch: a sample's
+tokens do not depend on the batch it ran in, so a step split over several engines samples what one engine does.
 """
 
 from __future__ import annotations
