@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-remote", action="store_true",
                        help="allow a --host that is not a loopback address (other machines can then reach the server)")
     serve.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit when this process dies
+    serve.add_argument("--engine-index", type=int, default=0, help=argparse.SUPPRESS)  # a run's server i: its device
 
     bench = sub.add_parser("bench", help="run one spec on several backends and compare throughput",
                            usage="rlspec bench SPEC [key=value ...] [--backends a,b] [--out DIR] [--reference trl]")
@@ -105,7 +106,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .serve.process import serve
 
         plan, _ = build_plan(args.spec, args.overrides, args.backend)
-        serve(plan, args.host, args.port, args.parent_pid, args.allow_remote)
+        serve(plan, args.host, args.port, args.parent_pid, args.allow_remote, args.engine_index)
         return EXIT_OK
     if args.command == "bench":
         from pathlib import Path

@@ -56,8 +56,12 @@ def check_machine(plan: RunPlan) -> None:
     if not torch.cuda.is_available():
         raise SpecError("hardware.device", "hardware.device=cuda but this machine has no usable CUDA device "
                         "(torch.cuda.is_available() is False)", "set hardware.device=cpu, or run where a GPU is visible")
-    if torch.cuda.device_count() < plan.placement.num_gpus:
-        raise SpecError("hardware.num_trainer_ranks", f"the plan needs {plan.placement.num_gpus} GPUs, this machine "
+    rollout = plan.spec.rollout
+    # Rollout servers a single-process backend joins bring their own GPUs, maybe on other machines.
+    joined = backend_class(plan.backend).caps.single_process and (rollout.server_url is not None or bool(rollout.server_urls))
+    needed = len(plan.placement.trainer_devices) if joined else plan.placement.num_gpus
+    if torch.cuda.device_count() < needed:
+        raise SpecError("hardware.num_trainer_ranks", f"the plan needs {needed} GPUs, this machine "
                         f"shows {torch.cuda.device_count()}", "lower hardware.num_trainer_ranks / num_rollout_engines, "
                         "or set hardware.ray_address to a cluster")
 

@@ -139,6 +139,7 @@ def _check_support(spec: Spec, caps: BackendCaps, backends: Mapping[str, Backend
             "float16 is not supported on CPU", "use model.dtype=float32 or bfloat16 on CPU")
     require(spec.rollout.server_url is None or hw.rollout == "separate", "rollout.server_url",
             "joining a rollout server needs hardware.rollout=separate", "set hardware.rollout=separate or unset rollout.server_url")
+    _check_servers(spec, caps)
     require(not spec.rollout.agent.enabled or hw.num_trainer_ranks == 1, "rollout.agent",
             "an agent's failed trajectories are dropped, so its batch size varies and cannot be split evenly over "
             f"{hw.num_trainer_ranks} trainer ranks", "set hardware.num_trainer_ranks=1 with rollout.agent")
@@ -196,6 +197,36 @@ def _batch_plan(spec: Spec) -> BatchPlan:
         grad_accum_steps=math.ceil(per_rank / algo.micro_batch_size),
         max_tokens_per_sequence=rollout.max_prompt_tokens + rollout.max_new_tokens,
     )
+
+
+def _check_servers(spec: Spec, caps: BackendCaps) -> None:
+    """Several engines of a single-process backend are several rollout servers (`rlspec.serve.replicas`)."""
+    hw, urls = spec.hardware, spec.rollout.server_urls
+    require(spec.rollout.server_url is None or not urls, "rollout.server_urls", "rollout.server_url and "
+            "rollout.server_urls are both set", "set one: server_url for one server, server_urls for several")
+    require(not urls or hw.rollout == "separate", "rollout.server_urls",
+            "joining rollout servers needs hardware.rollout=separate", "set hardware.rollout=separate or unset rollout.server_urls")
+    require(not urls or caps.single_process, "rollout.server_urls",
+            f"backend {caps.name} runs its engines as Ray actors, not in rollout servers",
+            "use backend=standalone, or unset rollout.server_urls")
+    require(not urls or len(urls) == hw.num_rollout_engines, "hardware.num_rollout_engines",
+            f"rollout.server_urls lists {len(urls)} server(s) but hardware.num_rollout_engines={hw.num_rollout_engines}",
+            f"set hardware.num_rollout_engines={len(urls)}")
+    if not caps.single_process or hw.num_rollout_engines == 1:
+        return
+    require(hw.rollout == "separate", "hardware.num_rollout_engines",
+            f"backend {caps.name} runs {hw.num_rollout_engines} engines as rollout servers, which needs "
+            "hardware.rollout=separate", "set hardware.rollout=separate, or hardware.num_rollout_engines=1")
+    require(spec.sync.method != "cuda_ipc", "sync.method",
+            "cuda_ipc shares the trainer's GPU memory with one process on the same GPU; several servers sit on "
+            "GPUs of their own", "use sync.method=nccl (or auto) with several rollout servers")
+    require(spec.rollout.server_url is None, "rollout.server_url",
+            f"one server URL for hardware.num_rollout_engines={hw.num_rollout_engines}",
+            "list every server in rollout.server_urls, or set hardware.num_rollout_engines=1")
+    require(not spec.rollout.agent.enabled, "rollout.agent",
+            "an agent's requests go to one rollout server", "set hardware.num_rollout_engines=1 with rollout.agent")
+    require(spec.rollout.env.name is None, "rollout.env",
+            "environment episodes are not split across rollout servers", "set hardware.num_rollout_engines=1 with rollout.env")
 
 
 def _placement(spec: Spec) -> Placement:

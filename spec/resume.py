@@ -16,6 +16,7 @@ RESUMABLE_CHANGES = (
     "hardware.rollout", "sync.method",
     "sync.timeout_s", "sync.verify", "sync.bucket_mb",
     "rollout.request_timeout_s", "rollout.server_start_timeout_s", "rollout.server_url",
+    "rollout.server_urls",
     "rollout.task.judge.timeout_s", "rollout.task.judge.max_retries", "rollout.task.judge.backoff_s",
     "rollout.task.judge.backoff_max_s", "rollout.task.judge.jitter", "rollout.task.judge.max_concurrency",
     "rollout.agent.timeout_s", "rollout.server_reconnect_s",

@@ -421,6 +421,9 @@ class RolloutSpec(_Section):
     """async: policy versions (trainer steps) a batch may lag the policy that trains on it; 0 reproduces sync."""
     server_url: Optional[str] = None
     """hardware.rollout=separate: join the `rlspec serve` at this URL instead of starting one (its bridge token in RLSPEC_SERVE_TOKEN)."""
+    server_urls: List[str] = field(default_factory=list)
+    """hardware.rollout=separate, standalone: join these `rlspec serve`s (one per hardware.num_rollout_engines, one bridge
+    token for all) instead of starting them; each step's groups are split across them."""
     request_timeout_s: float = 600.0
     """A rollout-server request (one generation batch) that takes longer fails the run."""
     server_start_timeout_s: float = 300.0
@@ -448,6 +451,11 @@ class RolloutSpec(_Section):
         if self.server_url is not None:
             require(self.server_url.startswith(("http://", "https://")), f"{p}.server_url",
                     f"{self.server_url!r} is not an http(s) URL", "e.g. http://127.0.0.1:8000, or null to start a server")
+        for i, url in enumerate(self.server_urls):
+            require(isinstance(url, str) and url.startswith(("http://", "https://")), f"{p}.server_urls[{i}]",
+                    f"{url!r} is not an http(s) URL", "e.g. [http://127.0.0.1:8000, http://127.0.0.1:8001], or [] to start them")
+        require(len(set(self.server_urls)) == len(self.server_urls), f"{p}.server_urls", "a server is listed twice",
+                "list each server once")
         _positive(self.request_timeout_s, f"{p}.request_timeout_s")
         _positive(self.server_start_timeout_s, f"{p}.server_start_timeout_s")
         _non_negative(self.server_reconnect_s, f"{p}.server_reconnect_s")
@@ -514,7 +522,7 @@ class HardwareSpec(_Section):
     num_trainer_ranks: int = 1
     """Data-parallel trainer ranks (processes)."""
     num_rollout_engines: int = 1
-    """Rollout engine replicas (multi-process backends)."""
+    """Rollout engine replicas: Ray engine actors (fsdp, deepspeed) or, separate, rlspec serve processes (standalone)."""
     rollout: str = "colocated"
     """colocated (engines share the trainer's devices) | separate (engines on their own devices)."""
     offload_params: bool = False

@@ -5,7 +5,9 @@
   engine holds its own copy and receives weights through the transport.
 - Bridge (`hardware.rollout=separate`, or `sync.method=cuda_ipc`, which needs another process on the same
   GPU): the engine runs in an `rlspec serve` process that this backend starts (bound to 127.0.0.1, killed
-  with its process group on every exit) or joins (`rollout.server_url`, which outlives the trainer). The
+  with its process group on every exit) or joins (`rollout.server_url`, which outlives the trainer). With
+  `hardware.num_rollout_engines` = N > 1 it starts N servers, server i on the plan's engine device i, or
+  joins the N of `rollout.server_urls`; each step's groups are split across them (`rlspec.serve.replicas`). The
   transport's engine half runs in the server through its bridge endpoint; sampling goes through its
   OpenAI-compatible `/v1/completions`. A joined server may hold another run's weights, so the loop pushes
   before the first rollout. A server lost mid-run is waited for (a started one is restarted) for up to
@@ -26,7 +28,7 @@ from ...core.batch import TrainBatch
 from ...core.grpo import LossNorm
 from ...core.trainer import LocalTrainer
 from ...core.weights import LocalWeights
-from ...errors import RunError
+from ...errors import RunError, SpecError
 from ...models.factory import apply_lora, copy_weights, load_model
 from ...rollout.hf import HFEngine
 from ...spec import BackendCaps, RunPlan
@@ -47,7 +49,7 @@ class StandaloneBackend:
     def __init__(self) -> None:
         self.trainer: LocalTrainer | None = None
         self.engine = None
-        self.server = None
+        self.servers: list = []
 
     def setup(self, plan: RunPlan) -> None:
         spec = plan.spec
@@ -70,24 +72,47 @@ class StandaloneBackend:
         self.engine = HFEngine(engine_model, self.trainer.tokenizer, spec.rollout, device, spec.algorithm.micro_batch_size)
 
     def _served_engine(self, plan: RunPlan):
-        from ...serve.client import ServedEngine, ServerClient
+        """One `ServedEngine` per server (started, or joined: `rollout.server_url(s)`); several behind
+        `ServedReplicas`, which splits each step's groups across them."""
         from ...serve.process import ServerProcess
+        from ...serve.replicas import ServedReplicas
 
-        spec = plan.spec
-        timeout_s = spec.sync.timeout_s
-        if spec.rollout.server_url is not None:
-            client = ServerClient(spec.rollout.server_url, timeout_s=timeout_s + HEALTH_MARGIN_S,
-                                  transport=plan.sync_method)
-            client.wait_healthy(spec.rollout.server_start_timeout_s)
-            return ServedEngine(client, self.trainer.tokenizer, spec.rollout, starts_in_sync=False,
-                                reconnect_s=spec.rollout.server_reconnect_s)
-        self.server = ServerProcess(plan)
-        self.server.start()
-        client = ServerClient(self.server.url, self.server.token, timeout_s + HEALTH_MARGIN_S, self.server.describe,
+        rollout = plan.spec.rollout
+        urls = rollout.server_urls or ([rollout.server_url] if rollout.server_url is not None else [])
+        if urls:
+            keys = [f"rollout.server_urls[{i}]" for i in range(len(urls))] if rollout.server_urls else ["rollout.server_url"]
+            engines = [self._joined(plan, url, key) for url, key in zip(urls, keys)]
+        else:
+            self.servers = [ServerProcess(plan, index=i) for i in range(len(plan.placement.engine_devices))]
+            for server in self.servers:  # they load their models side by side
+                server.start()
+            engines = [self._started(plan, server) for server in self.servers]
+        return engines[0] if len(engines) == 1 else ServedReplicas(engines, self.trainer.tokenizer)
+
+    def _joined(self, plan: RunPlan, url: str, key: str):
+        """A server this run joins; one that never answers at its address is bad input naming `key` (exit 2)."""
+        from ...serve.client import ServedEngine, ServerClient
+
+        rollout = plan.spec.rollout
+        client = ServerClient(url, timeout_s=plan.spec.sync.timeout_s + HEALTH_MARGIN_S, transport=plan.sync_method)
+        try:
+            client.wait_healthy(rollout.server_start_timeout_s)
+        except RunError as err:
+            client.close()
+            raise SpecError(key, f"no healthy rollout server at {url} ({err})",
+                            "start `rlspec serve` there first, or fix the URL") from None
+        return ServedEngine(client, self.trainer.tokenizer, rollout, starts_in_sync=False,
+                            reconnect_s=rollout.server_reconnect_s)
+
+    def _started(self, plan: RunPlan, server):
+        from ...serve.client import ServedEngine, ServerClient
+
+        rollout = plan.spec.rollout
+        client = ServerClient(server.url, server.token, plan.spec.sync.timeout_s + HEALTH_MARGIN_S, server.describe,
                               transport=plan.sync_method)
-        client.wait_healthy(spec.rollout.server_start_timeout_s, self.server.alive)
-        return ServedEngine(client, self.trainer.tokenizer, spec.rollout, starts_in_sync=True,
-                            reconnect_s=spec.rollout.server_reconnect_s, restart=self.server.restart)
+        client.wait_healthy(rollout.server_start_timeout_s, server.alive)
+        return ServedEngine(client, self.trainer.tokenizer, rollout, starts_in_sync=True,
+                            reconnect_s=rollout.server_reconnect_s, restart=server.restart)
 
     def rollout_engine(self):
         assert self.engine is not None, "setup() first"
@@ -115,11 +140,12 @@ class StandaloneBackend:
         self.trainer.load(path)
 
     def shutdown(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-        client = getattr(self.engine, "client", None)
-        if client is not None:
-            client.close()
+        for server in self.servers:
+            server.stop()
+        self.servers = []
+        if hasattr(self.engine, "replicas"):
+            self.engine.close()
+        elif getattr(self.engine, "client", None) is not None:
+            self.engine.client.close()
         self.trainer = None
         self.engine = None

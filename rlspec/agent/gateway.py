@@ -67,14 +67,16 @@ class _EngineView:
     def with_spec(self, spec) -> "_EngineView":
         return _EngineView(self.model, self.tokenizer, spec, self.device, self.micro_batch_size)
 
-    def generate(self, prompts: list[str] | list[list[int]], n: int, seed: int, options=None) -> Rollout:
+    def generate(self, prompts: list[str] | list[list[int]], n: int, seed: int, options=None,
+                 first_sample: int = 0) -> Rollout:
         if options is not None and options.plain_loop_only:
             raise ValueError("greedy decoding and top log-probs need the in-process hf engine")
         engine = self.model
         if hasattr(engine, "spec"):
             engine = copy.copy(engine)
             engine.spec = self.spec
-        return engine.generate(prompts, n, seed)
+        # Only engines that number samples take `first_sample` (the Ray engines do not): passed when asked for.
+        return engine.generate(prompts, n, seed, **({"first_sample": first_sample} if first_sample else {}))
 
 
 def _same_message(sent: dict, reply: dict) -> bool:

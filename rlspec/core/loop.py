@@ -21,7 +21,7 @@ from ..runtime.monitor import RunMonitor, StepAbandoned
 from ..spec import RunPlan
 from ..tasks import Task
 from .backend import Backend, weight_source_of
-from .step import env_rollouts, metrics_row, rollout_batch, served_version, update
+from .step import env_rollouts, metrics_row, replica_metrics, rollout_batch, served_version, update
 
 if TYPE_CHECKING:
     from ..agent.gateway import AgentGateway
@@ -36,6 +36,11 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     spec = plan.spec
     engine = backend.rollout_engine()
     weights = weight_source_of(backend)
+    replicated = hasattr(engine, "replicas")
+    if replicated:  # several rollout servers: the transport once per server (`sync.replicas`)
+        from ..sync.replicas import PerReplica
+
+        transport = PerReplica(transport)
     transport.connect(engine, weights)
     if hasattr(engine, "reconnecting"):  # a rollout server, which may be lost and come back
         transport = engine.reconnecting(transport, weights)
@@ -76,6 +81,8 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
         raise monitor.stopped(done if done is not None else start_step - 1, saved or checkpoints.latest()) from None
     finally:
         rows.close()  # async: closes the pool and ends the rollout loop
+        if replicated:
+            transport.close()
         if gateway is not None:
             gateway.close()
         log.close()
@@ -104,4 +111,4 @@ def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, w
                 with timer("sync"):
                     sync_bytes = transport.push(weights, engine)
                 served_version(engine, step + 1)
-        yield metrics_row(plan, step, result, timer, sync_bytes, counters)
+        yield metrics_row(plan, step, result, timer, sync_bytes, {**counters, **replica_metrics(engine, transport)})

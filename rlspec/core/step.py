@@ -194,6 +194,15 @@ def env_rollouts(plan: RunPlan, engine):
     return EnvRollouts(plan, engine)
 
 
+def replica_metrics(engine, transport) -> dict[str, float]:
+    """Per rollout replica of an engine made of several (`rlspec.serve.replicas`): the step's generation seconds
+    and samples, and the push's seconds (`timing_s/gen_replica_<i>`, `rollout/samples_replica_<i>`,
+    `timing_s/sync_replica_<i>`); nothing for one engine."""
+    if not hasattr(engine, "replicas"):
+        return {}
+    return {**engine.metrics(), **(transport.metrics() if hasattr(transport, "metrics") else {})}
+
+
 def served_version(engine, steps_done: int) -> None:
     """Tell an engine that reports its weight version (a rollout server) which trainer step it now serves."""
     if hasattr(engine, "set_weight_version"):

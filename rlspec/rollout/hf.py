@@ -10,7 +10,9 @@ On CUDA (with `rollout.cuda_graph`, for Llama-style decoders without LoRA) sampl
 `rlspec.rollout.static.GraphSampler`: a slot-indexed KV cache and the decode step captured in CUDA graphs,
 with continuous batching (`rollout.continuous_batching`, `rollout.decode_slots`) and one prefill per prompt.
 Elsewhere, for any other model, and for a request that asks for greedy decoding or the top log-probs of each
-step (`SampleOptions`, sent by a rollout server's OpenAI routes), the plain loop below runs.
+step (`SampleOptions`, sent by a rollout server's OpenAI routes), the plain loop below runs. Both draw sample i's
+noise keyed by (seed, i, position) (`rlspec.rollout.noise`), not from a generator shared by the batch: a sample's
+tokens do not depend on the batch it ran in, so a step split over several engines samples what one engine does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..core.policy import batch_logprobs
 from ..models.factory import copy_weights
 from ..spec import RolloutSpec, SpecError
 from .base import Rollout
+from .noise import sample_keys
 from .sampling import SampleOptions, next_token
 
 
@@ -59,8 +62,12 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[str] | list[list[int]], n: int, seed: int,
-                 options: SampleOptions | None = None) -> Rollout:
-        """`n` completions per prompt; `options` (greedy, top log-probs) take the plain loop."""
+                 options: SampleOptions | None = None, first_sample: int = 0) -> Rollout:
+        """`n` completions per prompt; `options` (greedy, top log-probs) take the plain loop.
+
+        Sample i of this call draws its noise as sample `first_sample + i` of `seed` (`rlspec.rollout.noise`): a
+        step split over several engines sends each part with the index of its first sample, so every sample is
+        the same whichever engine ran it and however the step was split."""
         options = options or SampleOptions()
         prompt_ids, input_ids, attention_mask = self.encode(prompts, n)
         was_training = self.model.training
@@ -69,12 +76,12 @@ class HFEngine:
         try:
             sampler = None if options.plain_loop_only else self._fast_sampler()
             if sampler is None:
-                tokens, logps, top = self._sample(input_ids, attention_mask, seed, options)
+                tokens, logps, top = self._sample(input_ids, attention_mask, seed, options, first_sample)
             else:
                 slots = self.spec.decode_slots if self.spec.continuous_batching else None
                 tokens, logps = sampler.sample(input_ids, attention_mask, seed, self.spec.max_new_tokens,
                                                self.spec.temperature, self.spec.top_p, self.tokenizer.eos_token_id,
-                                               slots=slots)
+                                               slots=slots, first_sample=first_sample)
         finally:
             self.model.train(was_training)
         completions, completion_logprobs, texts, tops = [], [], [], []
@@ -118,13 +125,14 @@ class HFEngine:
             self._graph_sampler = GraphSampler(self.model, self.device)
         return self._graph_sampler
 
-    def _sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int,
-                options: SampleOptions) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    def _sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int, options: SampleOptions,
+                first_sample: int = 0) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
         """[B, T] sampled tokens and their log-probs, and with `options.top_logprobs` the [B, T, k] ids and
-        log-probs of the k most likely tokens; rows that ended carry the end token onward (cut later)."""
+        log-probs of the k most likely tokens; rows that ended carry the end token onward (cut later).
+        Row i's noise is keyed by (seed, first_sample + i, position), as in the CUDA-graph sampler."""
         from transformers import DynamicCache
 
-        generator = torch.Generator(device=self.device).manual_seed(seed)
+        keys = sample_keys(seed, torch.arange(first_sample, first_sample + input_ids.shape[0], device=self.device))
         eos, temperature = self.tokenizer.eos_token_id, self.spec.temperature
         positions = position_ids(attention_mask)
         cache = DynamicCache()
@@ -133,8 +141,8 @@ class HFEngine:
         next_position = positions[:, -1:] + 1
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=self.device)
         tokens, logps, top_ids, top_logps = [], [], [], []
-        for _ in range(self.spec.max_new_tokens):
-            token, logp = next_token(logits, temperature, self.spec.top_p, generator, options.greedy)
+        for t in range(self.spec.max_new_tokens):
+            token, logp = next_token(logits, temperature, self.spec.top_p, keys, t, options.greedy)
             token = torch.where(done, torch.full_like(token, eos), token)
             tokens.append(token)
             logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))

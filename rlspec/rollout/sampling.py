@@ -36,15 +36,17 @@ def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def next_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator,
+def next_token(logits: Tensor, temperature: float, top_p: float, keys: Tensor, step: int,
                greedy: bool = False) -> tuple[Tensor, Tensor]:
     """The chosen token of each row [B] and the log-probs [B, V] it was chosen from: log_softmax(logits / T)
-    sampled with top-p, or, greedy, the argmax under the plain log_softmax(logits)."""
+    sampled with top-p, row i's noise keyed by (`keys[i]`, `step`) as in `sample_from_logits`, or, greedy, the
+    argmax under the plain log_softmax(logits)."""
     if greedy:
         logp = torch.log_softmax(logits.float(), dim=-1)
         return logp.argmax(dim=-1), logp
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(top_p_filter(logp.exp(), top_p), 1, generator=generator).squeeze(-1), logp
+    steps = torch.full_like(keys, step)
+    token, _ = sample_from_logits(logits, temperature, top_p, keys, steps)
+    return token, torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
 def sample_from_logits(logits: Tensor, temperature: float, top_p: float, keys: Tensor, steps: Tensor,

@@ -129,27 +129,31 @@ class GraphSampler:
 
     @torch.no_grad()
     def sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
-               temperature: float, top_p: float, eos: int, slots: int | None = None) -> tuple[Tensor, Tensor]:
+               temperature: float, top_p: float, eos: int, slots: int | None = None,
+               first_sample: int = 0) -> tuple[Tensor, Tensor]:
         """[B, T] tokens and log-probs on CPU, T = the longest sample; ended rows carry `eos` onward (as `HFEngine`).
-        `slots`: continuous batching over that many slots; None: the static batch.
+        `slots`: continuous batching over that many slots; None: the static batch. Row i is sample
+        `first_sample + i` of `seed` (its noise key), so a step split over engines samples what one engine would.
 
         On CUDA everything runs with the sampler's device as the calling thread's current device: a capture
         records only the current device's capture stream, so kernels of a model on another device (a rollout
         server on cuda:1, called from a worker thread whose current device is cuda:0) would run uncaptured.
         """
-        args = (input_ids, attention_mask, seed, max_new_tokens, temperature, top_p, eos, slots)
+        args = (input_ids, attention_mask, seed, max_new_tokens, temperature, top_p, eos, slots, first_sample)
         if self.device.type != "cuda":
             return self._sample(*args)
         with torch.cuda.device(self.device):
             return self._sample(*args)
 
     def _sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
-                temperature: float, top_p: float, eos: int, slots: int | None) -> tuple[Tensor, Tensor]:
+                temperature: float, top_p: float, eos: int, slots: int | None,
+                first_sample: int) -> tuple[Tensor, Tensor]:
         if self.fuse:
             self.decoder.fuse_weights()
         state = self._state(graph_key(self.pool_shape(input_ids.shape, slots), max_new_tokens, temperature, top_p, eos))
         prompts = self._prefill(input_ids, attention_mask)
-        tokens, logps = self._decode(state, prompts, seed, max_new_tokens, temperature, top_p, eos, waves=slots is None)
+        tokens, logps = self._decode(state, prompts, seed, max_new_tokens, temperature, top_p, eos, waves=slots is None,
+                                     first_sample=first_sample)
         if not self.keep_graphs:
             self._states.clear()
             self.decoder.unfuse_weights()
@@ -165,14 +169,14 @@ class GraphSampler:
         return min(bucket, rows), width
 
     def _decode(self, state: _State, prompts: _Prompts, seed: int, max_new_tokens: int, temperature: float,
-                top_p: float, eos: int, waves: bool) -> tuple[Tensor, Tensor]:
+                top_p: float, eos: int, waves: bool, first_sample: int = 0) -> tuple[Tensor, Tensor]:
         """Run the pool until every sample has ended; `waves`: refill only once the whole pool has ended."""
         rows, n, dev = prompts.index.shape[0], max_new_tokens, self.device
         bucket = state.done.shape[0]
         tokens = torch.full((rows, n), eos, dtype=torch.long, device=dev)
         logps = torch.zeros(rows, n, dtype=torch.float32, device=dev)
         lengths = torch.zeros(rows, dtype=torch.long, device=dev)
-        keys = sample_keys(seed, torch.arange(rows, device=dev))
+        keys = sample_keys(seed, torch.arange(first_sample, first_sample + rows, device=dev))
         state.done.fill_(True)
         occupant, started = [-1] * bucket, [0] * bucket  # sample in each slot (-1: empty), decode step it began at
         next_sample, clock = 0, 0

@@ -233,8 +233,9 @@ class ServedEngine:
             print(f"rlspec: {self.label} is back after {time.monotonic() - start:.1f} s; the trainer's current weights "
                   f"are pushed and the interrupted requests run again", file=sys.stderr, flush=True)
 
-    def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
-        body = {"prompt": list(prompts), "n": n, "seed": seed, "logprobs": 0, "max_tokens": self.spec.max_new_tokens,
+    def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0) -> Rollout:
+        body = {"prompt": list(prompts), "n": n, "seed": seed, "first_sample": first_sample, "logprobs": 0,
+                "max_tokens": self.spec.max_new_tokens,
                 "temperature": self.spec.temperature, "top_p": self.spec.top_p}
         out = self._resilient(lambda: self.client.completions(body, self.spec.request_timeout_s))
         choices = sorted(out["choices"], key=lambda c: c["index"])

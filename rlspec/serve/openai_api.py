@@ -5,7 +5,9 @@ What the fields mean here:
 - `temperature > 0` samples (with `top_p`); a choice's log-probs are the engine's, log_softmax(logits /
   temperature) of the sampled token, as the trainer computes them. `temperature: 0` is greedy: the argmax,
   with log-probs under the plain log_softmax(logits). `seed` makes a request reproducible (same seed, same
-  weights -> same tokens); without one the server draws a seed.
+  weights -> same tokens); without one the server draws a seed. `first_sample` (completions, rlspec's own field,
+  default 0) numbers the request's samples from there in the seed's noise: a trainer that splits a step over
+  several servers sends each part with the index of its first sample, so each sample is what one server would draw.
 - `logprobs: k` (completions) / `logprobs: true, top_logprobs: k` (chat, k <= 20): the chosen tokens' log-probs
   and the k most likely tokens of the same distribution at each step.
 - `stop` (a string or a list): a choice ends at the first token after which its text contains a stop string; the
@@ -79,6 +81,7 @@ class CompletionRequest(_Common):
     """Text, texts, token ids, or lists of token ids."""
     max_tokens: int = Field(16, ge=1, le=1 << 16)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    first_sample: int = Field(0, ge=0)
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
@@ -279,7 +282,7 @@ class OpenAIRoutes:
             raise bad("model", f"this server serves {self.host.model_name!r}", status=404)
 
     def _job(self, prompts: list, n: int, seed: int | None, max_tokens: int, temperature: float, top_p: float,
-             top_logprobs: int, stops: list[str]):
+             top_logprobs: int, stops: list[str], first_sample: int = 0):
         """(the engine job, which returns the weight version it sampled with and the rollout; the function that
         turns those into (version, choices), each choice cut at its stop string)."""
         engine = self.host.engine
@@ -288,8 +291,11 @@ class OpenAIRoutes:
         options = SampleOptions(greedy=temperature == 0, top_logprobs=top_logprobs)
         seed = seed if seed is not None else secrets.randbits(31)
 
+        numbered = {"first_sample": first_sample} if first_sample else {}  # only engines that number samples take it
+
         def generate():
-            return self.host.weight_version, engine.with_spec(spec).generate(prompts, n, seed=seed, options=options)
+            return self.host.weight_version, engine.with_spec(spec).generate(prompts, n, seed=seed, options=options,
+                                                                                **numbered)
 
         def choices_of(version, rollout) -> tuple[int | None, list[Choice]]:
             eos, decode = self.tokenizer.eos_token_id, decoder(self.tokenizer)
@@ -334,7 +340,7 @@ class OpenAIRoutes:
             raise bad("echo", "echo with logprobs is not supported (the prompt's log-probs are not computed)")
         prompts = self._prompts(req.prompt)
         generate, choices_of = self._job(prompts, req.n, req.seed, req.max_tokens, req.temperature, req.top_p,
-                                         req.logprobs or 0, _stops(req.stop))
+                                         req.logprobs or 0, _stops(req.stop), req.first_sample)
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=True) for p in prompts]

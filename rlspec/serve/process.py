@@ -29,16 +29,17 @@ PARENT_POLL_S = 0.5
 STOP_GRACE_S = 5.0
 
 
-def build_engine(plan: RunPlan):
+def build_engine(plan: RunPlan, index: int = 0):
     """The `hf` engine a server runs: the plan's model with its seed (the trainer's initial weights), on the
-    plan's engine device; with `sync.method=lora`, wrapped with the same adapters as the trainer."""
+    plan's engine device `index` (the run's server `index`); with `sync.method=lora`, wrapped with the same
+    adapters as the trainer. Each server is its own transport's only engine (a push per server)."""
     import torch
 
     from ..models.factory import apply_lora, load_model, load_tokenizer
     from ..rollout.hf import HFEngine
 
     spec = plan.spec
-    device = plan.placement.engine_devices[0]
+    device = plan.placement.engine_devices[index]
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"the rollout server's device is {device} but no CUDA device is visible to it")
     model = load_model(spec.model, spec.algorithm.seed)
@@ -89,7 +90,8 @@ def bridge_token(port: int) -> tuple[str, Path | None]:
     return token, path
 
 
-def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, allow_remote: bool = False) -> None:
+def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, allow_remote: bool = False,
+          engine_index: int = 0) -> None:
     """Run the server in this process until it is stopped (SIGTERM/SIGINT) or its parent dies."""
     import uvicorn
 
@@ -106,7 +108,7 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
               f"from {TOKEN_FILE_ENV}={token_path} or {TOKEN_ENV}", file=sys.stderr, flush=True)
     spec = plan.spec
     name = spec.model.path or spec.model.preset
-    app = build_app(EngineHost(build_engine(plan), name), token)
+    app = build_app(EngineHost(build_engine(plan, engine_index), name), token)
     if parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if os.environ.get(FAULT_ENV) == "hang_start":
@@ -142,10 +144,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerProcess:
-    """`rlspec serve` as a child process of this one, for one plan; `stop()` is idempotent."""
+    """`rlspec serve` as a child process of this one, for one plan (its engine on the plan's engine device `index`);
+    `stop()` is idempotent."""
 
-    def __init__(self, plan: RunPlan, host: str = "127.0.0.1") -> None:
+    def __init__(self, plan: RunPlan, host: str = "127.0.0.1", index: int = 0) -> None:
         self.plan = plan
+        self.index = index
         self.host = host
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
@@ -160,13 +164,15 @@ class ServerProcess:
         spec_path = self.workdir / "spec.yaml"
         spec_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(self.plan.spec)))
         cmd = [sys.executable, "-m", "rlspec.cli", "serve", str(spec_path), "--backend", self.plan.backend,
-               "--host", self.host, "--port", str(self.port), "--parent-pid", str(os.getpid())]
+               "--host", self.host, "--port", str(self.port), "--parent-pid", str(os.getpid()),
+               "--engine-index", str(self.index)]
         env = {**os.environ, TOKEN_ENV: self.token}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                          start_new_session=True)
         atexit.register(self.stop)
-        print(f"rlspec: rollout server pid {self.proc.pid} at {self.url} (log {self.log_path})", file=sys.stderr)
+        print(f"rlspec: rollout server pid {self.proc.pid} at {self.url} (log {self.log_path}), engine on "
+              f"{self.plan.placement.engine_devices[self.index]}", file=sys.stderr)
 
     def restart(self) -> None:
         """Stop what is left of the server and start a new one on the same port with the same token (a server

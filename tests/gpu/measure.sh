@@ -4,7 +4,7 @@
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
 # Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab profile_ab
-# scale7b weak15b sync7b.
+# scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 set -u
 ROOT=$PWD
@@ -135,6 +135,44 @@ for section in "$@"; do
       # a push to 8 engines needs a bridge with several receivers, not built yet)
       timeout 400 python3 -m rlspec.perf.bench_sync --method nccl --model qwen2_7b_shape --repeats 5 \
         --json $OUT/bench_sync7b.json >> $OUT/results.txt 2>&1 ;;
+    engines2)  # issue 19 (standalone, several rollout servers): generation samples/s on the long-tailed 64 x 8 workload with
+      # 1 and 2 servers, and the push time per server count. 2 GPUs: the servers are joined (rollout.server_urls), one per
+      # GPU, the trainer beside server 0 on GPU 0 (idle while they sample), weights by checkpoint (two NCCL ranks cannot
+      # share a GPU); 1 server = the server on GPU 1 alone. 3+ GPUs add the started servers on GPUs of their own
+      # (hardware=gpu2_separate: trainer on GPU 0, servers on GPUs 1..n) with nccl, 1 and 2 servers: samples/s again
+      # and each push's seconds per server (timing_s/sync, timing_s/sync_replica_<i>).
+      E2="$ROOT/examples/bench_longtail.yaml rollout.prompts_per_step=64 algorithm.steps=4"
+      export RLSPEC_SERVE_TOKEN=engines2-measure
+      rate() {  # samples/s of generation over the steps after the first (its CUDA graphs are captured then), push seconds
+        python3 -c "import json,sys,statistics as s; rows=[json.loads(l) for l in open(sys.argv[1])][1:]
+g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s median', round(s.median(g),1), 'all', [round(x,1) for x in g],
+ 'sync_s median', round(s.median([r['timing_s/sync'] for r in rows]),4),
+ {k: round(s.median([r[k] for r in rows]),4) for k in rows[0] if k.startswith(('timing_s/sync_replica','timing_s/gen_replica'))})" "$1" "$2" >> $OUT/results.txt 2>&1
+      }
+      for i in 0 1; do
+        CUDA_VISIBLE_DEVICES=$i $RL serve $E2 hardware=gpu1 --port $((8200 + i)) > $OUT/engines2_server$i.log 2>&1 &
+        eval "E2_SERVER$i=\$!"
+      done
+      for n in 1 2; do
+        urls=$([ $n = 1 ] && echo "http://127.0.0.1:8201" || echo "http://127.0.0.1:8200,http://127.0.0.1:8201")
+        CUDA_VISIBLE_DEVICES=0 timeout 400 $RL run $E2 hardware=gpu2_separate hardware.num_rollout_engines=$n \
+          sync.method=checkpoint "rollout.server_urls=[$urls]" rollout.server_start_timeout_s=300 \
+          --out /tmp/b_engines2_joined$n --no-progress > $OUT/engines2_joined$n.log 2>&1
+        echo "joined $n server(s) exit $?" >> $OUT/results.txt; cp /tmp/b_engines2_joined$n/metrics.jsonl $OUT/engines2_joined$n.jsonl
+        rate /tmp/b_engines2_joined$n/metrics.jsonl "joined $n"
+      done
+      kill $E2_SERVER0 $E2_SERVER1; wait $E2_SERVER0 $E2_SERVER1
+      if [ $(nvidia-smi -L | wc -l) -ge 3 ]; then
+        for n in 1 2; do
+          timeout 400 $RL run $E2 hardware=gpu2_separate hardware.num_rollout_engines=$n sync.method=nccl \
+            --out /tmp/b_engines2_started$n --no-progress > $OUT/engines2_started$n.log 2>&1
+          echo "started $n server(s) exit $?" >> $OUT/results.txt; cp /tmp/b_engines2_started$n/metrics.jsonl $OUT/engines2_started$n.jsonl
+          rate /tmp/b_engines2_started$n/metrics.jsonl "started $n (nccl)"
+        done
+      else
+        echo "started servers with nccl: skipped, needs 3 GPUs (trainer + 2 servers)" >> $OUT/results.txt
+      fi
+      unset RLSPEC_SERVE_TOKEN ;;
     *) echo "unknown section $section" >> $OUT/results.txt ;;
   esac
   echo "-- $section took $(( $(date +%s) - start )) s" >> $OUT/results.txt

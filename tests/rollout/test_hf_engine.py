@@ -72,3 +72,32 @@ def test_sampling_follows_the_model_distribution():
     counts = torch.bincount(torch.tensor([c[0] for c in rollout.completion_ids]), minlength=probs.numel()).float()
     top = probs.argsort(descending=True)[:5]
     assert torch.allclose(counts[top] / 4000, probs[top], atol=0.02)
+
+
+def test_a_split_step_samples_what_one_call_samples(engine):
+    """Sample i draws noise keyed by (seed, first_sample + i): the halves of a step sent to two engines, each with
+    its first sample's index, get the tokens of the whole step in one call (several rollout servers rely on it)."""
+    prompts, n = ["a=", "bcd=", "hello=", "xy="], 3
+    whole = engine.generate(prompts, n=n, seed=7)
+    first = engine.generate(prompts[:1], n=n, seed=7)
+    rest = engine.generate(prompts[1:], n=n, seed=7, first_sample=n)
+    assert first.completion_ids + rest.completion_ids == whole.completion_ids
+    for a, b in zip(first.completion_logprobs + rest.completion_logprobs, whole.completion_logprobs):
+        assert a == pytest.approx(b, abs=1e-5)
+    shifted = engine.generate(prompts[1:], n=n, seed=7)
+    assert shifted.completion_ids != rest.completion_ids, "the offset must change the noise"
+
+
+def test_the_slot_pool_numbers_a_split_step_the_same_way():
+    """The CUDA-graph sampler's code (eager, on CPU): halves sent with their first sample's index get the whole
+    step's tokens, as in the plain loop above."""
+    from rlspec.rollout.static import GraphSampler
+
+    model = load_model(ModelSpec(eos_hazard=0.12), seed=0).eval()
+    engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=16, decode_slots=4), "cpu")
+    sampler = GraphSampler(model, "cpu", use_graphs=False)
+    engine._fast_sampler = lambda: sampler
+    prompts, n = ["a=", "bcd=", "hello="], 2
+    whole = engine.generate(prompts, n=n, seed=11)
+    parts = [engine.generate(prompts[:2], n=n, seed=11), engine.generate(prompts[2:], n=n, seed=11, first_sample=2 * n)]
+    assert parts[0].completion_ids + parts[1].completion_ids == whole.completion_ids
