@@ -48,7 +48,7 @@ for section in "$@"; do
         echo "$m exit $?" >> $OUT/results.txt; cp /tmp/ds_$m/metrics.jsonl $OUT/dsync_$m.jsonl 2>/dev/null
       done ;;
     fsdp1)  # issue 7: the three backends on one GPU
-      CUDA_VISIBLE_DEVICES=0 timeout 420 $RL bench $BENCH algorithm.steps=3 --backends standalone,deepspeed,fsdp \
+      CUDA_VISIBLE_DEVICES=0 timeout 420 $RL bench $BENCH algorithm.steps=3 --backends standalone,deepspeed@model.compile_layers=false,fsdp \
         --out /tmp/b_fsdp1 > $OUT/fsdp1.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep fsdp1 /tmp/b_fsdp1; tail -8 $OUT/fsdp1.log >> $OUT/results.txt ;;
     nccl)  # issue 8: the bridge's nccl push across 2 GPUs beside a raw broadcast of the same bytes
@@ -80,9 +80,10 @@ for section in "$@"; do
         --variants fused,fused_layers --rows 0 > $OUT/engine_32.txt 2>&1
       echo "engine 32 exit $?" >> $OUT/results.txt; head -8 $OUT/engine_32.txt >> $OUT/results.txt ;;
     longtail)  # issue 19: geometric lengths (median 100, 1,024 budget) at 32 x 8: continuous batching, the static
-      # batch and TRL in one bench call, each with its length histogram (response_len/*) beside its tokens/s
+      # batch and TRL in one bench call (continuous with the default 64 slots and with 256), each with its length histogram (response_len/*) beside its tokens/s
       CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $ROOT/examples/bench_longtail.yaml \
-        --backends standalone,standalone@rollout.continuous_batching=false ${REFERENCE---reference trl} \
+        --backends standalone,standalone@rollout.decode_slots=256,standalone@rollout.continuous_batching=false \
+        ${REFERENCE---reference trl} \
         --out /tmp/b_longtail > $OUT/longtail.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep longtail /tmp/b_longtail; tail -20 $OUT/longtail.log >> $OUT/results.txt ;;
     engine_longtail)  # issue 19: the engine alone on the long-tailed 32 x 8 batch: generate with and without continuous
