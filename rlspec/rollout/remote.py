@@ -2,7 +2,8 @@
 
 `EngineWorker` holds one `HFEngine` in its own process; `RemoteEngines` fans calls out to one or more
 workers through the watchdog (`rlspec.cluster.ray_utils.wait_all`), so a dead engine stops the run with its
-traceback. With several engines, `generate` splits the prompts evenly (engine i samples with seed + i);
+traceback. With several engines, `generate` splits the prompts evenly, each part numbered from
+its first sample of the step, so the samples do not depend on the number of engines;
 `receive` runs a transport's engine half in every engine, where each carries `engine_index`.
 """
 
@@ -54,8 +55,8 @@ class EngineWorker(StackReporter):
         runner = self._episode_runner()
         return runner.num_actions, runner.max_steps
 
-    def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
-        return self.engine.generate(prompts, n, seed)
+    def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0) -> Rollout:
+        return self.engine.generate(prompts, n, seed, first_sample=first_sample)
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         return self.engine.logprobs(batch)
@@ -100,7 +101,9 @@ class RemoteEngines:
         share = -(-len(prompts) // self.num_engines)
         parts = [(i, prompts[i * share:(i + 1) * share]) for i in range(self.num_engines)]
         parts = [(i, p) for i, p in parts if p]
-        outs = wait_all([self.actors[i].generate.remote(p, n, seed + i) for i, p in parts], [self.labels[i] for i, _ in parts])
+        # Engine i's part starts at sample i * share * n of the step: each sample draws the noise it would on one engine.
+        outs = wait_all([self.actors[i].generate.remote(p, n, seed, i * share * n) for i, p in parts],
+                        [self.labels[i] for i, _ in parts])
         return Rollout(*(sum((getattr(o, f) for o in outs), []) for f in
                          ("prompt_ids", "completion_ids", "completion_logprobs", "texts")))
 
