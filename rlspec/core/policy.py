@@ -20,8 +20,19 @@ kept within each sequence by the model's own attention implementation, fed as fo
   device once per forward to do so, which costs nothing on the CPU, where eager is used).
 
 The padded path stays for VLA batches (images, action vocabularies), other model types, and sliding-window
-attention. A model wrapped by a backend takes the packed path through its own forward (FSDP2's root module,
-the ZeRO-3 engine): the same inputs, with full logits of the T real tokens instead of the chunked head.
+attention.
+
+The LM head never forms the full [T, V] logits of a text micro-batch: `token_logprobs_and_entropy` runs it chunk
+by chunk (`rlspec.core.grpo`). A plain transformers model (or its PEFT wrapper) is split here into its decoder and
+head. A model wrapped by a backend (FSDP2's root module, the ZeRO-3 engine, PEFT inside either) cannot be split
+from outside: FSDP2 gathers the root's own parameters (embeddings, final norm, the head, tied in Qwen) only inside
+the root's forward, ZeRO-3 gathers a module's parameters in that module's forward hooks. So it runs its own
+forward, and for that one forward the head module's `forward` (not `__call__`: the wrappers' hooks stay) is
+replaced by the chunked head (`_head_returns_logprobs`): it receives the final hidden states after the wrapper
+has gathered the head's weight, and returns (log-probs, entropies), which come back in the output's `logits`
+field (the plain-head model types pass the head's output through untouched). The gradient reaches the real
+weight, so FSDP2's reduce-scatter and ZeRO-3's partitioned gradients work as for a plain head. A head that is
+not a `Linear` (LoRA on the head) keeps the full logits.
 """
 
 from __future__ import annotations
@@ -52,17 +63,13 @@ def forward_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: 
                      temperature: float) -> tuple[Tensor, Tensor]:
     """Token log-probs and (detached) entropies, as `token_logprobs` / `token_entropy` define them.
 
-    A plain transformers model (or its PEFT wrapper) runs its decoder here and the LM head chunk by chunk
-    inside `token_logprobs_and_entropy`, so the batch's full logits are never materialised; a model
-    wrapped by a backend (ZeRO-3 engine, FSDP2) goes through its own forward.
+    The LM head runs chunk by chunk inside `token_logprobs_and_entropy`, so the batch's full logits are never
+    materialised (module docstring: a plain model is split into decoder and head, a wrapped one runs its own
+    forward with the head replaced).
     """
-    split = _decoder_and_head(model)
-    if split is None:
-        return token_logprobs_and_entropy(forward_logits(model, input_ids, attention_mask), input_ids, temperature)
-    decoder, head = split
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                     use_cache=False).last_hidden_state
-    return token_logprobs_and_entropy(hidden, input_ids, temperature, head=head)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                  use_cache=False)
+    return _chunked_forward(model, inputs, input_ids, temperature)
 
 
 def packed_logprobs(model: torch.nn.Module, input_ids: Tensor, packing: Packing,
@@ -72,15 +79,67 @@ def packed_logprobs(model: torch.nn.Module, input_ids: Tensor, packing: Packing,
     ids = packing.gather(input_ids)
     inputs = dict(input_ids=ids, position_ids=packing.position_ids, use_cache=False,
                   **_packed_attention(_base_model(model).config, packing))
-    split = _decoder_and_head(model)
-    if split is None:
-        states, head = model(**inputs).logits, None
-    else:
-        decoder, head = split
-        states = decoder(**inputs).last_hidden_state
-    logp, entropy = token_logprobs_and_entropy(states, ids, temperature, head=head)
+    logp, entropy = _chunked_forward(model, inputs, ids, temperature)
     first = packing.first  # its log-prob in the row is the previous sequence's last token predicting it
     return packing.scatter(logp[0].masked_fill(first, 0.0)), packing.scatter(entropy[0].masked_fill(first, 0.0))
+
+
+def _chunked_forward(model: torch.nn.Module, inputs: dict, ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """[n, L] log-probs and entropies of `ids` from the forward of `model` on `inputs`, through the chunked head
+    where the model allows it (module docstring), else from its full logits."""
+    split = _decoder_and_head(model)
+    if split is not None:
+        decoder, head = split
+        return token_logprobs_and_entropy(decoder(**inputs).last_hidden_state, ids, temperature, head=head)
+    head = _wrapped_head(model)
+    if head is None:
+        return token_logprobs_and_entropy(model(**inputs).logits, ids, temperature)
+    with _head_returns_logprobs(head, ids, temperature):
+        out = model(**inputs).logits
+    if not isinstance(out, tuple):
+        raise RuntimeError(f"{type(_base_model(model)).__name__} changed its head's output: cannot read the "
+                           "chunked head's log-probs from its logits")
+    return out
+
+
+class _HeadView(torch.nn.Linear):
+    """The head's current weight and bias as a `Linear` without the head module's hooks: the chunked head calls
+    it inside the head's own forward, where calling the head again would run the wrappers' hooks twice."""
+
+    def __init__(self, head: torch.nn.Linear) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = head.in_features, head.out_features
+        self.weight, self.bias = head.weight, head.bias  # read now: a wrapper swaps them in for its forward
+
+
+@contextmanager
+def _head_returns_logprobs(head: torch.nn.Linear, ids: Tensor, temperature: float) -> Iterator[None]:
+    """For one forward, `head` maps the final hidden states [n, L, H] to the (log-prob, entropy) pair of `ids`
+    [n, L] through `token_logprobs_and_entropy`, instead of to logits."""
+
+    def forward(hidden: Tensor) -> tuple[Tensor, Tensor]:
+        if hidden.shape[:-1] != ids.shape:
+            raise RuntimeError(f"the head got hidden states {tuple(hidden.shape)} for ids {tuple(ids.shape)}")
+        return token_logprobs_and_entropy(hidden, ids, temperature, head=_HeadView(head))
+
+    own = head.__dict__.get("forward")  # an instance forward set by someone else is put back after
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+
+
+def _wrapped_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The `Linear` head of a backend-wrapped plain-head model (module docstring), or None."""
+    base = _base_model(model)
+    if base is None or getattr(base.config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    head = base.get_output_embeddings()
+    return head if isinstance(head, torch.nn.Linear) else None
 
 
 def _packed_attention(config, packing: Packing) -> dict:
@@ -115,7 +174,7 @@ def _base_model(model: torch.nn.Module):
     for _ in range(4):
         if isinstance(model, PreTrainedModel):
             return model
-        if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+        if _is_peft(model):
             model = model.get_base_model()
         elif isinstance(getattr(model, "module", None), torch.nn.Module):
             model = model.module
@@ -124,18 +183,23 @@ def _base_model(model: torch.nn.Module):
     return None
 
 
+def _is_peft(model: torch.nn.Module) -> bool:
+    # Through the class's bases: FSDP2 renames a sharded PEFT model's class (FSDPPeftModel, in torch's module).
+    return hasattr(model, "get_base_model") and any(cls.__module__.startswith("peft.") for cls in type(model).__mro__)
+
+
 def _decoder_and_head(model: torch.nn.Module):
     from transformers import PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
         base = model
-    elif type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+    elif _is_peft(model):
         base = model.get_base_model()
     else:
         return None  # a backend's wrapper (e.g. a ZeRO-3 engine) runs its own forward
     if not isinstance(base, PreTrainedModel) or getattr(base.config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
-    if any(cls.__name__ == "FSDPModule" for cls in type(base).__mro__):
+    if any(cls.__name__ == "FSDPModule" for cls in (*type(model).__mro__, *type(base).__mro__)):
         return None  # FSDP2 gathers the root's weights in the root's forward only
     head = base.get_output_embeddings()
     if type(head) is not torch.nn.Linear:  # e.g. a LoRA-wrapped head
