@@ -16,7 +16,7 @@ if [ ! -f /tmp/site/.extra ]; then  # a warm machine keeps these from the last c
   touch /tmp/site/.extra
 fi
 # rlspec itself every call: the working tree changes between calls
-rm -rf /tmp/site/rlspec /tmp/site/rlspec-*.dist-info
+rm -rf /tmp/site/rlspec /tmp/site/rlspec-*.dist-info build  # a warm machine's build/ would reinstall the last call's files
 python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/site . >> $OUT/install.log 2>&1
 nvidia-smi -L >> $OUT/install.log
 cd /tmp  # not the project root: its ./rlspec (a source tree) would shadow the installed package
