@@ -409,8 +409,10 @@ class RolloutSpec(_Section):
     continuous_batching: bool = True
     """cuda_graph sampler: decode in a pool of `decode_slots` slots, refilling a slot with the next sample as soon as
     its sample ends; false = the static batch (all rows at once, until the longest has ended)."""
-    decode_slots: int = 64
-    """continuous_batching: sequences decoded at once (rounded up to a power of two; K/V memory grows with it)."""
+    decode_slots: int = 256
+    """continuous_batching: sequences decoded at once (rounded up to a power of two; K/V memory grows with it:
+    slots x (prompt + max_new_tokens) tokens). A decode step's cost is mostly fixed at these sizes (64 rows 1.5 ms,
+    256 rows 2.2 ms for the 0.5B shape on an H100), so a large pool is the fast one."""
     gpu_memory_fraction: float = 0.5
     """vllm: fraction of GPU memory the engine may take."""
     tensor_parallel_size: int = 1

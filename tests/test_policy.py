@@ -52,14 +52,23 @@ def test_chunked_head_gradients_equal_autograd_for_states_weight_and_bias():
 
 def test_fused_head_equals_the_plain_head_in_log_probs_entropy_and_gradients():
     """The fused chunk (`_head_stats` / `_head_grad`, compiled on CUDA) is the same math as the plain chunk;
-    here both run eagerly in fp32, at two temperatures, over chunks of 3 rows and one chunk."""
+    here both run eagerly in fp32, at two temperatures, over chunks of 3 rows and one chunk, with a vocabulary
+    reduced whole (13) and one reduced in 4 parts (4,096)."""
+    from rlspec.core.grpo import _vocab_splits
+
+    assert (_vocab_splits(13), _vocab_splits(4096), _vocab_splits(151936)) == (1, 4, 64)
+    for vocab in (13, 4096):
+        _fused_equals_plain(vocab)
+
+
+def _fused_equals_plain(vocab: int) -> None:
     torch.manual_seed(0)
-    head = torch.nn.Linear(6, 13, bias=True)
-    hidden = torch.randn(2, 8, 6, requires_grad=True)
-    ids = torch.randint(0, 13, (2, 8))
+    head = torch.nn.Linear(6, vocab, bias=True)
+    hidden = torch.randn(2, 8, 6, requires_grad=True) * 3  # peaked distributions: the parts' maxima differ
+    ids = torch.randint(0, vocab, (2, 8))
     weights = torch.randn(2, 8)
     for temperature in (1.0, 0.7):
-        for chunk_elems in (13 * 3, 1 << 20):
+        for chunk_elems in (vocab * 3, 1 << 20):
             outs = {}
             for fused in (False, True):
                 logp, entropy = token_logprobs_and_entropy(hidden, ids, temperature, head=head,
@@ -68,7 +77,7 @@ def test_fused_head_equals_the_plain_head_in_log_probs_entropy_and_gradients():
                 outs[fused] = (logp, entropy, *grads)
             assert not outs[True][1].requires_grad
             for got, want in zip(outs[True], outs[False]):
-                assert torch.allclose(got, want, atol=1e-5, rtol=0), (temperature, chunk_elems)
+                assert torch.allclose(got, want, atol=1e-5, rtol=0), (vocab, temperature, chunk_elems)
 
 
 @pytest.mark.gpu

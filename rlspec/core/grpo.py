@@ -296,12 +296,33 @@ def _chunk_logprobs(states: Tensor, targets: Tensor, temperature: float,
 
 def _head_stats(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
     """The fused chunk's forward: log p(target), the entropy and the log-sum-exp of z = logits / T, per row.
-    log p_t = z_t - lse; H = -sum_j p_j (z_j - lse) = lse - sum_j p_j z_j."""
+    log p_t = z_t - lse; H = -sum_j p_j (z_j - lse) = lse - sum_j p_j z_j.
+
+    The vocabulary is reduced in `_vocab_splits` parts, each part's max m, sum e^(z - m) and sum z e^(z - m)
+    then combined: a row's reduction becomes many short ones, so a chunk of ~900 rows x 152k runs on all SMs
+    (as one reduction per row, compiled, it took 2 ms a chunk: a quarter of a 32 x 8 train phase's kernels).
+    """
     z = _at_least_fp32(logits) / temperature
-    lse = torch.logsumexp(z, dim=-1)
+    vocab = z.shape[-1]
+    parts = z.unflatten(-1, (_vocab_splits(vocab), -1))
+    part_max = parts.amax(-1)
+    exp = torch.exp(parts - part_max.unsqueeze(-1))
+    part_sum, part_dot = exp.sum(-1), (exp * parts).sum(-1)
+    top = part_max.amax(-1, keepdim=True)
+    scale = torch.exp(part_max - top)
+    total = (part_sum * scale).sum(-1)
+    lse = top.squeeze(-1) + torch.log(total)
     picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (torch.exp(z - lse.unsqueeze(-1)) * z).sum(-1)
+    entropy = lse - (part_dot * scale).sum(-1) / total
     return picked, entropy, lse
+
+
+def _vocab_splits(vocab: int, shortest: int = 1024, most: int = 64) -> int:
+    """The largest power of two <= `most` that divides `vocab` into parts of >= `shortest` entries (1 if none)."""
+    splits = 1
+    while splits * 2 <= most and vocab % (splits * 2) == 0 and vocab // (splits * 2) >= shortest:
+        splits *= 2
+    return splits
 
 
 def _head_grad(logits: Tensor, targets: Tensor, lse: Tensor, grad_picked: Tensor, temperature: float) -> Tensor:

@@ -15,7 +15,8 @@ On the standalone backend's engine and the spec's rollout batch (`prompts_per_st
 Variants (keyword arguments of `GraphSampler`): `plain` (compiled blocks, separate projections), `fused`
 (q/k/v and gate/up each one GEMM), `sdpa` (attention through `scaled_dot_product_attention`), `fused_sdpa`,
 `fused_eager` (fused, blocks not compiled), `fused_layers` (fused, one compiled function per decoder layer
-instead of one per block), `fused_layers_sdpa`. Every compiled variant samples with the compiled race; `fused_eager`
+instead of one per block), `fused_layers_sdpa`, `fused_layers_sdpa_autotune` (Inductor times its own GEMM kernels
+against cuBLAS: mode max-autotune-no-cudagraphs). Every compiled variant samples with the compiled race; `fused_eager`
 computes the keyed noise eagerly (about 30 elementwise kernels over [slots, vocabulary] a step), so its decode step
 is not the blocks' cost alone.
 """
@@ -39,6 +40,7 @@ VARIANTS = {
     "fused_eager": {"fuse_weights": True, "compile_blocks": False},
     "fused_layers": {"fuse_weights": True, "compile_layers": True},
     "fused_layers_sdpa": {"fuse_weights": True, "compile_layers": True, "sdpa": True},
+    "fused_layers_sdpa_autotune": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "autotune": True},
 }
 
 

@@ -8,7 +8,9 @@ the steps after the first (warm-up), prints:
 - peak device memory of the generation phase and of the train phase, each measured alone;
 - host-device synchronisations in the train phase (`torch.cuda.set_sync_debug_mode`), by the source line
   that asked for them;
-- the last step's top CUDA kernels by their own GPU time (torch.profiler).
+- the last step's top CUDA kernels by their own GPU time (torch.profiler);
+- with `--trace FILE`, the last step's timeline as a Chrome trace (open it in Perfetto), with Python stacks,
+  to see what the host was doing while the GPU idled.
 
 The engine is not given the new weights between steps (no transport runs): with `sync.method=auto` on one
 GPU it shares the trainer's weights anyway, and the train phase is what is measured.
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--steps", type=int, default=3, help="steps to run; the first is warm-up, not measured")
     parser.add_argument("--rows", type=int, default=25, help="kernels to list")
+    parser.add_argument("--trace", metavar="FILE", help="write the last step's Chrome trace (with Python stacks) here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_train needs a CUDA device")
@@ -47,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     walls, mfus, syncs = [], [], collections.Counter()
     peaks = {"gen": 0.0, "train": 0.0}
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                  torch.profiler.ProfilerActivity.CUDA])
+                                                  torch.profiler.ProfilerActivity.CUDA],
+                                      with_stack=bool(args.trace))
     try:
         for step in range(args.steps):
             torch.cuda.synchronize()
@@ -92,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     for where, count in syncs.most_common(15):
         print(f"  {count / steps:6.0f}  {where}")
     print(kernel_table(profiler, args.rows))
+    if args.trace:
+        profiler.export_chrome_trace(args.trace)
 
 
 def standalone_backend(spec: str, overrides: list[str]):

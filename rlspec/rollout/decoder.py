@@ -128,20 +128,28 @@ class StaticDecoder:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor) -> Tensor:
-        """q [b, H, T, D] against the whole cache [b, Hkv, S, D]; `allowed` [b, T, S] (bool).
+    def attention_mask(self, allowed: Tensor) -> Tensor:
+        """What `_attend` takes for `allowed` [b, T, S] (bool): itself, or with SDPA an additive [b, 1, T, S] mask in
+        the model dtype (0 or the dtype's min), made once per forward rather than once per layer: from a bool mask
+        the compiled SDPA built the additive one in every layer (two extra kernels a layer in a decode step)."""
+        if not self.sdpa:
+            return allowed
+        blocked = torch.finfo(self.dtype).min  # not -inf: a row with nothing allowed (an empty slot) stays finite
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(~allowed, blocked)[:, None]
+
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """q [b, H, T, D] against the whole cache [b, Hkv, S, D]; `mask` from `attention_mask`.
 
         Query heads are grouped onto their shared K/V head with a reshape, not a copy of the cache.
         """
         b, _, t, d = q.shape
         if self.sdpa:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], scale=self.scaling,
-                                                  enable_gqa=True)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True)
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(b, self.num_kv_heads, groups * t, d)
         scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling
         scores = scores.view(b, self.num_kv_heads, groups, t, -1)
-        scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(scores.dtype).min)
+        scores = scores.masked_fill(~mask[:, None, None], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs.view(b, self.num_kv_heads, groups * t, -1), values)
         return out.view(b, self.num_heads, t, d)
@@ -158,29 +166,33 @@ class StaticDecoder:
         q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
 
-    def _attention_block(self, x: Tensor, q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, wo: Tensor,
+    def _attention_block(self, x: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, wo: Tensor,
                          bo: Tensor | None) -> Tensor:
         b, t, _ = x.shape
-        out = self._attend(q, keys, values, allowed)
+        out = self._attend(q, keys, values, mask)
         return x + F.linear(out.transpose(1, 2).reshape(b, t, -1), wo, bo)
 
     def _mlp_block(self, x: Tensor, norm: Tensor, weights: tuple) -> Tensor:
-        """`weights`: (w_gate, w_up, w_down), or the fused (w_gate_up, w_down)."""
+        """The MLP's output (the residual add is left to the caller). `weights`: (w_gate, w_up, w_down), or the
+        fused (w_gate_up, w_down)."""
         h = self._rms_norm(x, norm)
         if len(weights) == 2:
             gate, up = F.linear(h, weights[0]).chunk(2, dim=-1)
         else:
             gate, up = F.linear(h, weights[0]), F.linear(h, weights[1])
-        return x + F.linear(F.silu(gate) * up, weights[-1])
+        return F.linear(F.silu(gate) * up, weights[-1])
 
-    def compile_blocks(self, layers: bool = False) -> None:
+    def compile_blocks(self, layers: bool = False, autotune: bool = False) -> None:
         """Fuse the elementwise work (norms, RoPE, softmax, SiLU, residual adds) with torch.compile; shapes are
         static. `layers`: one compiled function per decoder layer (the K/V cache writes included, so fusion
-        crosses the block boundaries), compiled once and reused by every layer; else one per block."""
+        crosses the block boundaries), compiled once and reused by every layer; else one per block.
+        `autotune`: let Inductor time its own GEMM kernels against cuBLAS for each shape (mode
+        max-autotune-no-cudagraphs; minutes of compilation per pool size)."""
+        mode = "max-autotune-no-cudagraphs" if autotune else None
         if layers:
-            self._compiled = torch.compile(self._layer, dynamic=False)
+            self._compiled = torch.compile(self._layer, dynamic=False, mode=mode)
         else:
-            blocks = tuple(torch.compile(f, dynamic=False) for f in self._blocks())
+            blocks = tuple(torch.compile(f, dynamic=False, mode=mode) for f in self._blocks())
             self._compiled = lambda *args: self._layer(*args, blocks=blocks)
         self.race = torch.compile(exponential_race, dynamic=False)
         self.noise = torch.compile(keyed_exponential, dynamic=False)  # top-p < 1: one kernel, not ~30 over [B, V]
@@ -192,19 +204,22 @@ class StaticDecoder:
     def _blocks(self):
         return self._qkv, self._attention_block, self._mlp_block
 
-    def _layer(self, x: Tensor, weights: tuple, k_cache: Tensor, v_cache: Tensor, slots: Tensor, allowed: Tensor,
-               cos: Tensor, sin: Tensor, blocks=None) -> Tensor:
-        """One decoder layer; its K/V go to cache `slots` [b, T] (each row its own). `weights` from `_layer_weights`."""
+    def _layer(self, x: Tensor, delta: Tensor, weights: tuple, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+               mask: Tensor, cos: Tensor, sin: Tensor, blocks=None) -> tuple[Tensor, Tensor]:
+        """One decoder layer on the residual stream `x` + `delta` (the last layer's MLP output, added here so the
+        add fuses into this layer's first norm); returns the stream after attention and this layer's MLP output.
+        Its K/V go to cache `slots` [b, T] (each row its own). `weights` from `_layer_weights`."""
         qkv, attention, mlp = blocks or self._blocks()
         norm1, qkv_weights, wo, bo, norm2, mlp_weights = weights
+        x = x + delta
         q, k, v = qkv(x, norm1, qkv_weights, cos, sin)
         # An indexed store, not scatter_: compiled, scatter_ became a scatter into a copy of the whole cache and a
         # copy back (two full-cache passes per layer and cache); index_put_ writes only the new positions in place.
         rows = torch.arange(k.shape[0], device=k.device)[:, None]
         k_cache[rows, :, slots] = k.transpose(1, 2)
         v_cache[rows, :, slots] = v.transpose(1, 2)
-        x = attention(x, q, k_cache, v_cache, allowed, wo, bo)
-        return mlp(x, norm2, mlp_weights)
+        x = attention(x, q, k_cache, v_cache, mask, wo, bo)
+        return x, mlp(x, norm2, mlp_weights)
 
     def _layer_weights(self, index: int, layer) -> tuple:
         attn, ffn = layer.self_attn, layer.mlp
@@ -231,9 +246,11 @@ class StaticDecoder:
         if slots.dim() == 1:
             slots = slots.expand(ids.shape[0], -1)
         x = body.embed_tokens(ids)
+        delta = torch.zeros_like(x)
+        mask = self.attention_mask(allowed)
         cos, sin = self._rope(positions, x.dtype)
         cos, sin = cos[:, None], sin[:, None]
         for index, (layer, k_cache, v_cache) in enumerate(zip(body.layers, keys, values)):
-            x = run(x, self._layer_weights(index, layer), k_cache, v_cache, slots, allowed, cos, sin)
-        x = self._rms_norm(x[:, -1], body.norm.weight)
+            x, delta = run(x, delta, self._layer_weights(index, layer), k_cache, v_cache, slots, mask, cos, sin)
+        x = self._rms_norm(x[:, -1] + delta[:, -1], body.norm.weight)
         return F.linear(x, self.model.get_output_embeddings().weight)

@@ -106,7 +106,7 @@ class GraphSampler:
     def __init__(self, model: torch.nn.Module, device: torch.device, use_graphs: bool | None = None,
                  compile_blocks: bool | None = None, check_every: int = 8, keep_graphs: bool = False,
                  fuse_weights: bool | None = None, sdpa: bool | None = None, compile_layers: bool | None = None,
-                 share_prefill: bool = True, shrink_tail: bool = True) -> None:
+                 share_prefill: bool = True, shrink_tail: bool = True, autotune: bool = False) -> None:
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # The defaults on CUDA are the fastest measured (`python -m rlspec.perf.profile_engine`, H200, 0.5B shape, 64
@@ -115,7 +115,8 @@ class GraphSampler:
         self.compiled = self.use_graphs if compile_blocks is None else compile_blocks
         self.fuse = self.use_graphs if fuse_weights is None else fuse_weights
         if self.compiled:
-            self.decoder.compile_blocks(layers=self.use_graphs if compile_layers is None else compile_layers)
+            self.decoder.compile_blocks(layers=self.use_graphs if compile_layers is None else compile_layers,
+                                        autotune=autotune)
         self.check_every = check_every
         self.share_prefill = share_prefill  # False: one prefill per row (the equivalence tests' reference)
         self.shrink_tail = shrink_tail

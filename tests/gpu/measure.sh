@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab profile_ab
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab profile_ab trace32
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 set -u
@@ -80,9 +80,9 @@ for section in "$@"; do
         --variants fused,fused_layers --rows 0 > $OUT/engine_32.txt 2>&1
       echo "engine 32 exit $?" >> $OUT/results.txt; head -8 $OUT/engine_32.txt >> $OUT/results.txt ;;
     longtail)  # issue 19: geometric lengths (median 100, 1,024 budget) at 32 x 8: continuous batching, the static
-      # batch and TRL in one bench call (continuous with the default 64 slots and with 256), each with its length histogram (response_len/*) beside its tokens/s
+      # batch and TRL in one bench call (continuous with the default 256 slots and with 64), each with its length histogram (response_len/*) beside its tokens/s
       CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $ROOT/examples/bench_longtail.yaml \
-        --backends standalone,standalone@rollout.decode_slots=256,standalone@rollout.continuous_batching=false \
+        --backends standalone,standalone@rollout.decode_slots=64,standalone@rollout.continuous_batching=false \
         ${REFERENCE---reference trl} \
         --out /tmp/b_longtail > $OUT/longtail.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep longtail /tmp/b_longtail; tail -20 $OUT/longtail.log >> $OUT/results.txt ;;
@@ -111,6 +111,12 @@ for section in "$@"; do
           algorithm.micro_batch_tokens=16384 model.compile_layers=$c ${PT_EXTRA:-} --steps 4 > $OUT/profile_ab_$c.txt 2>&1
         echo "profile compile_layers=$c exit $?" >> $OUT/results.txt; head -4 $OUT/profile_ab_$c.txt >> $OUT/results.txt
       done ;;
+    trace32)  # issue 18: the packed, compiled train phase at 32 x 8 (16k-token budget) with the last step's Chrome
+      # trace (Python stacks) in $OUT/trace32.json.gz, to find what the host does while the GPU idles
+      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=32 \
+        algorithm.micro_batch_tokens=16384 model.compile_layers=true --steps 4 --trace /tmp/trace32.json \
+        > $OUT/trace32.txt 2>&1; echo "trace32 exit $?" >> $OUT/results.txt; head -4 $OUT/trace32.txt >> $OUT/results.txt
+      gzip -c /tmp/trace32.json > $OUT/trace32.json.gz ;;
     servechat)  # issue 20: rlspec serve of the 0.5B-shaped preset answering 64 concurrent streaming chat requests
       python3 -m rlspec.cli serve $BENCH --port 8123 > $OUT/servechat_server.log 2>&1 & SERVER=$!
       for i in $(seq 1 120); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break; sleep 1; done
