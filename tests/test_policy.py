@@ -54,9 +54,9 @@ def test_fused_head_equals_the_plain_head_in_log_probs_entropy_and_gradients():
     """The fused chunk (`_head_stats` / `_head_grad`, compiled on CUDA) is the same math as the plain chunk;
     here both run eagerly in fp32, at two temperatures, over chunks of 3 rows and one chunk, with a vocabulary
     reduced whole (13) and one reduced in 4 parts (4,096)."""
-    from rlspec.core.grpo import _vocab_splits
+    from rlspec.core.grpo import vocab_splits
 
-    assert (_vocab_splits(13), _vocab_splits(4096), _vocab_splits(151936)) == (1, 4, 64)
+    assert (vocab_splits(13), vocab_splits(4096), vocab_splits(151936)) == (1, 4, 64)
     for vocab in (13, 4096):
         _fused_equals_plain(vocab)
 

@@ -298,13 +298,13 @@ def _head_stats(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Te
     """The fused chunk's forward: log p(target), the entropy and the log-sum-exp of z = logits / T, per row.
     log p_t = z_t - lse; H = -sum_j p_j (z_j - lse) = lse - sum_j p_j z_j.
 
-    The vocabulary is reduced in `_vocab_splits` parts, each part's max m, sum e^(z - m) and sum z e^(z - m)
+    The vocabulary is reduced in `vocab_splits` parts, each part's max m, sum e^(z - m) and sum z e^(z - m)
     then combined: a row's reduction becomes many short ones, so a chunk of ~900 rows x 152k runs on all SMs
     (as one reduction per row, compiled, it took 2 ms a chunk: a quarter of a 32 x 8 train phase's kernels).
     """
     z = _at_least_fp32(logits) / temperature
     vocab = z.shape[-1]
-    parts = z.unflatten(-1, (_vocab_splits(vocab), -1))
+    parts = z.unflatten(-1, (vocab_splits(vocab), -1))
     part_max = parts.amax(-1)
     exp = torch.exp(parts - part_max.unsqueeze(-1))
     part_sum, part_dot = exp.sum(-1), (exp * parts).sum(-1)
@@ -317,8 +317,9 @@ def _head_stats(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Te
     return picked, entropy, lse
 
 
-def _vocab_splits(vocab: int, shortest: int = 1024, most: int = 64) -> int:
-    """The largest power of two <= `most` that divides `vocab` into parts of >= `shortest` entries (1 if none)."""
+def vocab_splits(vocab: int, shortest: int = 1024, most: int = 64) -> int:
+    """The largest power of two <= `most` that divides `vocab` into parts of >= `shortest` entries (1 if none):
+    how many parts a row's reduction over the vocabulary is split into, so that a few rows still fill the GPU."""
     splits = 1
     while splits * 2 <= most and vocab % (splits * 2) == 0 and vocab // (splits * 2) >= shortest:
         splits *= 2

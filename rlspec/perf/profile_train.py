@@ -9,8 +9,8 @@ the steps after the first (warm-up), prints:
 - host-device synchronisations in the train phase (`torch.cuda.set_sync_debug_mode`), by the source line
   that asked for them;
 - the last step's top CUDA kernels by their own GPU time (torch.profiler);
-- with `--trace FILE`, the last step's timeline as a Chrome trace (open it in Perfetto), with Python stacks,
-  to see what the host was doing while the GPU idled.
+- with `--trace FILE`, the last step's timeline as a Chrome trace (open it in Perfetto) to see where the GPU
+  idles; `--stacks` adds Python stacks (what the host was doing then, though recording them slows the host).
 
 The engine is not given the new weights between steps (no transport runs): with `sync.method=auto` on one
 GPU it shares the trainer's weights anyway, and the train phase is what is measured.
@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--steps", type=int, default=3, help="steps to run; the first is warm-up, not measured")
     parser.add_argument("--rows", type=int, default=25, help="kernels to list")
-    parser.add_argument("--trace", metavar="FILE", help="write the last step's Chrome trace (with Python stacks) here")
+    parser.add_argument("--trace", metavar="FILE", help="write the last step's Chrome trace here")
+    parser.add_argument("--stacks", action="store_true", help="record Python stacks in the trace (slows the host)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_train needs a CUDA device")
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     peaks = {"gen": 0.0, "train": 0.0}
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                   torch.profiler.ProfilerActivity.CUDA],
-                                      with_stack=bool(args.trace))
+                                      with_stack=args.stacks)
     try:
         for step in range(args.steps):
             torch.cuda.synchronize()

@@ -112,9 +112,9 @@ for section in "$@"; do
         echo "profile compile_layers=$c exit $?" >> $OUT/results.txt; head -4 $OUT/profile_ab_$c.txt >> $OUT/results.txt
       done ;;
     trace32)  # issue 18: the packed, compiled train phase at 32 x 8 (16k-token budget) with the last step's Chrome
-      # trace (Python stacks) in $OUT/trace32.json.gz, to find what the host does while the GPU idles
+      # trace in $OUT/trace32.json.gz, to find where the GPU idles (STACKS=--stacks: with Python stacks)
       CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=32 \
-        algorithm.micro_batch_tokens=16384 model.compile_layers=true --steps 4 --trace /tmp/trace32.json \
+        algorithm.micro_batch_tokens=16384 model.compile_layers=true --steps 4 --trace /tmp/trace32.json ${STACKS:-} \
         > $OUT/trace32.txt 2>&1; echo "trace32 exit $?" >> $OUT/results.txt; head -4 $OUT/trace32.txt >> $OUT/results.txt
       gzip -c /tmp/trace32.json > $OUT/trace32.json.gz ;;
     servechat)  # issue 20: rlspec serve of the 0.5B-shaped preset answering 64 concurrent streaming chat requests

@@ -12,7 +12,8 @@ from rlspec.rollout.base import collate, engine_logprobs_tensor
 from rlspec.rollout.hf import HFEngine
 from rlspec.rollout.noise import keyed_exponential, open_uniform, sample_keys
 from rlspec.rollout.decoder import StaticDecoder, unsupported_reason
-from rlspec.rollout.sampling import sample_from_logits
+from rlspec.core.grpo import vocab_splits
+from rlspec.rollout.sampling import exponential_race, sample_from_logits
 from rlspec.rollout.static import GraphSampler
 from rlspec.spec import ModelSpec, RolloutSpec
 
@@ -72,6 +73,24 @@ def test_sampling_follows_a_known_categorical():
     assert chi2 < 20.5, chi2  # chi-square, 4 degrees of freedom: P(> 20.5) < 4e-4
     top, _ = sample_from_logits(logits, 1.0, 0.7, keys, steps)
     assert set(top.tolist()) <= {0, 1}, "top-p 0.7 keeps the tokens whose mass reaches 0.7"
+
+
+def test_race_reduced_in_parts_picks_the_whole_row_argmax():
+    """The race over a vocabulary split into parts (4,096: 4 parts) picks the token of one argmax over the whole
+    row, and its log-prob is the log_softmax's, at two temperatures; peaked rows put the winners in every part."""
+    torch.manual_seed(0)
+    vocab = 4096
+    assert vocab_splits(vocab) == 4
+    logits = (torch.randn(256, vocab) * 4).bfloat16()
+    keys, steps = sample_keys(5, torch.arange(256)), torch.arange(256)
+    for temperature in (1.0, 0.6):
+        token, logp = exponential_race(logits, keys, steps, temperature)
+        scaled = logits.float() / temperature
+        expected = torch.argmax(scaled - keyed_exponential(keys, steps, vocab).log(), dim=-1)
+        assert torch.equal(token, expected)
+        assert len(set((token // (vocab // 4)).tolist())) == 4
+        full = torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+        assert torch.allclose(logp, full, atol=1e-5)
 
 
 def test_keyed_noise_is_exponential_and_never_zero():
