@@ -298,23 +298,27 @@ def _head_stats(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Te
     """The fused chunk's forward: log p(target), the entropy and the log-sum-exp of z = logits / T, per row.
     log p_t = z_t - lse; H = -sum_j p_j (z_j - lse) = lse - sum_j p_j z_j.
 
-    The vocabulary is reduced in `vocab_splits` parts, each part's max m, sum e^(z - m) and sum z e^(z - m)
-    then combined: a row's reduction becomes many short ones, so a chunk of ~900 rows x 152k runs on all SMs
-    (as one reduction per row, compiled, it took 2 ms a chunk: a quarter of a 32 x 8 train phase's kernels).
+    Both come from `logsumexp_in_parts`: as one reduction per row, compiled, a chunk of ~900 rows x 152k took
+    2 ms (a quarter of a 32 x 8 train phase's kernels); in parts it runs on all SMs.
     """
     z = _at_least_fp32(logits) / temperature
-    vocab = z.shape[-1]
-    parts = z.unflatten(-1, (vocab_splits(vocab), -1))
+    lse, mean = logsumexp_in_parts(z, with_mean=True)
+    picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    return picked, lse - mean, lse
+
+
+def logsumexp_in_parts(z: Tensor, with_mean: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log-sum-exp of `z` over its last dimension and, `with_mean`, sum_j softmax(z)_j z_j (else None), reduced
+    in `vocab_splits` parts: each part's max m, sum e^(z - m) (and sum z e^(z - m)), then the parts combined, so
+    a row's reduction becomes many short ones."""
+    parts = z.unflatten(-1, (vocab_splits(z.shape[-1]), -1))
     part_max = parts.amax(-1)
     exp = torch.exp(parts - part_max.unsqueeze(-1))
-    part_sum, part_dot = exp.sum(-1), (exp * parts).sum(-1)
     top = part_max.amax(-1, keepdim=True)
     scale = torch.exp(part_max - top)
-    total = (part_sum * scale).sum(-1)
-    lse = top.squeeze(-1) + torch.log(total)
-    picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (part_dot * scale).sum(-1) / total
-    return picked, entropy, lse
+    total = (exp.sum(-1) * scale).sum(-1)
+    mean = ((exp * parts).sum(-1) * scale).sum(-1) / total if with_mean else None
+    return top.squeeze(-1) + torch.log(total), mean
 
 
 def vocab_splits(vocab: int, shortest: int = 1024, most: int = 64) -> int:
