@@ -411,8 +411,9 @@ class RolloutSpec(_Section):
     its sample ends; false = the static batch (all rows at once, until the longest has ended)."""
     decode_slots: int = 256
     """continuous_batching: sequences decoded at once (rounded up to a power of two; K/V memory grows with it:
-    slots x (prompt + max_new_tokens) tokens). A decode step's cost is mostly fixed at these sizes (64 rows 1.5 ms,
-    256 rows 2.2 ms for the 0.5B shape on an H100), so a large pool is the fast one."""
+    slots x (prompt + max_new_tokens) tokens). A decode step's cost grows far less than its rows (0.5B shape, one
+    H100: 1.40 ms at 64 rows with a 384-token cache, 2.99 ms at 256 rows with 1,152), so starting every sample
+    at once is faster: the long-tailed 32 x 8 bench generated in 1.74 s with 256 slots, 2.06 s with 64."""
     gpu_memory_fraction: float = 0.5
     """vllm: fraction of GPU memory the engine may take."""
     tensor_parallel_size: int = 1

@@ -107,9 +107,9 @@ for section in "$@"; do
           > $OUT/profile_$p.txt 2>&1; echo "profile $p exit $?" >> $OUT/results.txt
       done ;;
     profile_ab)  # issue 18: the packed train phase at 32 x 8 under a 16k-token budget, eager layers against compiled ones
-      # (model.compile_layers); PT_EXTRA=<overrides> adds to both
+      # (model.compile_layers); PT_EXTRA=<overrides> adds to both; P=64: 64 prompts x 8
       for c in false true; do
-        CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=32 \
+        CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
           algorithm.micro_batch_tokens=16384 model.compile_layers=$c ${PT_EXTRA:-} --steps 4 > $OUT/profile_ab_$c.txt 2>&1
         echo "profile compile_layers=$c exit $?" >> $OUT/results.txt; head -4 $OUT/profile_ab_$c.txt >> $OUT/results.txt
       done ;;
