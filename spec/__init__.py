@@ -4,11 +4,11 @@ from .compile import BackendCaps, BatchPlan, Placement, RunPlan, compile_plan
 from .errors import SpecError
 from .load import load_spec, preset_names
 from .resume import RESUMABLE_CHANGES, resume_changes
-from .schema import (AgentSpec, AlgorithmSpec, CheckpointSpec, DeepSpeedSpec, EnvSpec, HardwareSpec, JudgeSpec,
+from .schema import (AgentSpec, AlgorithmSpec, CheckpointSpec, DeepSpeedSpec, EnvSpec, FSDPSpec, HardwareSpec, JudgeSpec,
                      LoraSpec, ModelSpec, RolloutSpec, Spec, SyncSpec, TaskSpec)
 
 __all__ = [
-    "AgentSpec", "AlgorithmSpec", "BackendCaps", "BatchPlan", "CheckpointSpec", "DeepSpeedSpec", "EnvSpec", "HardwareSpec", "JudgeSpec",
+    "AgentSpec", "AlgorithmSpec", "BackendCaps", "BatchPlan", "CheckpointSpec", "DeepSpeedSpec", "EnvSpec", "FSDPSpec", "HardwareSpec", "JudgeSpec",
     "LoraSpec", "ModelSpec",
     "Placement", "RESUMABLE_CHANGES", "RolloutSpec", "RunPlan", "Spec", "SpecError", "SyncSpec", "TaskSpec", "compile_plan",
     "load_spec", "preset_names", "resume_changes",

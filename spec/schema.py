@@ -517,6 +517,16 @@ class DeepSpeedSpec(_Section):
 
 
 @dataclass
+class FSDPSpec(_Section):
+    """FSDP2 knobs of the `fsdp` backend (`backends/fsdp/README.md`). Other backends ignore this section."""
+
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward and gather them again for its backward (FSDP2's
+    `reshard_after_forward`): less memory for one more all-gather per block and micro-batch. With one rank
+    there is nothing to gather, and false saves the copies."""
+
+
+@dataclass
 class HardwareSpec(_Section):
     """Where things run."""
 
@@ -548,6 +558,8 @@ class HardwareSpec(_Section):
     grace (Slurm's KillWait, 30 s; Kubernetes' terminationGracePeriodSeconds): keep this below theirs."""
     deepspeed: DeepSpeedSpec = field(default_factory=DeepSpeedSpec)
     """ZeRO-3 bucket, prefetch and overlap settings (the `deepspeed` backend only)."""
+    fsdp: FSDPSpec = field(default_factory=FSDPSpec)
+    """FSDP2 settings (the `fsdp` backend only)."""
 
     def __post_init__(self) -> None:
         p = "hardware"

@@ -11,7 +11,6 @@ shard. Parameters are sharded fp32 masters; forward and backward run in `model.d
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,7 +22,7 @@ from ...cluster.ray_group import RankWorker, sharded_logprobs
 from ...core.batch import TrainBatch
 from ...core.grpo import LossConfig, LossNorm
 from ...core.policy import CompiledBlocks, accumulate, block_classes
-from ...core.trainer import build_optimizer, merged_weights
+from ...core.trainer import build_optimizer, grad_norm_and_clip, merged_weights
 from ...core.weights import gather_groups
 from ...models.base import DTYPES
 from ...models.factory import apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_hf
@@ -35,8 +34,10 @@ STATE_DIR = "optimizer_dcp"
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 
 
-def shard_model(model: torch.nn.Module, mesh, param_dtype: torch.dtype, offload: bool) -> torch.nn.Module:
-    """`fully_shard` every block (innermost first), then the root, which is the module the loss calls."""
+def shard_model(model: torch.nn.Module, mesh, param_dtype: torch.dtype, offload: bool,
+                reshard_after_forward: bool = True) -> torch.nn.Module:
+    """`fully_shard` every block (innermost first), then the root, which is the module the loss calls.
+    (FSDP2 never reshards the root after its forward: its parameters are needed first in the backward.)"""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     names = block_classes(model)
@@ -46,7 +47,7 @@ def shard_model(model: torch.nn.Module, mesh, param_dtype: torch.dtype, offload:
                    offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     for block in reversed(blocks):  # modules() lists parents first; nested blocks are sharded before their parent
-        fully_shard(block, **options)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, **options)
     return model
 
@@ -85,7 +86,8 @@ class FSDPWorker(RankWorker):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # fp32 master parameters (exact for a bf16 start); MixedPrecisionPolicy computes in model.dtype.
         model = apply_lora(model.float(), spec.model, spec.algorithm.seed)
-        self.model = shard_model(model, mesh, self.dtype, offload)  # moves the shards to the mesh's device
+        reshard = spec.hardware.fsdp.reshard_after_forward
+        self.model = shard_model(model, mesh, self.dtype, offload, reshard)  # moves the shards to the mesh's device
         # After sharding: transformers wraps the forward of FSDP2's block subclass again, and only the outermost
         # wrapper applies gradient checkpointing, so the forward to compile is the sharded class's.
         self.compiled = CompiledBlocks(self.model, spec.model.compile_layers)
@@ -127,17 +129,10 @@ class FSDPWorker(RankWorker):
 
     def optimizer_step(self) -> float:
         """Clip at `algorithm.max_grad_norm` (0 = off), step, zero; the global grad norm before clipping."""
-        from torch.distributed.tensor import DTensor
-
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        limit = self.plan.spec.algorithm.max_grad_norm or math.inf
-        # On DTensor gradients the norm is computed over the shards and reduced over the ranks.
-        norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=False)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        norm = grad_norm_and_clip(self.model.parameters(), self.plan.spec.algorithm.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm.item())
+        return norm
 
     # --- weights -------------------------------------------------------------------------------------
 

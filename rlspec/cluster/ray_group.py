@@ -170,13 +170,60 @@ class RankGroup:
         return pids
 
 
+class InProcessGroup(RankGroup):
+    """One trainer rank in this process, called directly: no Ray, no engines (world size 1).
+
+    For the profilers (`python -m rlspec.perf.profile_train --backend fsdp`): torch.profiler, the sync debug
+    mode and a Chrome trace see the rank's own kernels and host work, which inside a Ray actor they would not.
+    The rank runs exactly the code it runs as an actor; the batch split and statistics are `RankGroup`'s.
+    """
+
+    def start(self, worker_cls: type, env_vars: dict[str, str] | None = None) -> None:
+        if self.plan.spec.hardware.num_trainer_ranks != 1:
+            raise SpecError("hardware.num_trainer_ranks", "an in-process rank group holds exactly one trainer rank",
+                            "set hardware.num_trainer_ranks=1")
+        os.environ.update(env_vars or {})
+        worker = worker_cls(self.plan, 0, 1)
+        self.ranks, self.labels = [worker], ["trainer rank 0"]
+        worker.setup(worker.master_address())
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        self.ranks = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def call(self, method: str, per_rank_args: list[tuple]) -> list:
+        return [getattr(rank, method)(*args) for rank, args in zip(self.ranks, per_rank_args)]
+
+    def weight_source(self):
+        return RankWeights(self.ranks[0])
+
+    def pids(self) -> dict[str, int]:
+        return {self.labels[0]: os.getpid()}
+
+
+class RankWeights:
+    """A `rlspec.core.weights.WeightSource` over one rank worker in this process (its own `run_sender`)."""
+
+    def __init__(self, rank: "RankWorker") -> None:
+        self.rank = rank
+
+    def run_sender(self, fn, payload, gather: bool = True):
+        return self.rank.run_sender(fn, payload, gather)
+
+
 class RankGroupBackend:
     """The `Backend` protocol over a `RankGroup`, for a data-parallel backend whose ranks are Ray actors.
 
     A backend class (`deepspeed`, `fsdp`) declares its `caps` and a `setup` that checks its imports and calls
     `start_group(plan, worker_cls)`; everything else fans out to its worker actors the same way. (A core
-    helper, not a backend: backends still never import or subclass each other.)
+    helper, not a backend: backends still never import or subclass each other.) Setting `group_class` to
+    `InProcessGroup` before `setup` runs the one rank in this process instead (the profilers do).
     """
+
+    group_class: type[RankGroup] = RankGroup
 
     def __init__(self) -> None:
         self.plan: RunPlan | None = None
@@ -184,7 +231,7 @@ class RankGroupBackend:
 
     def start_group(self, plan: RunPlan, worker_cls: type, env_vars: dict[str, str] | None = None) -> None:
         self.plan = plan
-        self.group = RankGroup(plan)
+        self.group = self.group_class(plan)
         self.group.start(worker_cls, env_vars)
 
     def shutdown(self) -> None:

@@ -44,10 +44,17 @@ def _on_cuda(params) -> bool:
 
 
 def grad_norm_and_clip(params, max_grad_norm: float) -> float:
-    """Global L2 norm of the gradients (before clipping); clip in place when `max_grad_norm` > 0."""
+    """Global L2 norm of the gradients (before clipping); clip in place when `max_grad_norm` > 0.
+
+    On sharded (DTensor) gradients the norm is computed over the shards and reduced over the ranks. On CUDA
+    the multi-tensor kernels: the per-tensor loop costs a few kernels and, on DTensors, a dispatch per tensor.
+    """
     params = [p for p in params if p.grad is not None]
     limit = max_grad_norm if max_grad_norm > 0 else math.inf
-    return float(torch.nn.utils.clip_grad_norm_(params, limit, foreach=_on_cuda(params)).item())
+    norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=_on_cuda(params))
+    if hasattr(norm, "full_tensor"):  # a DTensor: this rank's partial norm until reduced
+        norm = norm.full_tensor()
+    return float(norm.item())
 
 
 class LocalTrainer:

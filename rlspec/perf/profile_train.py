@@ -1,7 +1,7 @@
 """Where the train phase's time goes, on one GPU: `python -m rlspec.perf.profile_train SPEC [overrides] [--steps N]`.
 
-Runs the spec's steps on the standalone backend (sample, score, `loop.update`) and, for the train phase of
-the steps after the first (warm-up), prints:
+Runs the spec's steps (sample, score, `loop.update`) and, for the train phase of the steps after the first
+(warm-up), prints:
 
 - the train phase's median wall time and MFU as `rlspec bench` counts it; for the last step, the summed
   GPU kernel time (over the wall time, how busy the GPU is: a low share means the host does not keep it fed);
@@ -12,6 +12,9 @@ the steps after the first (warm-up), prints:
 - with `--trace FILE`, the last step's timeline as a Chrome trace (open it in Perfetto) to see where the GPU
   idles; `--stacks` adds Python stacks (what the host was doing then, though recording them slows the host).
 
+The train phase runs on the standalone backend, or with `--backend fsdp|deepspeed` on that backend's one
+trainer rank in this process (`rlspec.cluster.ray_group.InProcessGroup`: the rank's own code, without the Ray
+actor, so the profiler sees its kernels and host work); the standalone backend's engine samples either way.
 The engine is not given the new weights between steps (no transport runs): with `sync.method=auto` on one
 GPU it shares the trainer's weights anyway, and the train phase is what is measured.
 """
@@ -35,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=25, help="kernels to list")
     parser.add_argument("--trace", metavar="FILE", help="write the last step's Chrome trace here")
     parser.add_argument("--stacks", action="store_true", help="record Python stacks in the trace (slows the host)")
+    parser.add_argument("--backend", default="standalone", choices=("standalone", "fsdp", "deepspeed"),
+                        help="the trainer to profile (fsdp and deepspeed: one rank, in this process)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_train needs a CUDA device")
@@ -45,7 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     from .bench import _train_flops
 
     plan, task, backend = standalone_backend(args.spec, args.overrides)
-    engine = backend.rollout_engine()
+    engine, sampler = backend.rollout_engine(), backend
+    if args.backend != "standalone":
+        plan, backend = in_process_backend(args.spec, args.overrides, args.backend)
     pad_id = pad_token_id(engine.tokenizer)
     flops = _train_flops(plan)
     walls, mfus, syncs = [], [], collections.Counter()
@@ -85,11 +92,13 @@ def main(argv: list[str] | None = None) -> None:
                 mfus.append(flops.flops(float(batch.attention_mask.sum())) / (wall * flops.peak))
     finally:
         backend.shutdown()
+        if sampler is not backend:
+            sampler.shutdown()
     steps = len(walls)
     if not steps:
         raise SystemExit("run at least 2 steps (the first is warm-up)")
     wall, busy = statistics.median(walls), _kernel_seconds(profiler)
-    print(f"train phase, median of {steps} step(s): {wall:.3f} s wall" +
+    print(f"{args.backend} train phase, median of {steps} step(s): {wall:.3f} s wall" +
           (f", MFU {statistics.median(mfus):.1%}" if mfus else "") +
           f"; last step: {walls[-1]:.3f} s wall, {busy:.3f} s of GPU kernels ({busy / walls[-1]:.0%} busy)")
     print(f"peak memory: generation {peaks['gen']:.2f} GB, train {peaks['train']:.2f} GB")
@@ -110,6 +119,19 @@ def standalone_backend(spec: str, overrides: list[str]):
     backend = create_backend("standalone")
     backend.setup(plan)
     return plan, task, backend
+
+
+def in_process_backend(spec: str, overrides: list[str], name: str):
+    """The plan and set-up `name` backend (a rank-group backend) with its one trainer rank in this process."""
+    from ..cluster.ray_group import InProcessGroup
+    from ..core.backend import create_backend
+    from ..run import build_plan
+
+    plan, _ = build_plan(spec, overrides, name)
+    backend = create_backend(name)
+    backend.group_class = InProcessGroup
+    backend.setup(plan)
+    return plan, backend
 
 
 def _kernel_seconds(profiler) -> float:

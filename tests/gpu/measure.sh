@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab profile_ab trace32
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 set -u
@@ -119,6 +119,18 @@ for section in "$@"; do
         algorithm.micro_batch_tokens=16384 model.compile_layers=true --steps 4 --trace /tmp/trace32.json ${STACKS:-} \
         > $OUT/trace32.txt 2>&1; echo "trace32 exit $?" >> $OUT/results.txt; head -4 $OUT/trace32.txt >> $OUT/results.txt
       gzip -c /tmp/trace32.json > $OUT/trace32.json.gz ;;
+    trainers)  # issue 18: each backend's train phase on one GPU, its one rank in this process (profile_train
+      # --backend: the kernel table, busy share and the last step's trace in $OUT/trainers_<run>_<P>.json.gz),
+      # P prompts x 8 (default 8). RUNS= names the runs as backend[@override,...] (default: standalone, fsdp,
+      # deepspeed with its layers eager, as in fsdp1)
+      for run in ${RUNS:-standalone fsdp deepspeed@model.compile_layers=false}; do
+        b=${run%%@*}; extra=""; [ "$run" != "$b" ] && extra=$(echo ${run#*@} | tr , ' ')
+        name=$(echo $run | tr '@=,.' '____')
+        CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-8} \
+          $extra --backend $b --steps 4 --trace /tmp/trainers.json > $OUT/trainers_${name}_${P:-8}.txt 2>&1
+        echo "trainers $run P=${P:-8} exit $?" >> $OUT/results.txt; head -4 $OUT/trainers_${name}_${P:-8}.txt >> $OUT/results.txt
+        [ -f /tmp/trainers.json ] && gzip -c /tmp/trainers.json > $OUT/trainers_${name}_${P:-8}.json.gz; rm -f /tmp/trainers.json
+      done ;;
     servechat)  # issue 20: rlspec serve of the 0.5B-shaped preset answering 64 concurrent streaming chat requests
       python3 -m rlspec.cli serve $BENCH --port 8123 > $OUT/servechat_server.log 2>&1 & SERVER=$!
       for i in $(seq 1 120); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break; sleep 1; done

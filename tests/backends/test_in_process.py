@@ -1,0 +1,49 @@
+"""`InProcessGroup`: a rank-group backend's one trainer rank run in this process (what the profilers use)
+takes the same steps as the single-process trainer, and refuses more than one rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlspec.cluster.ray_group import InProcessGroup
+from rlspec.core.backend import all_caps, create_backend
+from rlspec.spec import SpecError, compile_plan, load_spec
+from tests.backends.ranks import TINY, fixed_batch, max_weight_diff, reference_trainer, run_steps
+
+COMMON = ["rollout.prompts_per_step=1", "algorithm.max_grad_norm=0", "algorithm.optimizer=sgd", "algorithm.lr=1e-1",
+          "algorithm.micro_batch_size=2", "algorithm.micro_batch_tokens=13"]
+
+
+@pytest.mark.parametrize("backend_name, extra", [("fsdp", []), ("fsdp", ["hardware.fsdp.reshard_after_forward=false"]),
+                                                 ("deepspeed", [])])
+def test_in_process_rank_matches_single_process_trainer(backend_name, extra):
+    pytest.importorskip("ray")
+    if backend_name == "deepspeed":
+        pytest.importorskip("deepspeed")
+    reference_plan = compile_plan(load_spec(TINY, COMMON, "standalone"), all_caps())
+    plan = compile_plan(load_spec(TINY, [*COMMON, *extra], backend_name), all_caps())
+    batch = fixed_batch()
+    reference = reference_trainer(reference_plan)
+    expected = run_steps(reference, reference_plan, batch)
+    backend = create_backend(backend_name)
+    backend.group_class = InProcessGroup
+    try:
+        backend.setup(plan)
+        assert backend.rollout_engine() is None  # ranks only: the caller samples elsewhere
+        got = run_steps(backend, plan, batch)
+        for (l_ref, g_ref, _), (loss, grad_norm, _) in zip(expected, got, strict=True):
+            assert loss == pytest.approx(l_ref, abs=1e-5)
+            assert grad_norm == pytest.approx(g_ref, rel=1e-4, abs=1e-6)
+        assert max_weight_diff(dict(backend.export_weights()), dict(reference.export_weights())) < 1e-5
+    finally:
+        backend.shutdown()
+        backend.shutdown()  # twice is fine
+
+
+def test_in_process_group_refuses_two_ranks():
+    pytest.importorskip("ray")
+    plan = compile_plan(load_spec(TINY, [*COMMON, "hardware.num_trainer_ranks=2"], "fsdp"), all_caps())
+    backend = create_backend("fsdp")
+    backend.group_class = InProcessGroup
+    with pytest.raises(SpecError, match="hardware.num_trainer_ranks"):
+        backend.setup(plan)
