@@ -520,10 +520,11 @@ class DeepSpeedSpec(_Section):
 class FSDPSpec(_Section):
     """FSDP2 knobs of the `fsdp` backend (`backends/fsdp/README.md`). Other backends ignore this section."""
 
-    reshard_after_forward: bool = True
+    reshard_after_forward: Optional[bool] = None
     """Free each block's gathered parameters after its forward and gather them again for its backward (FSDP2's
-    `reshard_after_forward`): less memory for one more all-gather per block and micro-batch. With one rank
-    there is nothing to gather, and false saves the copies."""
+    `reshard_after_forward`): less memory for one more all-gather per block and micro-batch. null (default):
+    true with more than one trainer rank, false with one, where the gather is a copy of what the rank holds
+    anyway and keeping it only costs the 16-bit copy of the weights."""
 
 
 @dataclass

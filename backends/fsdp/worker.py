@@ -87,6 +87,7 @@ class FSDPWorker(RankWorker):
         # fp32 master parameters (exact for a bf16 start); MixedPrecisionPolicy computes in model.dtype.
         model = apply_lora(model.float(), spec.model, spec.algorithm.seed)
         reshard = spec.hardware.fsdp.reshard_after_forward
+        reshard = self.world_size > 1 if reshard is None else reshard
         self.model = shard_model(model, mesh, self.dtype, offload, reshard)  # moves the shards to the mesh's device
         # After sharding: transformers wraps the forward of FSDP2's block subclass again, and only the outermost
         # wrapper applies gradient checkpointing, so the forward to compile is the sharded class's.

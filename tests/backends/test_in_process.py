@@ -14,8 +14,9 @@ COMMON = ["rollout.prompts_per_step=1", "algorithm.max_grad_norm=0", "algorithm.
           "algorithm.micro_batch_size=2", "algorithm.micro_batch_tokens=13"]
 
 
-@pytest.mark.parametrize("backend_name, extra", [("fsdp", []), ("fsdp", ["hardware.fsdp.reshard_after_forward=false"]),
-                                                 ("deepspeed", [])])
+@pytest.mark.parametrize("backend_name, extra", [
+    ("fsdp", []), ("fsdp", ["hardware.fsdp.reshard_after_forward=true"]), ("deepspeed", []),
+    pytest.param("fsdp", ["model.compile_layers=true"], marks=pytest.mark.slow, id="fsdp-compiled")])
 def test_in_process_rank_matches_single_process_trainer(backend_name, extra):
     pytest.importorskip("ray")
     if backend_name == "deepspeed":
