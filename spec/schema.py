@@ -522,9 +522,10 @@ class FSDPSpec(_Section):
 
     reshard_after_forward: Optional[bool] = None
     """Free each block's gathered parameters after its forward and gather them again for its backward (FSDP2's
-    `reshard_after_forward`): less memory for one more all-gather per block and micro-batch. null (default):
-    true with more than one trainer rank, false with one, where the gather is a copy of what the rank holds
-    anyway and keeping it only costs the 16-bit copy of the weights."""
+    `reshard_after_forward`): less memory for one more all-gather per block and micro-batch. False keeps each
+    gathered block until the step's last backward (one gather per block and step, the whole model gathered at
+    once). null (default): true with more than one trainer rank, false with one, where the gather is a copy of
+    what the rank holds anyway and keeping it only costs the 16-bit copy of the weights."""
 
 
 @dataclass

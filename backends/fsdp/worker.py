@@ -60,6 +60,7 @@ class FSDPWorker(RankWorker):
         self.model = None
         self.reference = None
         self.compiled = None
+        self.reshard = True
 
     def setup(self, master: tuple[str, int]) -> None:
         import torch.distributed as dist
@@ -87,8 +88,8 @@ class FSDPWorker(RankWorker):
         # fp32 master parameters (exact for a bf16 start); MixedPrecisionPolicy computes in model.dtype.
         model = apply_lora(model.float(), spec.model, spec.algorithm.seed)
         reshard = spec.hardware.fsdp.reshard_after_forward
-        reshard = self.world_size > 1 if reshard is None else reshard
-        self.model = shard_model(model, mesh, self.dtype, offload, reshard)  # moves the shards to the mesh's device
+        self.reshard = self.world_size > 1 if reshard is None else reshard
+        self.model = shard_model(model, mesh, self.dtype, offload, self.reshard)  # moves the shards to the mesh's device
         # After sharding: transformers wraps the forward of FSDP2's block subclass again, and only the outermost
         # wrapper applies gradient checkpointing, so the forward to compile is the sharded class's.
         self.compiled = CompiledBlocks(self.model, spec.model.compile_layers)
@@ -118,12 +119,18 @@ class FSDPWorker(RankWorker):
             # ranks, so undo that with x world size.
             (loss * self.world_size).backward()
 
-        # Gradients are reduce-scattered once, after the last micro-batch (`boundary`); before that each rank
-        # accumulates its unsharded gradients.
+        def boundary(last: bool) -> None:
+            # Gradients are reduce-scattered once, after the last micro-batch; before that each rank accumulates
+            # its unsharded gradients. Blocks kept gathered through the backward (no reshard after forward) stay
+            # gathered until the last micro-batch's backward too: the parameters do not change within a step,
+            # and gathering them again for each micro-batch was most of FSDP2's host time per step on one GPU.
+            self.model.set_requires_gradient_sync(last)
+            if not self.reshard:
+                self.model.set_reshard_after_backward(last)
+
         with self.compiled.active():
             stats = accumulate(self.model, shard, self.plan.batch.micro_batch_size, norm, self.loss_cfg,
-                               self.plan.spec.rollout.temperature, backward, self.device, sizes,
-                               boundary=self.model.set_requires_gradient_sync)
+                               self.plan.spec.rollout.temperature, backward, self.device, sizes, boundary=boundary)
         if self.device.type == "cuda":
             stats["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return stats
