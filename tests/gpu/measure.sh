@@ -48,8 +48,9 @@ for section in "$@"; do
         echo "$m exit $?" >> $OUT/results.txt; cp /tmp/ds_$m/metrics.jsonl $OUT/dsync_$m.jsonl 2>/dev/null
       done ;;
     fsdp1)  # issue 7: the three backends on one GPU (all three take more than one 10-minute device call:
-      # BACKENDS=standalone,deepspeed@model.compile_layers=false in one, BACKENDS=fsdp in the next)
-      CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $BENCH algorithm.steps=3 \
+      # BACKENDS=standalone,deepspeed@model.compile_layers=false in one, BACKENDS=fsdp in the next);
+      # EXTRA=<overrides> for all of them, e.g. EXTRA=rollout.prompts_per_step=32
+      CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $BENCH algorithm.steps=3 ${EXTRA:-} \
         --backends ${BACKENDS:-standalone,deepspeed@model.compile_layers=false,fsdp} \
         --out /tmp/b_fsdp1 > $OUT/fsdp1.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep fsdp1 /tmp/b_fsdp1; tail -8 $OUT/fsdp1.log >> $OUT/results.txt ;;
