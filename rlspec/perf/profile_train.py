@@ -7,7 +7,7 @@ Runs the spec's steps (sample, score, `loop.update`) and, for the train phase of
   GPU kernel time (over the wall time, how busy the GPU is: a low share means the host does not keep it fed);
 - peak device memory of the generation phase and of the train phase, each measured alone;
 - host-device synchronisations in the train phase (`torch.cuda.set_sync_debug_mode`), by the source line
-  that asked for them;
+  that asked for them, and the time the host spent in Python's garbage collector, by generation;
 - the last step's top CUDA kernels by their own GPU time (torch.profiler);
 - with `--trace FILE`, the last step's timeline as a Chrome trace (open it in Perfetto) to see where the GPU
   idles; `--stacks` adds Python stacks (what the host was doing then, though recording them slows the host).
@@ -26,6 +26,8 @@ import collections
 import statistics
 import time
 import warnings
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     pad_id = pad_token_id(engine.tokenizer)
     flops = _train_flops(plan)
     walls, mfus, syncs = [], [], collections.Counter()
+    collector = GCTimer()
     peaks = {"gen": 0.0, "train": 0.0}
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                   torch.profiler.ProfilerActivity.CUDA],
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
-                    update(plan, backend, batch)
+                    with collector.counting(step > 0):
+                        update(plan, backend, batch)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
                 torch.cuda.synchronize()
@@ -105,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"host-device syncs in the train phase: {sum(syncs.values()) / steps:.0f} per step")
     for where, count in syncs.most_common(15):
         print(f"  {count / steps:6.0f}  {where}")
+    print("Python garbage collection in the train phase, per step: " +
+          ", ".join(f"generation {g}: {n / steps:.0f} x, {t / steps * 1e3:.1f} ms"
+                    for g, (n, t) in sorted(collector.totals.items())) if collector.totals else "none")
     print(kernel_table(profiler, args.rows))
     if args.trace:
         profiler.export_chrome_trace(args.trace)
@@ -119,6 +126,33 @@ def standalone_backend(spec: str, overrides: list[str]):
     backend = create_backend("standalone")
     backend.setup(plan)
     return plan, task, backend
+
+
+class GCTimer:
+    """Counts and times Python's garbage collections (`gc.callbacks`) while `counting(True)` is entered."""
+
+    def __init__(self) -> None:
+        self.totals: dict[int, tuple[int, float]] = {}
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        count, seconds = self.totals.get(info["generation"], (0, 0.0))
+        self.totals[info["generation"]] = (count + 1, seconds + time.perf_counter() - self._start)
+
+    @contextmanager
+    def counting(self, enabled: bool) -> Iterator[None]:
+        import gc
+
+        if enabled:
+            gc.callbacks.append(self._callback)
+        try:
+            yield
+        finally:
+            if enabled:
+                gc.callbacks.remove(self._callback)
 
 
 def in_process_backend(spec: str, overrides: list[str], name: str):
