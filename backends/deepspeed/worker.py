@@ -110,6 +110,14 @@ class DeepSpeedWorker(RankWorker):
             self.reference, *_ = deepspeed.initialize(model=reference, config=ds_config(self.plan, train=False))
             self.reference.eval()
 
+    def teardown(self) -> None:
+        """Leave the process group through DeepSpeed, which also drops its own references to the group (a later
+        `deepspeed.initialize` in this process would otherwise reuse the destroyed one)."""
+        import deepspeed.comm
+
+        if torch.distributed.is_initialized():
+            deepspeed.comm.destroy_process_group()
+
     # --- the training step -------------------------------------------------------------------------
 
     def logprobs(self, part: TrainBatch, num_chunks: int, reference: bool) -> Tensor:

@@ -37,7 +37,12 @@ PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 def shard_model(model: torch.nn.Module, mesh, param_dtype: torch.dtype, offload: bool,
                 reshard_after_forward: bool = True) -> torch.nn.Module:
     """`fully_shard` every block (innermost first), then the root, which is the module the loss calls.
-    (FSDP2 never reshards the root after its forward: its parameters are needed first in the backward.)"""
+    (FSDP2 never reshards the root after its forward: its parameters are needed first in the backward.)
+
+    On a one-rank mesh without resharding, the root alone: per-block units then neither save memory (every
+    block stays gathered) nor overlap a gather with compute (there is nothing to exchange), and each costs its
+    own gather, gradient reduction and hooks in Python, which on one GPU held the train step back.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     names = block_classes(model)
@@ -45,9 +50,10 @@ def shard_model(model: torch.nn.Module, mesh, param_dtype: torch.dtype, offload:
         raise RuntimeError(f"{type(model).__name__} names no _no_split_modules: no blocks to shard one by one")
     options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
                    offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    for block in reversed(blocks):  # modules() lists parents first; nested blocks are sharded before their parent
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+    if reshard_after_forward or mesh.size() > 1:
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        for block in reversed(blocks):  # modules() lists parents first; nested blocks are sharded before their parent
+            fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, **options)
     return model
 

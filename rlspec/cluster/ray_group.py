@@ -188,11 +188,9 @@ class InProcessGroup(RankGroup):
         worker.setup(worker.master_address())
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        self.ranks = []
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        ranks, self.ranks = self.ranks, []
+        for rank in ranks:
+            rank.teardown()
 
     def call(self, method: str, per_rank_args: list[tuple]) -> list:
         return [getattr(rank, method)(*args) for rank, args in zip(self.ranks, per_rank_args)]
@@ -312,6 +310,13 @@ class RankWorker(StackReporter):
             return torch.device("cpu")
         torch.cuda.set_device(0)
         return torch.device("cuda", 0)
+
+    def teardown(self) -> None:
+        """Leave the process group (a rank run in its caller's process; an actor is killed instead)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def master_address(self) -> tuple[str, int]:
         """This rank's node address and a free port, where rank 0 hosts the process-group rendezvous."""
