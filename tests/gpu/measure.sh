@@ -163,7 +163,8 @@ for section in "$@"; do
       # share a GPU); 1 server = the server on GPU 1 alone. 3+ GPUs add the started servers on GPUs of their own
       # (hardware=gpu2_separate: trainer on GPU 0, servers on GPUs 1..n) with nccl, 1 and 2 servers: samples/s again
       # and each push's seconds per server (timing_s/sync, timing_s/sync_replica_<i>).
-      E2="$ROOT/examples/bench_longtail.yaml rollout.prompts_per_step=64 algorithm.steps=4"
+      # E2_STEPS=<n> steps per run (default 4; the first is not counted)
+      E2="$ROOT/examples/bench_longtail.yaml rollout.prompts_per_step=64 algorithm.steps=${E2_STEPS:-4}"
       export RLSPEC_SERVE_TOKEN=engines2-measure
       rate() {  # samples/s of generation over the steps after the first (its CUDA graphs are captured then), push seconds
         python3 -c "import json,sys,statistics as s; rows=[json.loads(l) for l in open(sys.argv[1])][1:]
@@ -181,7 +182,7 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
           sync.method=checkpoint "rollout.server_urls=[$urls]" rollout.server_start_timeout_s=300 \
           --out /tmp/b_engines2_joined$n --no-progress > $OUT/engines2_joined$n.log 2>&1
         echo "joined $n server(s) exit $?" >> $OUT/results.txt; cp /tmp/b_engines2_joined$n/metrics.jsonl $OUT/engines2_joined$n.jsonl
-        rate /tmp/b_engines2_joined$n/metrics.jsonl "joined $n"
+        rate /tmp/b_engines2_joined$n/metrics.jsonl "joined $n"; cp $OUT/results.txt $FINAL/  # kept if the call is cut short
       done
       kill $E2_SERVER0 $E2_SERVER1; wait $E2_SERVER0 $E2_SERVER1
       if [ $(nvidia-smi -L | wc -l) -ge 3 ]; then
