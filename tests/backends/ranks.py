@@ -53,6 +53,16 @@ def reference_trainer(plan) -> LocalTrainer:
                         needs_reference=plan.needs_reference_model)
 
 
+def assert_same_steps(expected: list, got: list, trainer, reference) -> None:
+    """`run_steps` results of a backend equal the reference trainer's: losses, grad norms, final weights."""
+    import pytest
+
+    for (l_ref, g_ref, _), (loss, grad_norm, _) in zip(expected, got, strict=True):
+        assert loss == pytest.approx(l_ref, abs=1e-5)
+        assert grad_norm == pytest.approx(g_ref, rel=1e-4, abs=1e-6)
+    assert max_weight_diff(dict(trainer.export_weights()), dict(reference.export_weights())) < 1e-5
+
+
 def max_weight_diff(have: dict, want: dict) -> float:
     assert set(have) == set(want), sorted(set(have) ^ set(want))[:5]
     return max(float((have[n].float() - want[n].float()).abs().max()) for n in want)

@@ -8,7 +8,7 @@ import pytest
 from rlspec.cluster.ray_group import InProcessGroup
 from rlspec.core.backend import all_caps, create_backend
 from rlspec.spec import SpecError, compile_plan, load_spec
-from tests.backends.ranks import TINY, fixed_batch, max_weight_diff, reference_trainer, run_steps
+from tests.backends.ranks import TINY, assert_same_steps, fixed_batch, reference_trainer, run_steps
 
 COMMON = ["rollout.prompts_per_step=1", "algorithm.max_grad_norm=0", "algorithm.optimizer=sgd", "algorithm.lr=1e-1",
           "algorithm.micro_batch_size=2", "algorithm.micro_batch_tokens=13"]
@@ -32,10 +32,7 @@ def test_in_process_rank_matches_single_process_trainer(backend_name, extra):
         backend.setup(plan)
         assert backend.rollout_engine() is None  # ranks only: the caller samples elsewhere
         got = run_steps(backend, plan, batch)
-        for (l_ref, g_ref, _), (loss, grad_norm, _) in zip(expected, got, strict=True):
-            assert loss == pytest.approx(l_ref, abs=1e-5)
-            assert grad_norm == pytest.approx(g_ref, rel=1e-4, abs=1e-6)
-        assert max_weight_diff(dict(backend.export_weights()), dict(reference.export_weights())) < 1e-5
+        assert_same_steps(expected, got, backend, reference)
     finally:
         backend.shutdown()
         backend.shutdown()  # twice is fine
