@@ -106,7 +106,9 @@ def test_two_nodes_learn_as_one(two_nodes, tmp_path):
     stop.set()
     watcher.join()
     assert proc.returncode == 0, err[-4000:]
-    assert sorted(found.values()) == [0, 1], f"trainer ranks should be on both nodes, found {found}"
+    # Both nodes host a trainer rank. (Under load Ray may start a second worker process for an actor, so the
+    # watcher can see three processes by the worker's title over the run: count nodes, not processes.)
+    assert sorted(set(found.values())) == [0, 1], f"trainer ranks should be on both nodes, found {found}"
 
     start = time.monotonic()
     proc = rlspec_run(tmp_path / "one", *args)  # a local one-node cluster
