@@ -4,8 +4,9 @@ from .compile import BackendCaps, BatchPlan, Placement, RunPlan, compile_plan
 from .errors import SpecError
 from .load import load_spec, preset_names
 from .resume import RESUMABLE_CHANGES, resume_changes
-from .schema import (AgentSpec, AlgorithmSpec, CheckpointSpec, DeepSpeedSpec, EnvSpec, FSDPSpec, HardwareSpec, JudgeSpec,
-                     LoraSpec, ModelSpec, RolloutSpec, Spec, SyncSpec, TaskSpec)
+from .schema import (AlgorithmSpec, CheckpointSpec, DeepSpeedSpec, FSDPSpec, HardwareSpec, LoraSpec, ModelSpec,
+                     RolloutSpec, Spec, SyncSpec)
+from .sources import AgentSpec, EnvSpec, JudgeSpec, TaskSpec
 
 __all__ = [
     "AgentSpec", "AlgorithmSpec", "BackendCaps", "BatchPlan", "CheckpointSpec", "DeepSpeedSpec", "EnvSpec", "FSDPSpec", "HardwareSpec", "JudgeSpec",

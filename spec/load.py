@@ -123,8 +123,13 @@ def _from_omegaconf(err: OmegaConfBaseException, source: str) -> SpecError:
     if "not in" in msg or "Key '" in msg and "not" in msg:
         return SpecError(key, f"unknown key ({msg})", _key_fix(key))
     if "Value '" in msg or "could not convert" in msg.lower() or "Invalid type" in msg:
-        return SpecError(key, f"wrong type ({msg})", "give a value of the type documented in spec/schema.py")
-    return SpecError(key, msg, "see spec/schema.py for the field's type and meaning")
+        return SpecError(key, f"wrong type ({msg})", f"give a value of the type documented in {documented_in(key)}")
+    return SpecError(key, msg, f"see {documented_in(key)} for the field's type and meaning")
+
+
+def documented_in(key: str) -> str:
+    """The file whose dataclass documents `key`: what a rollout samples from has its own (`spec.sources`)."""
+    return "spec/sources.py" if key.startswith(("rollout.task", "rollout.env", "rollout.agent")) else "spec/schema.py"
 
 
 def _from_hydra(err: BaseException, source: str, overrides: list[str]) -> SpecError:
@@ -145,7 +150,7 @@ def _from_hydra(err: BaseException, source: str, overrides: list[str]) -> SpecEr
         detail = str(cause).split("\n")[0]
         if "not in struct" in text or "not in" in detail or "Key '" in detail:
             return SpecError(key, "unknown key in override", _key_fix(key))
-        return SpecError(key, f"bad override value ({detail})", "give a value of the field's type (spec/schema.py)")
+        return SpecError(key, f"bad override value ({detail})", f"give a value of the field's type ({documented_in(key)})")
     if isinstance(err, MissingConfigException) or isinstance(cause, MissingConfigException):
         group = _missing_group(text)
         if group:

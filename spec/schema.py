@@ -1,4 +1,5 @@
-"""The spec: one typed dataclass per section. Defaults live here and nowhere else.
+"""The spec: one typed dataclass per section. Defaults live here and in `spec.sources` (the task, judge, environment
+and agent sections of `rollout`), nowhere else.
 
 Each section validates itself in `__post_init__` (run by `OmegaConf.to_object`) and raises `SpecError`
 naming the exact key. Checks that span sections live in `spec.compile`.
@@ -8,9 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 from .errors import one_of, require
+from .section import Section, finite, non_negative, positive
+from .sources import AgentSpec, EnvSpec, TaskSpec
 
 OPTIMIZERS = ("adamw", "sgd")
 KL_ESTIMATORS = ("k1", "k3")
@@ -20,46 +23,15 @@ MODEL_KINDS = ("causal_lm", "vla")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("hf", "vllm")
 ROLLOUT_MODES = ("sync", "async")
-TASK_REWARDS = ("task", "llm_judge")
 SYNC_METHODS = ("auto", "shared", "nccl", "ray", "cuda_ipc", "checkpoint", "lora")
 DEVICES = ("cpu", "cuda")
 PLACEMENTS = ("colocated", "separate")
 STALL_ACTIONS = ("fail", "warn")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-ENV_NAMES = ("minigrid",)
-ENV_REWARDS = ("success", "minigrid")
-
-
-class _Section:
-    """Base of every spec section: mutable while OmegaConf builds it, read-only once `freeze`d by the compiler."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if getattr(self, "_frozen", False):
-            raise AttributeError(f"the spec is frozen once compiled; cannot set {type(self).__name__}.{name}")
-        object.__setattr__(self, name, value)
-
-    def freeze(self) -> None:
-        """Make this section and its nested sections read-only."""
-        for value in vars(self).values():
-            if isinstance(value, _Section):
-                value.freeze()
-        object.__setattr__(self, "_frozen", True)
-
-
-def _positive(value: float, where: str) -> None:
-    require(value > 0, where, f"must be > 0, got {value}", f"set {where} to a positive value")
-
-
-def _non_negative(value: float, where: str) -> None:
-    require(value >= 0, where, f"must be >= 0, got {value}", f"set {where} to 0 or more")
-
-
-def _finite(value: float, where: str) -> None:
-    require(math.isfinite(value), where, f"must be a finite number, got {value}", f"set {where} to a finite number")
 
 
 @dataclass
-class AlgorithmSpec(_Section):
+class AlgorithmSpec(Section):
     """GRPO hyper-parameters (the loss itself is `rlspec.core.grpo`)."""
 
     group_size: int = 8
@@ -118,15 +90,15 @@ class AlgorithmSpec(_Section):
         p = "algorithm"
         require(self.group_size >= 2, f"{p}.group_size", f"must be >= 2, got {self.group_size}",
                 "GRPO compares completions within a group; use 2 or more")
-        _positive(self.lr, f"{p}.lr")
-        _finite(self.lr, f"{p}.lr")
+        positive(self.lr, f"{p}.lr")
+        finite(self.lr, f"{p}.lr")
         one_of(self.optimizer, OPTIMIZERS, f"{p}.optimizer")
-        _non_negative(self.weight_decay, f"{p}.weight_decay")
+        non_negative(self.weight_decay, f"{p}.weight_decay")
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             require(0 <= value < 1, f"{p}.{name}", f"must be in [0, 1), got {value}", "the usual values are 0.9 and 0.999")
-        _positive(self.adam_eps, f"{p}.adam_eps")
-        _non_negative(self.max_grad_norm, f"{p}.max_grad_norm")
+        positive(self.adam_eps, f"{p}.adam_eps")
+        non_negative(self.max_grad_norm, f"{p}.max_grad_norm")
         for name in ("clip_eps_low", "clip_eps_high"):
             value = getattr(self, name)
             require(0 < value < 10, f"{p}.{name}", f"must be in (0, 10), got {value}",
@@ -139,20 +111,20 @@ class AlgorithmSpec(_Section):
         if self.tis_cap is not None:
             require(math.isfinite(self.tis_cap) and self.tis_cap >= 1, f"{p}.tis_cap", f"must be a finite number >= 1, got {self.tis_cap}",
                     "a cap below 1 would down-weight on-policy tokens too; use 2.0 (a common value) or null to disable")
-        _non_negative(self.kl_coef, f"{p}.kl_coef")
+        non_negative(self.kl_coef, f"{p}.kl_coef")
         one_of(self.kl_estimator, KL_ESTIMATORS, f"{p}.kl_estimator")
         one_of(self.loss_agg, LOSS_AGGS, f"{p}.loss_agg")
         one_of(self.adv_norm, ADV_NORMS, f"{p}.adv_norm")
-        _positive(self.adv_eps, f"{p}.adv_eps")
-        _positive(self.micro_batch_size, f"{p}.micro_batch_size")
-        _non_negative(self.micro_batch_tokens, f"{p}.micro_batch_tokens")
-        _positive(self.updates_per_batch, f"{p}.updates_per_batch")
-        _positive(self.steps, f"{p}.steps")
-        _non_negative(self.seed, f"{p}.seed")
+        positive(self.adv_eps, f"{p}.adv_eps")
+        positive(self.micro_batch_size, f"{p}.micro_batch_size")
+        non_negative(self.micro_batch_tokens, f"{p}.micro_batch_tokens")
+        positive(self.updates_per_batch, f"{p}.updates_per_batch")
+        positive(self.steps, f"{p}.steps")
+        non_negative(self.seed, f"{p}.seed")
 
 
 @dataclass
-class LoraSpec(_Section):
+class LoraSpec(Section):
     """LoRA adapters on the policy (r = 0 trains the full model)."""
 
     r: int = 0
@@ -166,8 +138,8 @@ class LoraSpec(_Section):
 
     def __post_init__(self) -> None:
         p = "model.lora"
-        _non_negative(self.r, f"{p}.r")
-        _positive(self.alpha, f"{p}.alpha")
+        non_negative(self.r, f"{p}.r")
+        positive(self.alpha, f"{p}.alpha")
         require(0 <= self.dropout < 1, f"{p}.dropout", f"must be in [0, 1), got {self.dropout}", "use 0.0 to 0.1")
         if self.r:
             require(len(self.target_modules) > 0, f"{p}.target_modules", "is empty while model.lora.r > 0",
@@ -175,7 +147,7 @@ class LoraSpec(_Section):
 
 
 @dataclass
-class ModelSpec(_Section):
+class ModelSpec(Section):
     """The policy model: a tiny preset built from a config, or a local Hugging Face directory."""
 
     preset: str = "tiny_qwen2"
@@ -216,176 +188,8 @@ class ModelSpec(_Section):
                 "neither model.preset nor model.path is set", "name a preset (e.g. tiny_qwen2) or a local directory")
 
 
-DEFAULT_JUDGE_PROMPT = (
-    "You grade an answer. Task:\n{prompt}\n\nAnswer:\n{completion}\n\n"
-    "Rate how well the answer solves the task, from 0 (wrong) to 1 (fully correct). "
-    "Reply with one line: SCORE: <number>"
-)
-
-
 @dataclass
-class JudgeSpec(_Section):
-    """A hosted LLM that scores completions (`rollout.task.reward: llm_judge`), over an OpenAI-compatible API."""
-
-    base_url: Optional[str] = None
-    """API root, e.g. https://api.openai.com/v1; requests go to {base_url}/chat/completions."""
-    models: List[str] = field(default_factory=list)
-    """Model fallback chain: the first is asked; the next when a model is not found or keeps failing."""
-    api_key_env: Optional[str] = "OPENAI_API_KEY"
-    """Environment variable holding the API key (sent as a bearer token; never logged or saved); null sends none."""
-    prompt_template: str = DEFAULT_JUDGE_PROMPT
-    """Judge prompt; {prompt}, {completion} and the task prompt's metadata fields (e.g. {answer}) are filled in."""
-    score_regex: str = r"SCORE:\s*([-+]?\d*\.?\d+)"
-    """Regular expression whose first group is the score in the judge's reply (the last match counts)."""
-    max_tokens: int = 64
-    """Reply length budget of the judge (sampled at temperature 0)."""
-    timeout_s: float = 30.0
-    """Per-request timeout (connect and read)."""
-    max_retries: int = 3
-    """Retries per model after a transient failure (5xx, 429, timeout, connection error, malformed reply)."""
-    backoff_s: float = 0.5
-    """Delay before the first retry; it doubles with each retry, up to backoff_max_s."""
-    backoff_max_s: float = 8.0
-    """Largest delay between retries."""
-    jitter: float = 0.5
-    """Each delay is multiplied by a uniform draw from [1 - jitter, 1] (1.0 is full jitter), so clients spread out."""
-    max_concurrency: int = 8
-    """Requests in flight at once while a batch is scored."""
-
-    def __post_init__(self) -> None:
-        p = "rollout.task.judge"
-        if self.base_url is not None:
-            require(self.base_url.startswith(("http://", "https://")), f"{p}.base_url",
-                    f"{self.base_url!r} is not an http(s) URL", "e.g. https://api.openai.com/v1")
-        require(all(isinstance(m, str) and m for m in self.models), f"{p}.models", "holds an empty model name",
-                "list model names, e.g. [gpt-4o-mini, gpt-4.1-mini]")
-        if self.api_key_env is not None:
-            require(bool(self.api_key_env), f"{p}.api_key_env", "is empty", "name an environment variable, or null for no key")
-        _positive(self.max_tokens, f"{p}.max_tokens")
-        _positive(self.timeout_s, f"{p}.timeout_s")
-        _non_negative(self.max_retries, f"{p}.max_retries")
-        _non_negative(self.backoff_s, f"{p}.backoff_s")
-        require(self.backoff_max_s >= self.backoff_s, f"{p}.backoff_max_s",
-                f"{self.backoff_max_s} is below judge.backoff_s={self.backoff_s}", "set it to at least backoff_s")
-        require(0 <= self.jitter <= 1, f"{p}.jitter", f"must be in [0, 1], got {self.jitter}", "0.5 is a common value")
-        _positive(self.max_concurrency, f"{p}.max_concurrency")
-
-
-@dataclass
-class TaskSpec(_Section):
-    """Dataset + reward function + the kwargs passed to the reward function."""
-
-    name: str = "copy_char"
-    """Registered task name (copy_char | gsm8k)."""
-    data_path: Optional[str] = None
-    """Local JSONL/parquet file for dataset-backed tasks (gsm8k)."""
-    reward: str = "task"
-    """Who scores completions: task (the task's own reward function) | llm_judge (a remote judge, see `judge`)."""
-    reward_kwargs: Dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments passed to the task's reward function, checked against its signature."""
-    dataset_kwargs: Dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments passed to the task's prompt source (e.g. the synthetic task's alphabet)."""
-    judge: JudgeSpec = field(default_factory=JudgeSpec)
-    """The remote judge (only read when reward is llm_judge)."""
-    max_reward_error_rate: float = 0.0
-    """Fraction of a step's samples whose reward may fail (raise, or not a finite number) before the run fails; failed samples are dropped."""
-
-    def __post_init__(self) -> None:
-        p = "rollout.task"
-        one_of(self.reward, TASK_REWARDS, f"{p}.reward")
-        require(0 <= self.max_reward_error_rate <= 1, f"{p}.max_reward_error_rate",
-                f"must be in [0, 1], got {self.max_reward_error_rate}", "e.g. 0.05 to tolerate a few failed judge calls")
-        if self.reward == "llm_judge":
-            require(self.judge.base_url is not None, f"{p}.judge.base_url", "is not set but rollout.task.reward=llm_judge",
-                    "set it to the judge's OpenAI-compatible API root, e.g. https://api.openai.com/v1")
-            require(len(self.judge.models) > 0, f"{p}.judge.models", "is empty but rollout.task.reward=llm_judge",
-                    "list at least one model; later ones are fallbacks")
-            require(not self.reward_kwargs, f"{p}.reward_kwargs", "are for the task's own reward, but rollout.task.reward=llm_judge",
-                    "configure the judge under rollout.task.judge and remove them (on the command line: "
-                    + " ".join(f"~{p}.reward_kwargs.{k}" for k in self.reward_kwargs) + ")")
-
-
-@dataclass
-class EnvSpec(_Section):
-    """An environment the policy acts in (`model.kind: vla`); unset (`name: null`) for text tasks."""
-
-    name: Optional[str] = None
-    """Registered environment: minigrid (MiniGrid and BabyAI levels); null means text prompts from `rollout.task`."""
-    level: str = "BabyAI-GoToRedBallNoDists-v0"
-    """The gymnasium id of the level (any registered MiniGrid-* or BabyAI-* id)."""
-    max_steps: int = 0
-    """Steps before an episode is truncated (counted as `env/truncated`, reward 0); 0 keeps the level's own limit."""
-    reward: str = "success"
-    """success: 1 on success else 0 | minigrid: the level's 1 - 0.9 * steps / max_steps on success else 0."""
-    num_actions: int = 0
-    """Use only the level's first N actions (3: MiniGrid's left, right, forward, all a navigation level needs); 0 keeps all."""
-    tile_size: int = 8
-    """Pixels per grid cell of the egocentric 7x7-cell RGB view (8 gives 56x56 images)."""
-    prompt_template: str = "{image}{instruction}\n"
-    """Prompt text per step: `{image}` becomes the processor's image token, `{instruction}` the mission."""
-    kwargs: Dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for `gymnasium.make` of the level."""
-
-    def __post_init__(self) -> None:
-        p = "rollout.env"
-        if self.name is not None:
-            one_of(self.name, ENV_NAMES, f"{p}.name")
-        require(bool(self.level), f"{p}.level", "is empty", "name a level, e.g. BabyAI-GoToRedBallNoDists-v0")
-        _non_negative(self.max_steps, f"{p}.max_steps")
-        one_of(self.reward, ENV_REWARDS, f"{p}.reward")
-        _non_negative(self.num_actions, f"{p}.num_actions")
-        _positive(self.tile_size, f"{p}.tile_size")
-        for key in ("{image}", "{instruction}"):
-            require(key in self.prompt_template, f"{p}.prompt_template", f"has no {key}",
-                    "write a template such as '{image}{instruction}\\n'")
-
-
-@dataclass
-class AgentSpec(_Section):
-    """A black-box agent that talks to the policy over HTTP (OpenAI `/v1/completions`) through rlspec's gateway.
-
-    Unset (`function` and `command` both null): plain single-turn sampling. The agent gets each prompt and a
-    base URL; the gateway records every completion it asks for and assembles the trajectory.
-    """
-
-    function: Optional[str] = None
-    """Python agent `module:function` or `path/to/file.py:function`, called as fn(prompt, base_url) -> final answer (str)."""
-    command: Optional[List[str]] = None
-    """Command agent argv: reads {"prompt", "base_url"} JSON on stdin, prints {"answer": str} JSON as its last stdout line."""
-    timeout_s: float = 120.0
-    """An agent still running after this long is a failed trajectory (a command is killed; a function is abandoned)."""
-    max_turns: int = 8
-    """Completion requests one trajectory may make; the gateway refuses more and the trajectory fails."""
-    concurrency: int = 8
-    """Trajectories whose agents run at the same time (the engine serves their requests one at a time)."""
-    max_failure_rate: float = 0.25
-    """A step whose share of failed trajectories (raised, timed out, invalid) exceeds this fails the run."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.function is not None or self.command is not None
-
-    def __post_init__(self) -> None:
-        p = "rollout.agent"
-        require(self.function is None or self.command is None, f"{p}.function",
-                "both rollout.agent.function and rollout.agent.command are set", "set only one of them")
-        if self.function is not None:
-            module, _, name = self.function.rpartition(":")
-            require(bool(module) and name.isidentifier(), f"{p}.function",
-                    f"{self.function!r} is not of the form module:function or path/to/file.py:function",
-                    "e.g. examples/agents/gsm8k_calc.py:solve or mypackage.agents:solve")
-        if self.command is not None:
-            require(len(self.command) > 0 and all(isinstance(a, str) and a for a in self.command), f"{p}.command",
-                    "must be a non-empty list of non-empty strings", "e.g. [python, examples/agents/gsm8k_calc.py]")
-        _positive(self.timeout_s, f"{p}.timeout_s")
-        _positive(self.max_turns, f"{p}.max_turns")
-        _positive(self.concurrency, f"{p}.concurrency")
-        require(0 <= self.max_failure_rate <= 1, f"{p}.max_failure_rate", f"must be in [0, 1], got {self.max_failure_rate}",
-                "e.g. 0.25; 0 fails the run on the first failed trajectory")
-
-
-@dataclass
-class RolloutSpec(_Section):
+class RolloutSpec(Section):
     """How completions are sampled."""
 
     engine: str = "hf"
@@ -440,17 +244,17 @@ class RolloutSpec(_Section):
     def __post_init__(self) -> None:
         p = "rollout"
         one_of(self.engine, ENGINES, f"{p}.engine")
-        _positive(self.prompts_per_step, f"{p}.prompts_per_step")
-        _positive(self.max_new_tokens, f"{p}.max_new_tokens")
-        _positive(self.decode_slots, f"{p}.decode_slots")
-        _positive(self.max_prompt_tokens, f"{p}.max_prompt_tokens")
-        _positive(self.temperature, f"{p}.temperature")
+        positive(self.prompts_per_step, f"{p}.prompts_per_step")
+        positive(self.max_new_tokens, f"{p}.max_new_tokens")
+        positive(self.decode_slots, f"{p}.decode_slots")
+        positive(self.max_prompt_tokens, f"{p}.max_prompt_tokens")
+        positive(self.temperature, f"{p}.temperature")
         require(0 < self.top_p <= 1, f"{p}.top_p", f"must be in (0, 1], got {self.top_p}", "use 1.0 to sample from the full distribution")
         require(0 < self.gpu_memory_fraction <= 1, f"{p}.gpu_memory_fraction",
                 f"must be in (0, 1], got {self.gpu_memory_fraction}", "e.g. 0.5")
-        _positive(self.tensor_parallel_size, f"{p}.tensor_parallel_size")
+        positive(self.tensor_parallel_size, f"{p}.tensor_parallel_size")
         one_of(self.mode, ROLLOUT_MODES, f"{p}.mode")
-        _non_negative(self.max_staleness, f"{p}.max_staleness")
+        non_negative(self.max_staleness, f"{p}.max_staleness")
         if self.server_url is not None:
             require(self.server_url.startswith(("http://", "https://")), f"{p}.server_url",
                     f"{self.server_url!r} is not an http(s) URL", "e.g. http://127.0.0.1:8000, or null to start a server")
@@ -459,13 +263,13 @@ class RolloutSpec(_Section):
                     f"{url!r} is not an http(s) URL", "e.g. [http://127.0.0.1:8000, http://127.0.0.1:8001], or [] to start them")
         require(len(set(self.server_urls)) == len(self.server_urls), f"{p}.server_urls", "a server is listed twice",
                 "list each server once")
-        _positive(self.request_timeout_s, f"{p}.request_timeout_s")
-        _positive(self.server_start_timeout_s, f"{p}.server_start_timeout_s")
-        _non_negative(self.server_reconnect_s, f"{p}.server_reconnect_s")
+        positive(self.request_timeout_s, f"{p}.request_timeout_s")
+        positive(self.server_start_timeout_s, f"{p}.server_start_timeout_s")
+        non_negative(self.server_reconnect_s, f"{p}.server_reconnect_s")
 
 
 @dataclass
-class SyncSpec(_Section):
+class SyncSpec(Section):
     """How trainer weights reach the rollout engine."""
 
     method: str = "auto"
@@ -482,13 +286,13 @@ class SyncSpec(_Section):
     def __post_init__(self) -> None:
         p = "sync"
         one_of(self.method, SYNC_METHODS, f"{p}.method")
-        _positive(self.bucket_mb, f"{p}.bucket_mb")
-        _positive(self.every_n_steps, f"{p}.every_n_steps")
-        _positive(self.timeout_s, f"{p}.timeout_s")
+        positive(self.bucket_mb, f"{p}.bucket_mb")
+        positive(self.every_n_steps, f"{p}.every_n_steps")
+        positive(self.timeout_s, f"{p}.timeout_s")
 
 
 @dataclass
-class DeepSpeedSpec(_Section):
+class DeepSpeedSpec(Section):
     """ZeRO-3 communication knobs of the `deepspeed` backend (`backends/deepspeed/README.md` says what each trades).
 
     Sizes are element counts (parameters or gradient values), as DeepSpeed counts them, not bytes. Other backends
@@ -510,14 +314,14 @@ class DeepSpeedSpec(_Section):
 
     def __post_init__(self) -> None:
         p = "hardware.deepspeed"
-        _positive(self.reduce_bucket_numel, f"{p}.reduce_bucket_numel")
-        _non_negative(self.prefetch_bucket_numel, f"{p}.prefetch_bucket_numel")
-        _non_negative(self.param_persistence_numel, f"{p}.param_persistence_numel")
-        _positive(self.max_live_numel, f"{p}.max_live_numel")
+        positive(self.reduce_bucket_numel, f"{p}.reduce_bucket_numel")
+        non_negative(self.prefetch_bucket_numel, f"{p}.prefetch_bucket_numel")
+        non_negative(self.param_persistence_numel, f"{p}.param_persistence_numel")
+        positive(self.max_live_numel, f"{p}.max_live_numel")
 
 
 @dataclass
-class FSDPSpec(_Section):
+class FSDPSpec(Section):
     """FSDP2 knobs of the `fsdp` backend (`backends/fsdp/README.md`). Other backends ignore this section."""
 
     reshard_after_forward: Optional[bool] = None
@@ -529,7 +333,7 @@ class FSDPSpec(_Section):
 
 
 @dataclass
-class HardwareSpec(_Section):
+class HardwareSpec(Section):
     """Where things run."""
 
     device: str = "cpu"
@@ -565,21 +369,21 @@ class HardwareSpec(_Section):
 
     def __post_init__(self) -> None:
         p = "hardware"
-        _positive(self.preempt_grace_s, f"{p}.preempt_grace_s")
-        _finite(self.preempt_grace_s, f"{p}.preempt_grace_s")
+        positive(self.preempt_grace_s, f"{p}.preempt_grace_s")
+        finite(self.preempt_grace_s, f"{p}.preempt_grace_s")
         one_of(self.device, DEVICES, f"{p}.device")
-        _positive(self.num_trainer_ranks, f"{p}.num_trainer_ranks")
-        _positive(self.num_rollout_engines, f"{p}.num_rollout_engines")
+        positive(self.num_trainer_ranks, f"{p}.num_trainer_ranks")
+        positive(self.num_rollout_engines, f"{p}.num_rollout_engines")
         one_of(self.rollout, PLACEMENTS, f"{p}.rollout")
         one_of(self.placement_strategy, PLACEMENT_STRATEGIES, f"{p}.placement_strategy")
-        _non_negative(self.num_threads, f"{p}.num_threads")
-        _non_negative(self.stall_timeout_s, f"{p}.stall_timeout_s")
-        _finite(self.stall_timeout_s, f"{p}.stall_timeout_s")
+        non_negative(self.num_threads, f"{p}.num_threads")
+        non_negative(self.stall_timeout_s, f"{p}.stall_timeout_s")
+        finite(self.stall_timeout_s, f"{p}.stall_timeout_s")
         one_of(self.stall_action, STALL_ACTIONS, f"{p}.stall_action")
 
 
 @dataclass
-class CheckpointSpec(_Section):
+class CheckpointSpec(Section):
     """When and what to save under OUT/checkpoints/."""
 
     every_n_steps: int = 0
@@ -590,12 +394,12 @@ class CheckpointSpec(_Section):
     """Also save optimizer state so a run can resume exactly."""
 
     def __post_init__(self) -> None:
-        _non_negative(self.every_n_steps, "checkpoint.every_n_steps")
-        _non_negative(self.keep_last, "checkpoint.keep_last")
+        non_negative(self.every_n_steps, "checkpoint.every_n_steps")
+        non_negative(self.keep_last, "checkpoint.keep_last")
 
 
 @dataclass
-class Spec(_Section):
+class Spec(Section):
     """A whole experiment."""
 
     algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
