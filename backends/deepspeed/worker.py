@@ -169,7 +169,7 @@ class DeepSpeedWorker(RankWorker):
                 copies = [(name, t.data.detach().clone()) for name, t in group] if self.rank == 0 else []
             yield from copies
 
-    def run_sender(self, fn, payload, gather: bool) -> Any:
+    def run_sender(self, fn, payload, gather: bool = True) -> Any:
         """A transport's sender half (see `rlspec.core.weights.WeightSource`): rank 0 runs it, all ranks gather."""
         if self.rank == 0:
             return fn(self._full_weights() if gather else None, payload)

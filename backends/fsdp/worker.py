@@ -171,7 +171,7 @@ class FSDPWorker(RankWorker):
         while full:  # drop each tensor from this frame once it is handed over
             yield full.pop()
 
-    def run_sender(self, fn, payload, gather: bool) -> Any:
+    def run_sender(self, fn, payload, gather: bool = True) -> Any:
         """A transport's sender half (see `rlspec.core.weights.WeightSource`): rank 0 runs it, all ranks gather."""
         if self.rank == 0:
             return fn(self._full_weights() if gather else None, payload)

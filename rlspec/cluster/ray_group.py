@@ -196,20 +196,11 @@ class InProcessGroup(RankGroup):
         return [getattr(rank, method)(*args) for rank, args in zip(self.ranks, per_rank_args)]
 
     def weight_source(self):
-        return RankWeights(self.ranks[0])
+        """The rank itself: its `run_sender` is the `WeightSource` hook."""
+        return self.ranks[0]
 
     def pids(self) -> dict[str, int]:
         return {self.labels[0]: os.getpid()}
-
-
-class RankWeights:
-    """A `rlspec.core.weights.WeightSource` over one rank worker in this process (its own `run_sender`)."""
-
-    def __init__(self, rank: "RankWorker") -> None:
-        self.rank = rank
-
-    def run_sender(self, fn, payload, gather: bool = True):
-        return self.rank.run_sender(fn, payload, gather)
 
 
 class RankGroupBackend:
