@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"host-device syncs in the train phase: {sum(syncs.values()) / steps:.0f} per step")
     for where, count in syncs.most_common(15):
         print(f"  {count / steps:6.0f}  {where}")
-    print("Python garbage collection in the train phase, per step: " +
-          ", ".join(f"generation {g}: {n / steps:.0f} x, {t / steps * 1e3:.1f} ms"
-                    for g, (n, t) in sorted(collector.totals.items())) if collector.totals else "none")
+    collections_per_step = ", ".join(f"generation {g}: {n / steps:.0f} x, {t / steps * 1e3:.1f} ms"
+                                     for g, (n, t) in sorted(collector.totals.items()))
+    print(f"Python garbage collection in the train phase, per step: {collections_per_step or 'none'}")
     print(kernel_table(profiler, args.rows))
     if args.trace:
         profiler.export_chrome_trace(args.trace)
