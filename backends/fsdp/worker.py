@@ -22,6 +22,7 @@ from ...cluster.ray_group import RankWorker, sharded_logprobs
 from ...core.batch import TrainBatch
 from ...core.grpo import LossConfig, LossNorm
 from ...core.policy import CompiledBlocks, accumulate, block_classes
+from ...core.shards import step_on_shards
 from ...core.trainer import build_optimizer, grad_norm_and_clip, merged_weights
 from ...core.weights import gather_groups
 from ...models.base import DTYPES
@@ -144,7 +145,7 @@ class FSDPWorker(RankWorker):
     def optimizer_step(self) -> float:
         """Clip at `algorithm.max_grad_norm` (0 = off), step, zero; the global grad norm before clipping."""
         norm = grad_norm_and_clip(self.model.parameters(), self.plan.spec.algorithm.max_grad_norm)
-        self.optimizer.step()
+        step_on_shards(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 

@@ -19,6 +19,7 @@ from ..spec import AlgorithmSpec, ModelSpec
 from .batch import TrainBatch
 from .grpo import LossConfig, LossNorm
 from .policy import CompiledBlocks, accumulate, batch_logprobs
+from .shards import sharded_grad_norm_and_clip
 from .weights import state_items
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -46,10 +47,14 @@ def _on_cuda(params) -> bool:
 def grad_norm_and_clip(params, max_grad_norm: float) -> float:
     """Global L2 norm of the gradients (before clipping); clip in place when `max_grad_norm` > 0.
 
-    On sharded (DTensor) gradients the norm is computed over the shards and reduced over the ranks. On CUDA
-    the multi-tensor kernels: the per-tensor loop costs a few kernels and, on DTensors, a dispatch per tensor.
+    Sharded (DTensor) gradients: from the local shards and one all-reduce (`rlspec.core.shards`), or where they
+    do not qualify, the DTensor ops. On CUDA the multi-tensor kernels: the per-tensor loop costs a few kernels
+    and, on DTensors, a dispatch per tensor.
     """
     params = [p for p in params if p.grad is not None]
+    norm = sharded_grad_norm_and_clip(params, max_grad_norm)  # DTensors sharded on every mesh dimension
+    if norm is not None:
+        return norm
     limit = max_grad_norm if max_grad_norm > 0 else math.inf
     norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=_on_cuda(params))
     if hasattr(norm, "full_tensor"):  # a DTensor: this rank's partial norm until reduced
