@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 set -u
@@ -120,10 +120,14 @@ for section in "$@"; do
         algorithm.micro_batch_tokens=16384 model.compile_layers=true --steps 4 --trace /tmp/trace32.json ${STACKS:-} \
         > $OUT/trace32.txt 2>&1; echo "trace32 exit $?" >> $OUT/results.txt; head -4 $OUT/trace32.txt >> $OUT/results.txt
       gzip -c /tmp/trace32.json > $OUT/trace32.json.gz ;;
+    head)  # issue 18: the fused log-prob head's chunk kernels (forward reduction, backward logits gradient) by how
+      # they are compiled, beside a device copy of the same logits
+      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.bench_head > $OUT/head.json 2>&1
+      echo "head exit $?" >> $OUT/results.txt; cat $OUT/head.json >> $OUT/results.txt ;;
     trainers)  # issue 18: each backend's train phase on one GPU, its one rank in this process (profile_train
       # --backend: the kernel table, busy share and the last step's trace in $OUT/trainers_<run>_<P>.json.gz),
       # P prompts x 8 (default 8). RUNS= names the runs as backend[@override,...] (default: standalone, fsdp,
-      # deepspeed with its layers eager, as in fsdp1)
+      # deepspeed with its layers eager)
       for run in ${RUNS:-standalone fsdp deepspeed@model.compile_layers=false}; do
         b=${run%%@*}; extra=""; [ "$run" != "$b" ] && extra=$(echo ${run#*@} | tr , ' ')
         name=$(echo $run | tr '@=,.' '____')
@@ -131,6 +135,7 @@ for section in "$@"; do
           $extra --backend $b --steps 4 --trace /tmp/trainers.json > $OUT/trainers_${name}_${P:-8}.txt 2>&1
         echo "trainers $run P=${P:-8} exit $?" >> $OUT/results.txt; head -4 $OUT/trainers_${name}_${P:-8}.txt >> $OUT/results.txt
         [ -f /tmp/trainers.json ] && gzip -c /tmp/trainers.json > $OUT/trainers_${name}_${P:-8}.json.gz; rm -f /tmp/trainers.json
+        cp $OUT/results.txt $FINAL/  # kept if the call is cut short (a run takes 1.5-2.5 min: three or four fit in one call)
       done ;;
     servechat)  # issue 20: rlspec serve of the 0.5B-shaped preset answering 64 concurrent streaming chat requests
       python3 -m rlspec.cli serve $BENCH --port 8123 > $OUT/servechat_server.log 2>&1 & SERVER=$!
