@@ -27,7 +27,9 @@ RESUMABLE_CHANGES = (
     "rollout.continuous_batching", "rollout.decode_slots",
     "hardware.deepspeed.overlap_comm", "hardware.deepspeed.contiguous_gradients",
     "hardware.deepspeed.reduce_bucket_numel", "hardware.deepspeed.prefetch_bucket_numel",
-    "hardware.deepspeed.param_persistence_numel", "hardware.deepspeed.max_live_numel", "hardware.fsdp.reshard_after_forward",
+    "hardware.deepspeed.param_persistence_numel", "hardware.deepspeed.max_live_numel",
+    "hardware.deepspeed.module_granularity_numel", "hardware.deepspeed.memory_efficient_linear",
+    "hardware.fsdp.reshard_after_forward",
 )
 """Spec fields that may change on `--resume`: how long to run, when to save, how long to wait, which cluster to
 join, and where the trainer runs (backend, rank count, device, offload: a checkpoint holds the HF model and the

@@ -164,8 +164,9 @@ class ModelSpec(Section):
     """Attention kernel (eager | sdpa | flash_attention_2); eager makes trainer and engine agree bit-for-bit on CPU."""
     compile_layers: bool = False
     """`torch.compile` each decoder layer for the train forward/backward (regional compilation, dynamic shapes so
-    packed lengths do not recompile; `rlspec.core.policy.CompiledBlocks`); causal_lm on the standalone and fsdp
-    backends. The first step pays the compile (tens of seconds); off by default."""
+    packed lengths do not recompile; `rlspec.core.policy.CompiledBlocks`); causal_lm on every backend (deepspeed
+    then gathers each layer's parameters whole, as ZeRO-3 leaf modules). The first step pays the compile (tens
+    of seconds); off by default."""
     lora: LoraSpec = field(default_factory=LoraSpec)
     """LoRA settings."""
     eos_hazard: float = 0.0
@@ -311,6 +312,13 @@ class DeepSpeedSpec(Section):
     """Parameters with fewer values stay whole on every rank, never partitioned (`stage3_param_persistence_threshold`)."""
     max_live_numel: int = 1_000_000_000
     """Gathered parameter values a rank keeps at once before releasing some (`stage3_max_live_parameters`)."""
+    module_granularity_numel: int = 0
+    """Gather a module's parameters whole, with no hooks on its submodules, where its parameter values per
+    submodule (parameters / (1 + descendants)) are at most this (`stage3_module_granularity_threshold`; the
+    first such module from the root down): fewer Python hooks per step for larger gathers. 0 = off."""
+    memory_efficient_linear: bool = True
+    """ZeRO-3's own autograd function for every linear layer, which keeps no gathered weight for the backward
+    (`memory_efficient_linear`); false uses torch's."""
 
     def __post_init__(self) -> None:
         p = "hardware.deepspeed"
@@ -318,6 +326,7 @@ class DeepSpeedSpec(Section):
         non_negative(self.prefetch_bucket_numel, f"{p}.prefetch_bucket_numel")
         non_negative(self.param_persistence_numel, f"{p}.param_persistence_numel")
         positive(self.max_live_numel, f"{p}.max_live_numel")
+        non_negative(self.module_granularity_numel, f"{p}.module_granularity_numel")
 
 
 @dataclass

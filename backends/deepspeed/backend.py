@@ -17,7 +17,7 @@ from ...spec import BackendCaps, RunPlan
 class DeepSpeedBackend(RankGroupBackend):
     caps = BackendCaps(name="deepspeed", model_kinds=("causal_lm",), placements=("colocated", "separate"),
                        sync_methods=("ray", "nccl", "checkpoint", "cuda_ipc"), engines=("hf",), devices=("cpu", "cuda"),
-                       supports_lora=False, requires=("deepspeed", "ray"), install_hint="pip install 'rlspec[deepspeed]'")
+                       supports_lora=False, compiles_layers=True, requires=("deepspeed", "ray"), install_hint="pip install 'rlspec[deepspeed]'")
 
     def setup(self, plan: RunPlan) -> None:
         try:

@@ -19,7 +19,7 @@ from torch import Tensor
 from ...cluster.ray_group import RankWorker, sharded_logprobs
 from ...core.batch import TrainBatch
 from ...core.grpo import LossConfig, LossNorm
-from ...core.policy import accumulate
+from ...core.policy import CompiledBlocks, accumulate, block_classes
 from ...core.trainer import build_optimizer
 from ...core.weights import gather_groups
 from ...models.factory import load_model, load_tokenizer, read_safetensors_dir, save_hf
@@ -57,6 +57,8 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
             "stage3_param_persistence_threshold": knobs.param_persistence_numel,
             "stage3_max_live_parameters": knobs.max_live_numel,
             "stage3_max_reuse_distance": 1_000_000_000,
+            "stage3_module_granularity_threshold": knobs.module_granularity_numel,
+            "memory_efficient_linear": knobs.memory_efficient_linear,
             "stage3_gather_16bit_weights_on_model_save": False,
         },
         "bf16": {"enabled": dtype == "bfloat16"},
@@ -77,6 +79,20 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
     return config
 
 
+def gather_blocks_whole(model: torch.nn.Module) -> None:
+    """Make the model's repeated blocks ZeRO-3 leaf modules: each block's parameters are gathered together when
+    it starts (and again for its backward), with no ZeRO-3 hooks on its submodules. `model.compile_layers`
+    needs this: a compiled block's forward then holds plain tensors and no hooks, as under FSDP2, where
+    per-submodule hooks would break the graph at every linear layer."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    names = block_classes(model)
+    classes = list({type(m) for m in model.modules() if type(m).__name__ in names})
+    if not classes:
+        raise RuntimeError(f"{type(model).__name__} names no _no_split_modules: no blocks to compile")
+    set_z3_leaf_modules(model, classes)
+
+
 class DeepSpeedWorker(RankWorker):
     """Trainer rank `rank` of `world_size`."""
 
@@ -84,6 +100,7 @@ class DeepSpeedWorker(RankWorker):
         super().__init__(plan, rank, world_size, fault)
         self.engine = None
         self.reference = None
+        self.compiled = None
 
     def setup(self, master: tuple[str, int]) -> None:
         import deepspeed
@@ -102,9 +119,12 @@ class DeepSpeedWorker(RankWorker):
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
+        if spec.model.compile_layers:
+            gather_blocks_whole(model)
         optimizer = build_optimizer(model.parameters(), spec.algorithm)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                  config=ds_config(self.plan))
+        self.compiled = CompiledBlocks(self.engine.module, spec.model.compile_layers)
         if self.plan.needs_reference_model:
             reference = load_model(spec.model, spec.algorithm.seed).eval().requires_grad_(False)
             self.reference, *_ = deepspeed.initialize(model=reference, config=ds_config(self.plan, train=False))
@@ -139,9 +159,10 @@ class DeepSpeedWorker(RankWorker):
             # over ranks, so undo that with x world size, and skip its 1/gradient_accumulation_steps.
             engine.backward(loss * self.world_size, scale_wrt_gas=False)
 
-        stats = accumulate(engine, shard, self.plan.batch.micro_batch_size, norm, self.loss_cfg,
-                           self.plan.spec.rollout.temperature, backward, self.device, sizes,
-                           boundary=engine.set_gradient_accumulation_boundary)
+        with self.compiled.active():
+            stats = accumulate(engine, shard, self.plan.batch.micro_batch_size, norm, self.loss_cfg,
+                               self.plan.spec.rollout.temperature, backward, self.device, sizes,
+                               boundary=engine.set_gradient_accumulation_boundary)
         if self.device.type == "cuda":
             stats["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return stats

@@ -14,6 +14,8 @@ KNOBS = {  # spec key under hardware.deepspeed -> (value set here, DeepSpeed's z
     "prefetch_bucket_numel": (0, "stage3_prefetch_bucket_size"),
     "param_persistence_numel": (4_321, "stage3_param_persistence_threshold"),
     "max_live_numel": (987_654_321, "stage3_max_live_parameters"),
+    "module_granularity_numel": (1_234_567, "stage3_module_granularity_threshold"),
+    "memory_efficient_linear": (False, "memory_efficient_linear"),
 }
 
 
