@@ -48,10 +48,11 @@ for section in "$@"; do
         echo "$m exit $?" >> $OUT/results.txt; cp /tmp/ds_$m/metrics.jsonl $OUT/dsync_$m.jsonl 2>/dev/null
       done ;;
     fsdp1)  # issue 7: the three backends on one GPU (all three take more than one 10-minute device call:
-      # BACKENDS=standalone,deepspeed@model.compile_layers=false in one, BACKENDS=fsdp in the next);
+      # BACKENDS=standalone,deepspeed in one, BACKENDS=standalone,fsdp in the next; deepspeed@model.compile_layers=false
+      # for its layers eager);
       # EXTRA=<overrides> for all of them, e.g. EXTRA=rollout.prompts_per_step=32
       CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $BENCH algorithm.steps=3 ${EXTRA:-} \
-        --backends ${BACKENDS:-standalone,deepspeed@model.compile_layers=false,fsdp} \
+        --backends ${BACKENDS:-standalone,deepspeed,fsdp} \
         --out /tmp/b_fsdp1 > $OUT/fsdp1.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep fsdp1 /tmp/b_fsdp1; tail -8 $OUT/fsdp1.log >> $OUT/results.txt ;;
     nccl)  # issue 8: the bridge's nccl push across 2 GPUs beside a raw broadcast of the same bytes
@@ -127,8 +128,8 @@ for section in "$@"; do
     trainers)  # issue 18: each backend's train phase on one GPU, its one rank in this process (profile_train
       # --backend: the kernel table, busy share and the last step's trace in $OUT/trainers_<run>_<P>.json.gz),
       # P prompts x 8 (default 8). RUNS= names the runs as backend[@override,...] (default: standalone, fsdp,
-      # deepspeed with its layers eager)
-      for run in ${RUNS:-standalone fsdp deepspeed@model.compile_layers=false}; do
+      # deepspeed)
+      for run in ${RUNS:-standalone fsdp deepspeed}; do
         b=${run%%@*}; extra=""; [ "$run" != "$b" ] && extra=$(echo ${run#*@} | tr , ' ')
         name=$(echo $run | tr '@=,.' '____')
         CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-8} \
