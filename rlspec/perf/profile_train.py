@@ -8,6 +8,8 @@ Runs the spec's steps (sample, score, `loop.update`) and, for the train phase of
 - peak device memory of the generation phase and of the train phase, each measured alone;
 - host-device synchronisations in the train phase (`torch.cuda.set_sync_debug_mode`), by the source line
   that asked for them, and the time the host spent in Python's garbage collector, by generation;
+- how many frames torch.compile compiled during the measured steps (a recompile there costs seconds, and past
+  Dynamo's recompile limit a frame runs eager from then on);
 - the last step's top CUDA kernels by their own GPU time (torch.profiler);
 - with `--trace FILE`, the last step's timeline as a Chrome trace (open it in Perfetto) to see where the GPU
   idles; `--stacks` adds Python stacks (what the host was doing then, though recording them slows the host).
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     walls, mfus, syncs = [], [], collections.Counter()
     collector = GCTimer()
     peaks = {"gen": 0.0, "train": 0.0}
+    compiled_after_warmup = 0
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                   torch.profiler.ProfilerActivity.CUDA],
                                       with_stack=args.stacks)
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                 profiler.stop()
             peaks["train"] = max(peaks["train"], torch.cuda.max_memory_allocated() / 2**30)
             if step == 0:
+                compiled_after_warmup = _compiled_frames()
                 continue  # warm-up
             walls.append(wall)
             syncs.update(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     collections_per_step = ", ".join(f"generation {g}: {n / steps:.0f} x, {t / steps * 1e3:.1f} ms"
                                      for g, (n, t) in sorted(collector.totals.items()))
     print(f"Python garbage collection in the train phase, per step: {collections_per_step or 'none'}")
+    print(f"torch.compile frames compiled after the warm-up step: {_compiled_frames() - compiled_after_warmup} "
+          "(recompiles inside the measured steps; TORCH_LOGS=recompiles says why)")
     print(kernel_table(profiler, args.rows))
     if args.trace:
         profiler.export_chrome_trace(args.trace)
@@ -166,6 +172,13 @@ def in_process_backend(spec: str, overrides: list[str], name: str):
     backend.group_class = InProcessGroup
     backend.setup(plan)
     return plan, backend
+
+
+def _compiled_frames() -> int:
+    """Frames Dynamo has compiled in this process so far (each recompile counts one)."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
 
 
 def _kernel_seconds(profiler) -> float:
