@@ -20,6 +20,10 @@ from ..runtime.stall import STOP_SIGNALS
 
 POLL_S = 0.2
 """How often the watchdog looks at pending futures; an actor death is reported within about this."""
+DEATH_GRACE_S = 5.0
+"""After one actor's task fails, how long `wait_all` looks for another whose actor died. A killed rank makes its
+peers' collectives fail too ("Connection reset by peer"), often before Ray has noticed the death; the death is the
+cause to name. A failure with no death behind it is reported this much later."""
 
 
 def start_ray(address: str | None) -> bool:
@@ -120,14 +124,36 @@ def wait_all(refs: Sequence[Any], labels: Sequence[str], timeout_s: float | None
             except ray.exceptions.RayActorError as err:
                 raise RunError(f"{labels[i]} died", describe(err)) from None
             except ray.exceptions.RayTaskError as err:
-                raise RunError(f"{labels[i]} failed: {type(err.cause).__name__ if err.cause else 'error'}",
-                               describe(err)) from None
+                failed = f"{labels[i]} failed: {type(err.cause).__name__ if err.cause else 'error'}"
+                dead = _first_death(pending, [labels[index[r]] for r in pending], DEATH_GRACE_S)
+                if dead is not None:
+                    label, how = dead
+                    raise RunError(f"{label} died", f"{how}\n\nthen {failed}:\n{describe(err)}") from None
+                raise RunError(failed, describe(err)) from None
             except ray.exceptions.RayError as err:
                 raise RunError(f"{labels[i]} failed", describe(err)) from None
         if pending and deadline is not None and time.monotonic() > deadline:
             waiting = ", ".join(labels[index[r]] for r in pending)
             raise RunError(f"timed out after {timeout_s:.0f} s waiting for {waiting}")
     return results
+
+
+def _first_death(refs: list, labels: list[str], timeout_s: float) -> tuple[str, str] | None:
+    """(label, how it died) of the first of `refs` whose actor dies within `timeout_s`, else None."""
+    import ray
+
+    label_of = dict(zip(refs, labels))
+    deadline = time.monotonic() + timeout_s
+    while refs and (left := deadline - time.monotonic()) > 0:
+        ready, refs = ray.wait(refs, num_returns=1, timeout=min(left, POLL_S))
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                return label_of[ref], describe(err)
+            except ray.exceptions.RayError:
+                pass  # another failure, not a death: the first one is reported
+    return None
 
 
 def call_all(actors: Sequence[Any], labels: Sequence[str], method: str, *args, **kwargs) -> list:
