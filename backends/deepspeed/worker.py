@@ -19,7 +19,7 @@ from torch import Tensor
 from ...cluster.ray_group import RankWorker, sharded_logprobs
 from ...core.batch import TrainBatch
 from ...core.grpo import LossConfig, LossNorm
-from ...core.policy import CompiledBlocks, accumulate, block_classes
+from ...core.policy import CompiledBlocks, accumulate, block_modules
 from ...core.trainer import build_optimizer
 from ...core.weights import gather_groups
 from ...models.factory import load_model, load_tokenizer, read_safetensors_dir, save_hf
@@ -86,11 +86,7 @@ def gather_blocks_whole(model: torch.nn.Module) -> None:
     per-submodule hooks would break the graph at every linear layer."""
     from deepspeed.utils import set_z3_leaf_modules
 
-    names = block_classes(model)
-    classes = list({type(m) for m in model.modules() if type(m).__name__ in names})
-    if not classes:
-        raise RuntimeError(f"{type(model).__name__} names no _no_split_modules: no blocks to compile")
-    set_z3_leaf_modules(model, classes)
+    set_z3_leaf_modules(model, list({type(m) for m in block_modules(model, "compile")}))
 
 
 class DeepSpeedWorker(RankWorker):

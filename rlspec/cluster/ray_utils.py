@@ -4,7 +4,8 @@ Every driver-side call into an actor goes through `wait_all`, which waits on all
 fan-out together and raises `RunError` with the failing actor's traceback as soon as *any* of them fails
 or its process dies — the others may be blocked in a collective with the dead one and would never
 return. A failed task is first given `DEATH_GRACE_S` for a peer's death to show: a dead rank is the cause
-its peers' connection errors follow from, and it is the one named. Ray is imported lazily so that `rlspec plan` and the backend registry never need it.
+its peers' connection errors follow from, and it is the one named. Ray is imported lazily so that
+`rlspec plan` and the backend registry never need it.
 """
 
 from __future__ import annotations

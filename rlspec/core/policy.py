@@ -310,6 +310,15 @@ def block_classes(model: torch.nn.Module) -> set[str]:
     return set(getattr(base, "_no_split_modules", None) or ())
 
 
+def block_modules(model: torch.nn.Module, purpose: str) -> list[torch.nn.Module]:
+    """The model's repeated blocks (`block_classes`), matched through each module's class bases: FSDP2 renames a
+    sharded block's class (FSDPQwen2DecoderLayer). Raises, naming `purpose`, when the model names none."""
+    names = block_classes(model)
+    if not names:
+        raise RuntimeError(f"{type(model).__name__} names no _no_split_modules: no blocks to {purpose}")
+    return [m for m in model.modules() if any(cls.__name__ in names for cls in type(m).__mro__)]
+
+
 class CompiledBlocks:
     """Regional compilation (`model.compile_layers`): `torch.compile` of each block's `forward`, switched on only
     inside `active()`, which the trainers wrap around the train forward/backward.
@@ -321,12 +330,8 @@ class CompiledBlocks:
     """
 
     def __init__(self, model: torch.nn.Module, enabled: bool) -> None:
-        names = block_classes(model) if enabled else set()
-        if enabled and not names:
-            raise RuntimeError(f"{type(model).__name__} names no _no_split_modules: no blocks to compile")
-        # Matched through the class's bases: FSDP2 renames a sharded block's class (FSDPQwen2DecoderLayer).
-        self.blocks = [(m, torch.compile(m.forward, dynamic=True)) for m in model.modules()
-                       if any(cls.__name__ in names for cls in type(m).__mro__)]
+        blocks = block_modules(model, "compile") if enabled else []
+        self.blocks = [(m, torch.compile(m.forward, dynamic=True)) for m in blocks]
         for block, _ in self.blocks:
             trace_as_plain_modules(block)
 
