@@ -29,7 +29,7 @@ RESUMABLE_CHANGES = (
     "hardware.deepspeed.reduce_bucket_numel", "hardware.deepspeed.prefetch_bucket_numel",
     "hardware.deepspeed.param_persistence_numel", "hardware.deepspeed.max_live_numel",
     "hardware.deepspeed.module_granularity_numel", "hardware.deepspeed.memory_efficient_linear",
-    "hardware.fsdp.reshard_after_forward",
+    "hardware.fsdp.reshard_after_forward", "hardware.fsdp.gather_during_rollout",
 )
 """Spec fields that may change on `--resume`: how long to run, when to save, how long to wait, which cluster to
 join, and where the trainer runs (backend, rank count, device, offload: a checkpoint holds the HF model and the

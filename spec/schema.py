@@ -339,6 +339,11 @@ class FSDPSpec(Section):
     gathered block until the step's last backward (one gather per block and step, the whole model gathered at
     once). null (default): true with more than one trainer rank, false with one, where the gather is a copy of
     what the rank holds anyway and keeping it only costs the 16-bit copy of the weights."""
+    gather_during_rollout: bool = True
+    """Where parameters stay gathered through an update (`reshard_after_forward` false), gather them for the next
+    update while the engines sample its batch (synchronous loop): the train phase then starts without the gather,
+    and the 16-bit weights occupy the trainer's GPU memory during sampling too. False gathers them in the update's
+    first forward."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
 from ...cluster.ray_group import RankWorker, sharded_logprobs
 from ...core.batch import TrainBatch
@@ -68,6 +69,9 @@ class FSDPWorker(RankWorker):
         self.reference = None
         self.compiled = None
         self.reshard = True
+        self.units: list = []
+        """The FSDP2 units of the policy (each block, then the root; the root alone on one rank by default)."""
+        self.trained = False
 
     def setup(self, master: tuple[str, int]) -> None:
         import torch.distributed as dist
@@ -97,6 +101,7 @@ class FSDPWorker(RankWorker):
         reshard = spec.hardware.fsdp.reshard_after_forward
         self.reshard = self.world_size > 1 if reshard is None else reshard
         self.model = shard_model(model, mesh, self.dtype, offload, self.reshard)  # moves the shards to the mesh's device
+        self.units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         # After sharding: transformers wraps the forward of FSDP2's block subclass again, and only the outermost
         # wrapper applies gradient checkpointing, so the forward to compile is the sharded class's.
         self.compiled = CompiledBlocks(self.model, spec.model.compile_layers)
@@ -107,6 +112,25 @@ class FSDPWorker(RankWorker):
             self.reference = shard_model(reference, mesh, self.dtype, offload)
 
     # --- the training step -------------------------------------------------------------------------
+
+    def prepare_update(self) -> None:
+        """While the engines sample: gather the parameters for the next update now, where they stay gathered
+        through the whole update anyway (`hardware.fsdp.reshard_after_forward` false, one rank's default; unless
+        `hardware.fsdp.gather_during_rollout` is false), so its
+        first forward finds them ready. On one GPU that gather is host work per parameter (a cast and a copy each)
+        that otherwise opens the train phase with the GPU idle. Nothing changes the sharded parameters between
+        here and the update; reading the weights (push, save) shards them again first (`_sharded`).
+
+        Only after a first update: FSDP2 sets up its streams in the first forward."""
+        if self.reshard or not self.trained or not self.plan.spec.hardware.fsdp.gather_during_rollout:
+            return
+        for unit in self.units:
+            unit.unshard()
+
+    def _sharded(self) -> None:
+        """Free gathered parameters (from `prepare_update`) so the module holds its sharded ones again."""
+        for unit in self.units:
+            unit.reshard()
 
     def logprobs(self, part: TrainBatch, num_chunks: int, reference: bool) -> Tensor:
         """Log-probs of this rank's part in exactly `num_chunks` forwards (FSDP gathers are collective)."""
@@ -138,6 +162,7 @@ class FSDPWorker(RankWorker):
         with self.compiled.active():
             stats = accumulate(self.model, shard, self.plan.batch.micro_batch_size, norm, self.loss_cfg,
                                self.plan.spec.rollout.temperature, backward, self.device, sizes, boundary=boundary)
+        self.trained = True
         if self.device.type == "cuda":
             stats["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return stats
@@ -157,6 +182,7 @@ class FSDPWorker(RankWorker):
         Gathered one bucket (`sync.bucket_mb`, or one larger tensor) at a time on every rank, so the extra
         memory is one bucket, not the model; rank 0 yields the tensors, other ranks only take part.
         """
+        self._sharded()
         for group in gather_groups(merged_weights(self.model), self.plan.spec.sync.bucket_mb << 20,
                                    lambda t: t.numel() * self.dtype.itemsize):
             yield from self._gather(group)
@@ -226,6 +252,7 @@ class FSDPWorker(RankWorker):
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict, set_state_dict)
 
+        self._sharded()
         state_dir = Path(path) / STATE_DIR
         if state_dir.is_dir():
             import torch.distributed.checkpoint as dcp

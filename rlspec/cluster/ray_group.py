@@ -11,7 +11,8 @@ waiting on ranks blocked in a collective with it. The data-parallel split of a b
 Driver side, `RankGroupBackend` is the `Backend` protocol over a `RankGroup`. Worker side, a backend's worker
 class subclasses `RankWorker` (its place in the group, the `FaultInjector` test hook, `pid`,
 `master_address`, stack dumps) and implements `setup(master)`, `logprobs(part, num_chunks, reference)`,
-`forward_backward(shard, norm, sizes)`, `optimizer_step`, `run_sender`, `save`, `load`; `sharded_logprobs` helps.
+`forward_backward(shard, norm, sizes)`, `optimizer_step`, `run_sender`, `save`, `load`, and may override
+`prepare_update`; `sharded_logprobs` helps.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class RankGroup:
         self.labels: list[str] = []
         self.engines = None
         self.placement_group = None
+        self.preparing: list = []
+        """Futures of `prepare_update` on the ranks, waited on before the next call."""
 
     def start(self, worker_cls: type, env_vars: dict[str, str] | None = None) -> None:
         """Place and start the ranks (`worker_cls` actors) and the engines; `env_vars` go to the ranks."""
@@ -114,14 +117,30 @@ class RankGroup:
     # --- fan-out ---------------------------------------------------------------------------------------
 
     def call(self, method: str, per_rank_args: list[tuple]) -> list:
-        """`method(*args)` on every rank (one tuple per rank), waited on through the watchdog."""
+        """`method(*args)` on every rank (one tuple per rank), waited on through the watchdog (after any
+        `prepare_update` still under way, so its failure is reported)."""
         from .ray_utils import wait_all
 
+        self._settle()
         return wait_all([getattr(rank, method).remote(*args) for rank, args in zip(self.ranks, per_rank_args)],
                         self.labels)
 
     def call_all(self, method: str, *args) -> list:
         return self.call(method, [args] * len(self.ranks))
+
+    def prepare_update(self) -> None:
+        """Start `prepare_update` on every rank and return at once: the ranks run it while the engines sample
+        (an actor runs its calls in order, so the update's calls start after it)."""
+        self._settle()
+        self.preparing = [rank.prepare_update.remote() for rank in self.ranks]
+
+    def _settle(self) -> None:
+        """Wait for the ranks' `prepare_update` if still under way (raising `RunError` if one failed)."""
+        preparing, self.preparing = self.preparing, []
+        if preparing:
+            from .ray_utils import wait_all
+
+            wait_all(preparing, self.labels)
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
         """Split `batch` over the ranks; every rank runs the same number of forwards (see `sharded_logprobs`)."""
@@ -195,6 +214,10 @@ class InProcessGroup(RankGroup):
     def call(self, method: str, per_rank_args: list[tuple]) -> list:
         return [getattr(rank, method)(*args) for rank, args in zip(self.ranks, per_rank_args)]
 
+    def prepare_update(self) -> None:
+        """In this process nothing runs beside the engine: the ranks prepare now, before it samples."""
+        self.call_all("prepare_update")
+
     def weight_source(self):
         """The rank itself: its `run_sender` is the `WeightSource` hook."""
         return self.ranks[0]
@@ -238,6 +261,10 @@ class RankGroupBackend:
 
     def optimizer_step(self) -> float:
         return self.group.call_all("optimizer_step")[0]
+
+    def prepare_update(self) -> None:
+        """The ranks' `prepare_update`, run while the engines sample the batch of the next update."""
+        self.group.prepare_update()
 
     def weight_source(self):
         """Where the full weights are produced: inside the ranks (see `rlspec.core.weights.WeightSource`)."""
@@ -292,6 +319,9 @@ class RankWorker(StackReporter):
 
     def pid(self) -> int:
         return os.getpid()
+
+    def prepare_update(self) -> None:
+        """Work for the next update that can run while the engines sample (the rank is idle then). None here."""
 
     def place(self) -> torch.device:
         """This rank's torch threads and device (on CUDA, Ray exposes exactly this actor's GPU as device 0)."""

@@ -62,6 +62,11 @@ class Backend(Protocol):
     def shutdown(self) -> None:
         """Release processes, actors and process groups. Safe to call twice."""
 
+    # Optional, looked up with getattr (a backend without it loses nothing):
+    # `prepare_update() -> None`: called by the synchronous loop just before the engines sample a step's batch.
+    # A backend whose trainer processes sit idle while the engines sample starts there, without waiting, the
+    # work its next update can do ahead (fsdp: gathering the parameters that stay gathered through the update).
+
 
 def _entry_points() -> dict[str, object]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}

@@ -96,9 +96,12 @@ def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, w
     """One metrics row per step, each step in turn: generate (or run the environments' episodes), train, sync.
     A stop signal while a step samples abandons it (`RunMonitor.abandonable`)."""
     spec = plan.spec
+    prepare = getattr(backend, "prepare_update", None)  # optional (`rlspec.core.backend.Backend`)
     for step in range(start_step, spec.algorithm.steps):
         timer = PhaseTimer()
         with timer("step"):
+            if prepare is not None:
+                prepare()
             with monitor.abandonable() if monitor is not None else nullcontext():
                 if envs is None:
                     batch, counters = rollout_batch(plan, engine, task, step, pad_id, timer, gateway)

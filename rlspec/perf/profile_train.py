@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
         plan, backend = in_process_backend(args.spec, args.overrides, args.backend)
     pad_id = pad_token_id(engine.tokenizer)
     flops = _train_flops(plan)
-    walls, mfus, syncs = [], [], collections.Counter()
+    walls, mfus, syncs, prepares = [], [], collections.Counter(), []
+    prepare = getattr(backend, "prepare_update", None)
     collector = GCTimer()
     peaks = {"gen": 0.0, "train": 0.0}
     compiled_after_warmup = 0
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> None:
         for step in range(args.steps):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            if prepare is not None:  # as the loop does: before sampling, which it overlaps in a run with actors
+                start = time.perf_counter()
+                prepare()
+                torch.cuda.synchronize()
+                prepares.append(time.perf_counter() - start)
             batch, _ = rollout_batch(plan, engine, task, step, pad_id, PhaseTimer())
             torch.cuda.synchronize()
             peaks["gen"] = max(peaks["gen"], torch.cuda.max_memory_allocated() / 2**30)
@@ -109,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.backend} train phase, median of {steps} step(s): {wall:.3f} s wall" +
           (f", MFU {statistics.median(mfus):.1%}" if mfus else "") +
           f"; last step: {walls[-1]:.3f} s wall, {busy:.3f} s of GPU kernels ({busy / walls[-1]:.0%} busy)")
+    if prepares:
+        print(f"prepare_update before sampling (beside the engine in a run with actors; not in the train phase): "
+              f"median {statistics.median(prepares[1:]) * 1e3:.1f} ms")
     print(f"peak memory: generation {peaks['gen']:.2f} GB, train {peaks['train']:.2f} GB")
     print(f"host-device syncs in the train phase: {sum(syncs.values()) / steps:.0f} per step")
     for where, count in syncs.most_common(15):

@@ -34,10 +34,13 @@ def fixed_batch(n: int = 8, prompt: int = 5, max_new: int = 8, seed: int = 0) ->
     return TrainBatch(input_ids, attention_mask, loss_mask, advantages=torch.randn(n, generator=gen), rewards=rewards)
 
 
-def run_steps(trainer, plan, batch: TrainBatch, steps: int = 3) -> list[tuple[float, float, float]]:
-    """(loss, grad norm, kl) per step, with old and reference log-probs filled the way `rlspec.core.loop` does."""
+def run_steps(trainer, plan, batch: TrainBatch, steps: int = 3, between=None) -> list[tuple[float, float, float]]:
+    """(loss, grad norm, kl) per step, with old and reference log-probs filled the way `rlspec.core.loop` does;
+    `between(trainer)` runs before every step but the first (where the loop pushes weights and samples)."""
     out = []
-    for _ in range(steps):
+    for i in range(steps):
+        if between is not None and i:
+            between(trainer)
         step = TrainBatch(**batch.tensors())
         step.old_logprobs = trainer.logprobs(step) + 0.01 * step.loss_mask  # ratio != 1: the clip matters
         if plan.needs_reference_model:

@@ -41,6 +41,41 @@ def test_in_process_rank_matches_single_process_trainer(backend_name, extra):
         backend.shutdown()  # twice is fine
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_fsdp_prepare_update_gathers_ahead_and_changes_no_step(ahead):
+    """One rank keeps its parameters gathered through an update, so `prepare_update` gathers them before it (while
+    the engines would sample). The steps stay the reference's, with a weight push (which shards them again) and a
+    prepare between steps; the gather really happened (plain tensors, not DTensors, registered in the module),
+    and not with `hardware.fsdp.gather_during_rollout=false`."""
+    pytest.importorskip("ray")
+    from torch.distributed.tensor import DTensor
+
+    reference_plan = compile_plan(load_spec(TINY, COMMON, "standalone"), all_caps())
+    plan = compile_plan(load_spec(TINY, [*COMMON, f"hardware.fsdp.gather_during_rollout={ahead}"], "fsdp"), all_caps())
+    batch = fixed_batch()
+    reference = reference_trainer(reference_plan)
+    expected = run_steps(reference, reference_plan, batch, steps=4)
+    backend = create_backend("fsdp")
+    backend.group_class = InProcessGroup
+    gathered = []
+
+    def push_then_prepare(trainer) -> None:
+        dict(trainer.export_weights())
+        trainer.prepare_update()
+        rank = trainer.group.ranks[0]
+        gathered.append(not any(isinstance(p, DTensor) for p in rank.model.parameters()))
+        if len(gathered) == 2:  # a save while gathered (a stop during sampling) reads the sharded weights
+            dict(trainer.export_weights())
+
+    try:
+        backend.setup(plan)
+        got = run_steps(backend, plan, batch, steps=4, between=push_then_prepare)
+        assert gathered == [ahead] * 3
+        assert_same_steps(expected, got, backend, reference)
+    finally:
+        backend.shutdown()
+
+
 def test_in_process_group_refuses_two_ranks():
     pytest.importorskip("ray")
     plan = compile_plan(load_spec(TINY, [*COMMON, "hardware.num_trainer_ranks=2"], "fsdp"), all_caps())
