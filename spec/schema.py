@@ -316,9 +316,11 @@ class DeepSpeedSpec(Section):
     """Gather a module's parameters whole, with no hooks on its submodules, where its parameter values per
     submodule (parameters / (1 + descendants)) are at most this (`stage3_module_granularity_threshold`; the
     first such module from the root down): fewer Python hooks per step for larger gathers. 0 = off."""
-    memory_efficient_linear: bool = True
+    memory_efficient_linear: Optional[bool] = None
     """ZeRO-3's own autograd function for every linear layer, which keeps no gathered weight for the backward
-    (`memory_efficient_linear`); false uses torch's."""
+    (`memory_efficient_linear`); false uses torch's. null (default): true, but false with `model.compile_layers`,
+    where each layer is gathered whole for its backward anyway and a compiled layer's forward recompiled for
+    layer after layer with ZeRO-3's function inside (`backends/deepspeed/README.md`)."""
 
     def __post_init__(self) -> None:
         p = "hardware.deepspeed"

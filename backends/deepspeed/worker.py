@@ -58,7 +58,7 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
             "stage3_max_live_parameters": knobs.max_live_numel,
             "stage3_max_reuse_distance": 1_000_000_000,
             "stage3_module_granularity_threshold": knobs.module_granularity_numel,
-            "memory_efficient_linear": knobs.memory_efficient_linear,
+            "memory_efficient_linear": memory_efficient_linear(spec),
             "stage3_gather_16bit_weights_on_model_save": False,
         },
         "bf16": {"enabled": dtype == "bfloat16"},
@@ -77,6 +77,12 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
             config.pop(key)
         config["zero_optimization"]["offload_optimizer"] = {"device": "none"}
     return config
+
+
+def memory_efficient_linear(spec) -> bool:
+    """`hardware.deepspeed.memory_efficient_linear`, null resolved: off with compiled layers (see the field)."""
+    chosen = spec.hardware.deepspeed.memory_efficient_linear
+    return not spec.model.compile_layers if chosen is None else chosen
 
 
 def gather_blocks_whole(model: torch.nn.Module) -> None:

@@ -34,5 +34,18 @@ def test_spec_knobs_reach_zero_optimization():
 def test_defaults_come_from_the_schema():
     zero = ds_config(_plan())["zero_optimization"]
     defaults = Spec().hardware.deepspeed
-    assert {ds_key: zero[ds_key] for _, ds_key in KNOBS.values()} == {
-        ds_key: getattr(defaults, key) for key, (_, ds_key) in KNOBS.items()}
+    fixed = {key: value for key, value in KNOBS.items() if key != "memory_efficient_linear"}
+    assert {ds_key: zero[ds_key] for _, ds_key in fixed.values()} == {
+        ds_key: getattr(defaults, key) for key, (_, ds_key) in fixed.items()}
+    assert defaults.memory_efficient_linear is None
+
+
+def test_memory_efficient_linear_follows_compiled_layers_unless_set():
+    """null: ZeRO-3's linear with eager layers, torch's with compiled ones; an explicit value always wins."""
+    def chosen(*overrides: str) -> bool:
+        return ds_config(_plan(*overrides))["zero_optimization"]["memory_efficient_linear"]
+
+    assert chosen("model.compile_layers=false") is True
+    assert chosen("model.compile_layers=true") is False
+    assert chosen("model.compile_layers=true", "hardware.deepspeed.memory_efficient_linear=true") is True
+    assert chosen("model.compile_layers=false", "hardware.deepspeed.memory_efficient_linear=false") is False
