@@ -170,11 +170,14 @@ def async_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, 
     producer = threading.Thread(target=rollout_loop, args=(plan, locked, task, pool, pad_id, start_step),
                                 name="rlspec-rollout", daemon=True)
     producer.start()
+    prepare = getattr(backend, "prepare_update", None)  # optional (`rlspec.core.backend.Backend`)
     try:
         for step in range(start_step, spec.algorithm.steps):
             timer = PhaseTimer()
             with timer("step"):
                 waiting = len(pool)
+                if prepare is not None:  # beside the wait for the batch
+                    prepare()
                 with timer("wait"):
                     item = pool.get()
                 assert item.step == step, (item.step, step)

@@ -63,7 +63,8 @@ class Backend(Protocol):
         """Release processes, actors and process groups. Safe to call twice."""
 
     # Optional, looked up with getattr (a backend without it loses nothing):
-    # `prepare_update() -> None`: called by the synchronous loop just before the engines sample a step's batch.
+    # `prepare_update() -> None`: called by the synchronous loop just before the engines sample a step's batch
+    # (by the asynchronous one before it waits for the next batch).
     # A backend whose trainer processes sit idle while the engines sample starts there, without waiting, the
     # work its next update can do ahead (fsdp: gathering the parameters that stay gathered through the update).
 
