@@ -128,7 +128,10 @@ for section in "$@"; do
     trainers)  # issue 18: each backend's train phase on one GPU, its one rank in this process (profile_train
       # --backend: the kernel table, busy share and the last step's trace in $OUT/trainers_<run>_<P>.json.gz),
       # P prompts x 8 (default 8). RUNS= names the runs as backend[@override,...] (default: standalone, fsdp,
-      # deepspeed)
+      # deepspeed). Figures in the READMEs: RUNS="fsdp@hardware.fsdp.gather_during_rollout=false fsdp" (the gather
+      # during sampling, A/B); TORCH_LOGS=recompiles RUNS="standalone deepspeed deepspeed@hardware.deepspeed.memory_efficient_linear=true"
+      # (ZeRO-3's linear inside compiled layers, and why it recompiles); RUNS="deepspeed@hardware.deepspeed.param_persistence_numel=1000000000
+      # standalone deepspeed" (nothing gathered or released)
       for run in ${RUNS:-standalone fsdp deepspeed}; do
         b=${run%%@*}; extra=""; [ "$run" != "$b" ] && extra=$(echo ${run#*@} | tr , ' ')
         name=$(echo $run | tr '@=,.' '____')
