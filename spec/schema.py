@@ -343,9 +343,9 @@ class FSDPSpec(Section):
     what the rank holds anyway and keeping it only costs the 16-bit copy of the weights."""
     gather_during_rollout: bool = True
     """Where parameters stay gathered through an update (`reshard_after_forward` false), gather them for the next
-    update while the engines sample its batch (synchronous loop): the train phase then starts without the gather,
-    and the 16-bit weights occupy the trainer's GPU memory during sampling too. False gathers them in the update's
-    first forward."""
+    update while the engines sample its batch (asynchronous: while the trainer waits for it): the train phase
+    then starts without the gather, and the 16-bit weights occupy the trainer's GPU memory during sampling too.
+    False gathers them in the update's first forward."""
 
 
 @dataclass

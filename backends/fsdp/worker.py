@@ -115,11 +115,11 @@ class FSDPWorker(RankWorker):
 
     def prepare_update(self) -> None:
         """While the engines sample: gather the parameters for the next update now, where they stay gathered
-        through the whole update anyway (`hardware.fsdp.reshard_after_forward` false, one rank's default; unless
-        `hardware.fsdp.gather_during_rollout` is false), so its
-        first forward finds them ready. On one GPU that gather is host work per parameter (a cast and a copy each)
-        that otherwise opens the train phase with the GPU idle. Nothing changes the sharded parameters between
-        here and the update; reading the weights (push, save) shards them again first (`_sharded`).
+        through the whole update anyway (`hardware.fsdp.reshard_after_forward` false, one rank's default), so its
+        first forward finds them ready; off with `hardware.fsdp.gather_during_rollout=false`. On one GPU that
+        gather is host work per parameter (a cast and a copy each) that otherwise opens the train phase with the
+        GPU idle. Nothing changes the sharded parameters between here and the update; reading or writing the
+        weights (push, save, load) shards them again first (`_sharded`).
 
         Only after a first update: FSDP2 sets up its streams in the first forward."""
         if self.reshard or not self.trained or not self.plan.spec.hardware.fsdp.gather_during_rollout:
