@@ -240,6 +240,12 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return torch.nn.functional.pad(entropy, (1, 0))
 
 
+CHUNK_ELEMS = 1 << 25
+"""Logits per chunk of `token_logprobs_and_entropy` on the plain path (fp32 copies of each chunk's logits)."""
+FUSED_CHUNK_ELEMS = 1 << 27
+"""Logits per chunk on the fused path, which keeps no fp32 copies (`rlspec.perf.bench_head` times one such chunk)."""
+
+
 def token_logprobs_and_entropy(states: Tensor, input_ids: Tensor, temperature: float = 1.0,
                                head: torch.nn.Module | None = None, chunk_elems: int | None = None,
                                fused: bool | None = None) -> tuple[Tensor, Tensor]:
@@ -269,7 +275,7 @@ def token_logprobs_and_entropy(states: Tensor, input_ids: Tensor, temperature: f
     if fused is None:
         fused = head is not None and states.is_cuda and states.dtype in (torch.bfloat16, torch.float16)
     if chunk_elems is None:
-        chunk_elems = 1 << 27 if fused else 1 << 25
+        chunk_elems = FUSED_CHUNK_ELEMS if fused else CHUNK_ELEMS
     chunk = max(1, chunk_elems // max(rows * vocab, 1))
     if length <= chunk and not fused:
         logits = states if head is None else head(states)

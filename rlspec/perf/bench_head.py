@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from ..core.grpo import _head_grad, _head_stats
+from ..core.grpo import FUSED_CHUNK_ELEMS, _head_grad, _head_stats
 
 MODES = {"dynamic": dict(dynamic=True), "automatic": dict(dynamic=None)}
 
@@ -67,7 +67,7 @@ def run(positions: int, vocab: int, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--positions", type=int, default=(1 << 27) // 151936)
+    parser.add_argument("--positions", type=int, default=FUSED_CHUNK_ELEMS // 151936)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args(argv)
