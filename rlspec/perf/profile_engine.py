@@ -15,10 +15,14 @@ On the standalone backend's engine and the spec's rollout batch (`prompts_per_st
 Variants (keyword arguments of `GraphSampler`): `plain` (compiled blocks, separate projections), `fused`
 (q/k/v and gate/up each one GEMM), `sdpa` (attention through `scaled_dot_product_attention`), `fused_sdpa`,
 `fused_eager` (fused, blocks not compiled), `fused_layers` (fused, one compiled function per decoder layer
-instead of one per block), `fused_layers_sdpa`, `fused_layers_sdpa_autotune` (Inductor times its own GEMM kernels
-against cuBLAS: mode max-autotune-no-cudagraphs). Every compiled variant samples with the compiled race; `fused_eager`
-computes the keyed noise eagerly (about 30 elementwise kernels over [slots, vocabulary] a step), so its decode step
-is not the blocks' cost alone.
+instead of one per block), `fused_layers_sdpa` (the default; where Triton runs, decode steps attend with
+`live_attention`, reading only each row's reached positions, and run the output and down projections split-K
+with `skinny_linear` at up to 64 rows), `fused_layers_sdpa_live` (live attention, every projection on cuBLAS),
+`fused_layers_sdpa_masked` (neither: SDPA over the whole masked cache, cuBLAS), `fused_layers_sdpa_autotune`
+(Inductor times its own GEMM kernels against cuBLAS: mode max-autotune-no-cudagraphs). On CUDA every variant
+that does not set `sdpa` uses SDPA, and with it the two decode kernels. Every compiled variant samples with the
+compiled race; `fused_eager` computes the keyed noise eagerly (about 30 elementwise kernels over [slots,
+vocabulary] a step), so its decode step is not the blocks' cost alone.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ VARIANTS = {
     "fused_layers": {"fuse_weights": True, "compile_layers": True},
     "fused_layers_sdpa": {"fuse_weights": True, "compile_layers": True, "sdpa": True},
     "fused_layers_sdpa_autotune": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "autotune": True},
+    "fused_layers_sdpa_masked": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "live_attention": False,
+                                 "skinny": False},
+    "fused_layers_sdpa_live": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "skinny": False},
 }
 
 

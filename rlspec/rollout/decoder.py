@@ -16,6 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import live_attention as live
+from .skinny_linear import skinny_linear
+
+SKINNY_ROWS = 64  # decode steps of at most this many rows run the output and down projections split-K
 from .noise import keyed_exponential
 from .sampling import exponential_race
 
@@ -42,7 +46,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 class StaticDecoder:
     """Forward pass over the HF module's weights, writing K/V into caller-owned static caches."""
 
-    def __init__(self, model: torch.nn.Module, sdpa: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, sdpa: bool = False, live_attention: bool | None = None,
+                 skinny: bool | None = None) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
@@ -57,6 +62,18 @@ class StaticDecoder:
         self.vocab_size = config.vocab_size
         self.rotary = model.model.rotary_emb
         self.sdpa = sdpa
+        device = model.get_input_embeddings().weight.device
+        usable = live.available(self.head_dim, device)
+        if live_attention and not usable:
+            raise ValueError("live_attention needs Triton, a CUDA model and a power-of-two head dim")
+        # Decode steps (one token a row, given the rows' cache lengths) attend with `live_attention`: only the
+        # positions each row has reached are read, instead of SDPA over the whole cache.
+        self.live_attention = (usable and sdpa) if live_attention is None else live_attention
+        # ... and, at up to `SKINNY_ROWS` rows, run the output and down projections with `skinny_linear` (split-K)
+        # instead of cuBLAS, whose few output tiles leave most SMs idle. Their parts' sum fuses into the residual
+        # add and the next norm; q/k/v stays on cuBLAS (its sum, read by the cache write and the attention op, became
+        # a kernel of its own and cost more than the split gained), and so does gate/up (wide enough for cuBLAS).
+        self.skinny = (usable and sdpa) if skinny is None else skinny
         self._compiled = None
         self.race = None  # the compiled `exponential_race` and `keyed_exponential`, with the compiled blocks
         self.noise = None
@@ -110,6 +127,15 @@ class StaticDecoder:
         values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
         return keys, values
 
+    def _linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, parts: bool = False) -> Tensor:
+        """`F.linear`, or `skinny_linear` for a decode step's few rows (x [b, 1, in], b <= `SKINNY_ROWS`).
+        `parts`: return the split-K parts [splits, b, 1, out] in fp32 unsummed (F.linear's output as the one part),
+        for a caller whose sum fuses into the next compiled layer."""
+        if self.skinny and x.dim() == 3 and x.shape[1] == 1 and x.shape[0] <= SKINNY_ROWS:
+            return skinny_linear(x, weight, bias, parts=parts)
+        out = F.linear(x, weight, bias)
+        return out[None] if parts else out
+
     def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
         dtype = x.dtype
         x = x.float()
@@ -128,21 +154,27 @@ class StaticDecoder:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def attention_mask(self, allowed: Tensor) -> Tensor:
+    def attention_mask(self, allowed: Tensor, lengths: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """What `_attend` takes for `allowed` [b, T, S] (bool): itself, or with SDPA an additive [b, 1, T, S] mask in
         the model dtype (0 or the dtype's min), made once per forward rather than once per layer: from a bool mask
-        the compiled SDPA built the additive one in every layer (two extra kernels a layer in a decode step)."""
+        the compiled SDPA built the additive one in every layer (two extra kernels a layer in a decode step).
+        A decode step (T = 1) that gives each row's `lengths` (no position at or past it is allowed) takes
+        (allowed as uint8 [b, S], lengths) for `live_attention`, when the decoder uses it."""
+        if lengths is not None and self.live_attention and allowed.shape[1] == 1:
+            return allowed[:, 0].view(torch.uint8), lengths
         if not self.sdpa:
             return allowed
         blocked = torch.finfo(self.dtype).min  # not -inf: a row with nothing allowed (an empty slot) stays finite
         return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(~allowed, blocked)[:, None]
 
-    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        """q [b, H, T, D] against the whole cache [b, Hkv, S, D]; `mask` from `attention_mask`.
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | tuple[Tensor, Tensor]) -> Tensor:
+        """q [b, H, T, D] against the cache [b, Hkv, S, D]; `mask` from `attention_mask`.
 
         Query heads are grouped onto their shared K/V head with a reshape, not a copy of the cache.
         """
         b, _, t, d = q.shape
+        if isinstance(mask, tuple):
+            return live.live_attention(q, keys, values, *mask, self.scaling)
         if self.sdpa:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True)
         groups = self.num_heads // self.num_kv_heads
@@ -170,17 +202,17 @@ class StaticDecoder:
                          bo: Tensor | None) -> Tensor:
         b, t, _ = x.shape
         out = self._attend(q, keys, values, mask)
-        return x + F.linear(out.transpose(1, 2).reshape(b, t, -1), wo, bo)
+        return x + self._linear(out.transpose(1, 2).reshape(b, t, -1), wo, bo)
 
     def _mlp_block(self, x: Tensor, norm: Tensor, weights: tuple) -> Tensor:
-        """The MLP's output (the residual add is left to the caller). `weights`: (w_gate, w_up, w_down), or the
-        fused (w_gate_up, w_down)."""
+        """The MLP's output as parts [splits, b, T, hidden] to be summed (`_linear`'s `parts`; the residual add is
+        left to the caller). `weights`: (w_gate, w_up, w_down), or the fused (w_gate_up, w_down)."""
         h = self._rms_norm(x, norm)
         if len(weights) == 2:
             gate, up = F.linear(h, weights[0]).chunk(2, dim=-1)
         else:
             gate, up = F.linear(h, weights[0]), F.linear(h, weights[1])
-        return F.linear(F.silu(gate) * up, weights[-1])
+        return self._linear(F.silu(gate) * up, weights[-1], parts=True)
 
     def compile_blocks(self, layers: bool = False, autotune: bool = False) -> None:
         """Fuse the elementwise work (norms, RoPE, softmax, SiLU, residual adds) with torch.compile; shapes are
@@ -189,6 +221,9 @@ class StaticDecoder:
         `autotune`: let Inductor time its own GEMM kernels against cuBLAS for each shape (mode
         max-autotune-no-cudagraphs; minutes of compilation per pool size)."""
         mode = "max-autotune-no-cudagraphs" if autotune else None
+        # Shapes are static, so each (pool bucket, cache length) compiles once: the tail's smaller pools and a few
+        # prompt widths pass Dynamo's default limit of 8, past which the layer would silently run uncompiled.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if layers:
             self._compiled = torch.compile(self._layer, dynamic=False, mode=mode)
         else:
@@ -206,12 +241,12 @@ class StaticDecoder:
 
     def _layer(self, x: Tensor, delta: Tensor, weights: tuple, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                mask: Tensor, cos: Tensor, sin: Tensor, blocks=None) -> tuple[Tensor, Tensor]:
-        """One decoder layer on the residual stream `x` + `delta` (the last layer's MLP output, added here so the
-        add fuses into this layer's first norm); returns the stream after attention and this layer's MLP output.
+        """One decoder layer on the residual stream `x` + `delta` (the last layer's MLP output as parts to sum,
+        `_mlp_block`: added here so the sum and the add fuse into this layer's first norm); returns the stream after attention and this layer's MLP output.
         Its K/V go to cache `slots` [b, T] (each row its own). `weights` from `_layer_weights`."""
         qkv, attention, mlp = blocks or self._blocks()
         norm1, qkv_weights, wo, bo, norm2, mlp_weights = weights
-        x = x + delta
+        x = x + delta.sum(0).to(x.dtype)
         q, k, v = qkv(x, norm1, qkv_weights, cos, sin)
         # An indexed store, not scatter_: compiled, scatter_ became a scatter into a copy of the whole cache and a
         # copy back (two full-cache passes per layer and cache); index_put_ writes only the new positions in place.
@@ -234,9 +269,11 @@ class StaticDecoder:
                 layer.post_attention_layernorm.weight, mlp)
 
     def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
-                keys: list[Tensor], values: list[Tensor], compiled: bool = False) -> Tensor:
+                keys: list[Tensor], values: list[Tensor], compiled: bool = False,
+                lengths: Tensor | None = None) -> Tensor:
         """Logits [b, V] of the last of `ids` [b, T]; K/V of all T tokens go to cache `slots`: [T] (the same for
-        every row) or [b, T] (each row its own, as the continuous-batching decode step writes).
+        every row) or [b, T] (each row its own, as the continuous-batching decode step writes). `lengths` [b]
+        (decode steps): no cache position at or past a row's length is allowed, so attention may stop there.
 
         `compiled` uses the torch.compile'd layers or blocks (decode steps: one shape per graph); prefill
         shapes vary with the prompt width, so prefill runs the plain ones.
@@ -246,11 +283,11 @@ class StaticDecoder:
         if slots.dim() == 1:
             slots = slots.expand(ids.shape[0], -1)
         x = body.embed_tokens(ids)
-        delta = torch.zeros_like(x)
-        mask = self.attention_mask(allowed)
+        delta = torch.zeros_like(x)[None]
+        mask = self.attention_mask(allowed, lengths)
         cos, sin = self._rope(positions, x.dtype)
         cos, sin = cos[:, None], sin[:, None]
         for index, (layer, k_cache, v_cache) in enumerate(zip(body.layers, keys, values)):
             x, delta = run(x, delta, self._layer_weights(index, layer), k_cache, v_cache, slots, mask, cos, sin)
-        x = self._rms_norm(x[:, -1] + delta[:, -1], body.norm.weight)
+        x = self._rms_norm(x[:, -1] + delta[:, :, -1].sum(0).to(x.dtype), body.norm.weight)
         return F.linear(x, self.model.get_output_embeddings().weight)

@@ -106,12 +106,14 @@ class GraphSampler:
     def __init__(self, model: torch.nn.Module, device: torch.device, use_graphs: bool | None = None,
                  compile_blocks: bool | None = None, check_every: int = 8, keep_graphs: bool = False,
                  fuse_weights: bool | None = None, sdpa: bool | None = None, compile_layers: bool | None = None,
-                 share_prefill: bool = True, shrink_tail: bool = True, autotune: bool = False) -> None:
+                 share_prefill: bool = True, shrink_tail: bool = True, autotune: bool = False,
+                 live_attention: bool | None = None, skinny: bool | None = None) -> None:
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # The defaults on CUDA are the fastest measured (`python -m rlspec.perf.profile_engine`, H200, 0.5B shape, 64
         # rows: 1.43 ms a decode step fused + SDPA + per-layer compile, 1.98 ms with none of them).
-        self.decoder = StaticDecoder(model, sdpa=self.use_graphs if sdpa is None else sdpa)
+        self.decoder = StaticDecoder(model, sdpa=self.use_graphs if sdpa is None else sdpa,
+                                     live_attention=live_attention, skinny=skinny)
         self.compiled = self.use_graphs if compile_blocks is None else compile_blocks
         self.fuse = self.use_graphs if fuse_weights is None else fuse_weights
         if self.compiled:
@@ -355,7 +357,7 @@ class GraphSampler:
         slot = state.write.clamp(max=state.valid.shape[1] - 1)[:, None]
         state.valid.scatter_(1, slot, True)
         state.logits.copy_(self.decoder.forward(token[:, None], state.position[:, None], slot, state.valid[:, None, :],
-                                                state.keys, state.values, compiled=self.compiled))
+                                                state.keys, state.values, compiled=self.compiled, lengths=slot[:, 0] + 1))
         advance = live.long()
         state.position.add_(advance)
         state.write.add_(advance)

@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head decode_kernels
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 set -u
@@ -91,10 +91,11 @@ for section in "$@"; do
         --out /tmp/b_longtail > $OUT/longtail.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep longtail /tmp/b_longtail; tail -20 $OUT/longtail.log >> $OUT/results.txt ;;
     engine_longtail)  # issue 19: the engine alone on the long-tailed 32 x 8 batch: generate with and without continuous
-      # batching (same seeds, lengths printed), then the default variant's prefill, capture and decode step at 64 slots;
+      # batching (same seeds, lengths printed), then each variant's batch time, prefill, capture and decode step at the
+      # default pool (the default one, and the same without the decode kernels: VARIANTS=... to change);
       # and the fixed 8 x 8 x 256 batch's decode step (no regression: 1.43 ms on the H200 before issue 19)
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_engine $ROOT/examples/bench_longtail.yaml \
-        --variants fused_layers_sdpa --rows 0 > $OUT/engine_longtail.txt 2>&1
+        --variants ${VARIANTS:-fused_layers_sdpa,fused_layers_sdpa_masked} --rows 0 > $OUT/engine_longtail.txt 2>&1
       echo "engine longtail exit $?" >> $OUT/results.txt; head -12 $OUT/engine_longtail.txt >> $OUT/results.txt
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH --variants fused_layers_sdpa \
         --rows 30 > $OUT/engine_fixed.txt 2>&1
@@ -121,6 +122,14 @@ for section in "$@"; do
         algorithm.micro_batch_tokens=16384 model.compile_layers=true --steps 4 --trace /tmp/trace32.json ${STACKS:-} \
         > $OUT/trace32.txt 2>&1; echo "trace32 exit $?" >> $OUT/results.txt; head -4 $OUT/trace32.txt >> $OUT/results.txt
       gzip -c /tmp/trace32.json > $OUT/trace32.json.gz ;;
+    decode_kernels)  # issue 19: the decode step's Triton kernels (split-K projections, attention over live positions)
+      # beside cuBLAS and cuDNN's SDPA, then the fixed 64 x 256 decode step with both, with live attention only, and
+      # with neither (fused_layers_sdpa / _live / _masked), with its kernel table
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.bench_decode_kernels > $OUT/decode_kernels.txt 2>&1
+      echo "decode_kernels exit $?" >> $OUT/results.txt; cat $OUT/decode_kernels.txt >> $OUT/results.txt
+      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_engine $BENCH \
+        --variants fused_layers_sdpa,fused_layers_sdpa_live,fused_layers_sdpa_masked --rows 40 > $OUT/engine_decode.txt 2>&1
+      echo "engine decode exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_decode.txt | head -10 >> $OUT/results.txt ;;
     head)  # issue 18: the fused log-prob head's chunk kernels (forward reduction, backward logits gradient) by how
       # they are compiled, beside a device copy of the same logits
       CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.bench_head > $OUT/head.json 2>&1

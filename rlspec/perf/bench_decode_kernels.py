@@ -1,0 +1,97 @@
+"""Time the decode step's Triton kernels beside what they replace, on a GPU, at the 0.5B shape:
+`skinny_linear` (split-K) against cuBLAS for the q/k/v, output, gate/up and down projections, and
+`live_attention` against cuDNN's SDPA over the whole masked cache.
+
+    python -m rlspec.perf.bench_decode_kernels [--layers 24]
+
+Each figure is the median time of one call, from CUDA-graph replays of `--layers` calls on distinct weights or
+caches (one per layer, as in a decode step, so a matrix is not still in L2 from the last call); the split-K
+figure includes the sum of its parts (`.sum(0)` and the cast: a separate kernel here, fused into the next
+element-wise kernel inside the compiled decode layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..rollout.live_attention import live_attention_eager, sm_count, splits_for
+from ..rollout.skinny_linear import config_for, skinny_linear_eager
+
+PROJECTIONS = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
+ATTENTION = ((64, 384, 134), (64, 384, 384), (16, 1152, 403), (64, 1152, 403), (256, 1152, 403))  # rows, cache, length
+
+
+def graph_us(fn, calls: int, repeats: int = 15) -> float:
+    """Median microseconds per call of `fn` (which makes `calls` calls), replayed from a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[repeats // 2] * 1e6 / calls
+
+
+def run(layers: int) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    sms = sm_count(0)
+    rows = []
+    for name, (n, k) in PROJECTIONS.items():
+        weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.02 for _ in range(layers)]
+        for m in (16, 64, 256):
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            config = config_for(m, n, k, sms)
+            cublas = graph_us(lambda: [F.linear(x, w) for w in weights], layers)
+            split = graph_us(lambda: [skinny_linear_eager(x, w, **config).sum(0).to(dtype) for w in weights], layers)
+            parts = graph_us(lambda: [skinny_linear_eager(x, w, **config) for w in weights], layers)
+            rows.append({"kernel": f"{name} {m}x{n}x{k}", "cublas_us": round(cublas, 2), "split_k_us": round(split, 2),
+                         "split_k_parts_only_us": round(parts, 2), "splits": config["splits"]})
+    for batch, length, live in ATTENTION:
+        q = torch.randn(batch, 1, 14, 64, device=dev, dtype=dtype).transpose(1, 2)
+        keys = [torch.randn(batch, 2, length, 64, device=dev, dtype=dtype) for _ in range(layers)]
+        values = [torch.randn_like(c) for c in keys]
+        valid = (torch.arange(length, device=dev)[None] < live).expand(batch, -1).contiguous()
+        lengths = torch.full((batch,), live, device=dev)
+        mask = torch.zeros(batch, 1, 1, length, device=dev, dtype=dtype).masked_fill_(~valid[:, None, None],
+                                                                                       torch.finfo(dtype).min)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            sdpa = graph_us(lambda: [F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
+                                     for kc, vc in zip(keys, values)], layers)
+        splits = splits_for(batch, 2, length, sms)
+        ours = graph_us(lambda: [live_attention_eager(q, kc, vc, valid.view(torch.uint8), lengths, 0.125, splits)
+                                 for kc, vc in zip(keys, values)], layers)
+        rows.append({"kernel": f"attention {batch} rows, cache {length}, {live} live", "cudnn_sdpa_us": round(sdpa, 2),
+                     "live_us": round(ours, 2), "splits": splits})
+    return {"device": torch.cuda.get_device_name(0), "layers": layers, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlspec.perf.bench_decode_kernels",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24, help="distinct weights / caches per replay")
+    args = parser.parse_args(argv)
+    result = run(args.layers)
+    for row in result["rows"]:
+        print(json.dumps(row))
+    print(json.dumps({"device": result["device"], "layers": result["layers"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Attention of one new token per row over the slot-indexed KV cache, reading only each row's live positions.
+
+The CUDA-graph sampler's cache has a fixed length per graph (the prompt width plus `max_new_tokens`, rounded
+up), and `scaled_dot_product_attention` reads all of it every decode step, masked; early in a batch, and for
+every short sample of a long-tailed one, most of that read is of positions no token has reached. Here a row
+reads only positions below its `length` (its next cache slot + 1): a loop with a bound read from device memory,
+so one captured graph serves every step.
+
+Flash-decoding: each (row, K/V head) program scores the `GROUP` query heads that share that K/V head against
+blocks of `BLOCK_N` positions with an online softmax (fp32 scores and sums, base 2); the row's positions are cut
+into `splits` parts run as separate programs when rows x K/V heads alone would leave SMs idle, and a second
+kernel merges the parts' (max, sum, weighted values). Positions not `valid` (left padding of the prompt) score
+a large negative number, not -inf, so an empty slot (nothing valid) stays finite, as with SDPA's mask.
+
+Needs Triton and a power-of-two head dim; `available` says whether this process can use it. The decode step
+falls back to SDPA otherwise (`StaticDecoder.attention_mask`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch builds ship without Triton
+    triton = None
+
+BLOCK_N = 128
+_MASKED = -1.0e30  # a masked score: exp2(_MASKED - m) is 0 for any real m, and finite when every score is masked
+_LOG2E = 1.4426950408889634
+
+
+def available(head_dim: int, device: torch.device) -> bool:
+    return (triton is not None and torch.device(device).type == "cuda" and head_dim >= 16
+            and head_dim & (head_dim - 1) == 0)
+
+
+_SMS: dict[int, int] = {}
+
+
+def sm_count(index: int) -> int:
+    """The device's SM count (a dict, not `lru_cache`: Dynamo traces through this inside compiled layers)."""
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def splits_for(rows: int, kv_heads: int, cache_len: int, sms: int) -> int:
+    """Parts per row: one while (row, K/V head) programs fill half the SMs (the merge kernel costs more than the
+    split gains then), else enough parts for two programs per SM, none shorter than a block."""
+    programs = rows * kv_heads
+    if 2 * programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), cache_len // BLOCK_N))
+
+
+if triton is not None:
+    @triton.jit
+    def _live_attention_parts(q_ptr, k_ptr, v_ptr, valid_ptr, length_ptr, out_ptr, part_ptr, stat_ptr,
+                              sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, s_valid, SCALE_LOG2: tl.constexpr,
+                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, H: tl.constexpr,
+                              BLOCK: tl.constexpr, SPLITS: tl.constexpr, MASKED: tl.constexpr):
+        b = tl.program_id(0)
+        kv = tl.program_id(1)
+        split = tl.program_id(2)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, D)
+        offsets = tl.arange(0, BLOCK)
+        heads = kv * GROUP + g
+        in_group = g < GROUP
+        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=in_group[:, None], other=0.0)
+        length = tl.load(length_ptr + b).to(tl.int32)
+        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, length)
+        m = tl.full([BLOCK_G], MASKED, tl.float32)
+        total = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        k_row = k_ptr + b * sk_b + kv * sk_h
+        v_row = v_ptr + b * sv_b + kv * sv_h
+        for start in range(lo, hi, BLOCK):
+            pos = start + offsets
+            inside = pos < hi
+            ok = tl.load(valid_ptr + b * s_valid + pos, mask=inside, other=0) != 0
+            k = tl.load(k_row + pos[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_row + pos[:, None] * sv_s + d[None, :], mask=inside[:, None], other=0.0)  # in flight with k
+            scores = tl.dot(q, tl.trans(k)) * SCALE_LOG2
+            scores = tl.where(ok[None, :], scores, MASKED)
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            total = total * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        if SPLITS == 1:
+            out = acc / total[:, None]
+            tl.store(out_ptr + (b * H + heads[:, None]) * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=in_group[:, None])
+        else:
+            row = (b * H + heads) * SPLITS + split
+            tl.store(part_ptr + row[:, None] * D + d[None, :], acc, mask=in_group[:, None])
+            tl.store(stat_ptr + row * 2, m, mask=in_group)
+            tl.store(stat_ptr + row * 2 + 1, total, mask=in_group)
+
+    @triton.jit
+    def _live_attention_merge(part_ptr, stat_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
+                              BLOCK_S: tl.constexpr):
+        head = tl.program_id(0)  # b * H + h
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, D)
+        used = s < SPLITS
+        m = tl.load(stat_ptr + (head * SPLITS + s) * 2, mask=used, other=float("-inf"))
+        total = tl.load(stat_ptr + (head * SPLITS + s) * 2 + 1, mask=used, other=0.0)
+        acc = tl.load(part_ptr + (head * SPLITS + s[:, None]) * D + d[None, :], mask=used[:, None], other=0.0)
+        weight = tl.exp2(m - tl.max(m, 0))
+        out = tl.sum(acc * weight[:, None], 0) / tl.sum(total * weight, 0)
+        tl.store(out_ptr + head * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def _launch(launch, q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Tensor, scale: float,
+            splits: int, block: int = BLOCK_N, warps: int = 4, stages: int = 2) -> Tensor:
+    """The kernels' launches (`launch`: identity, or torch's `wrap_triton` inside the custom op)."""
+    rows, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    out = torch.empty(rows, 1, heads, dim, dtype=q.dtype, device=q.device)
+    part = torch.empty(rows * heads * splits * dim if splits > 1 else 1, dtype=torch.float32, device=q.device)
+    stat = torch.empty(rows * heads * splits * 2 if splits > 1 else 1, dtype=torch.float32, device=q.device)
+    launch(_live_attention_parts)[(rows, kv_heads, splits)](
+        q, keys, values, valid, lengths, out, part, stat, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
+        keys.stride(2), values.stride(0), values.stride(1), values.stride(2), valid.stride(0),
+        SCALE_LOG2=scale * _LOG2E, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, H=heads,
+        BLOCK=block, SPLITS=splits, MASKED=_MASKED, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        launch(_live_attention_merge)[(rows * heads,)](part, stat, out, D=dim, SPLITS=splits,
+                                                       BLOCK_S=triton.next_power_of_2(splits))
+    return out
+
+
+def live_attention_eager(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Tensor, scale: float,
+                         splits: int, **config) -> Tensor:
+    """The kernels launched directly (tests under Triton's interpreter, kernel timings): [B, 1, H, D]."""
+    return _launch(lambda kernel: kernel, q, keys, values, valid, lengths, scale, splits, **config)
+
+
+if triton is not None:
+    @torch.library.triton_op("rlspec::live_attention", mutates_args=())
+    def _live_attention_op(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Tensor, scale: float,
+                           splits: int) -> Tensor:
+        from torch.library import wrap_triton
+        return _launch(wrap_triton, q, keys, values, valid, lengths, scale, splits)
+
+
+def live_attention(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Tensor, scale: float) -> Tensor:
+    """q [B, H, 1, D] (any strides with D contiguous) against caches [B, Hkv, S, D]; `valid` [B, S] uint8 (1: a
+    real token), `lengths` [B] (positions >= length are not read). Returns [B, H, 1, D] (a transposed view of a
+    contiguous [B, 1, H, D], so the output projection's reshape copies nothing)."""
+    splits = splits_for(q.shape[0], keys.shape[1], keys.shape[2], sm_count(q.device.index or 0))
+    return torch.ops.rlspec.live_attention(q, keys, values, valid, lengths, scale, splits).transpose(1, 2)

@@ -1,0 +1,149 @@
+"""The decode step's Triton kernels against what they replace: `live_attention` (attention over each row's live
+cache positions) against SDPA over the whole masked cache, `skinny_linear` (split-K) against `F.linear`. On
+CUDA compiled in bf16; on CPU under Triton's interpreter in fp32 where Triton is installed (CPU-only torch ships
+without it, so CI skips that case; the device machine runs both)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlspec.rollout.live_attention import live_attention_eager, splits_for
+from rlspec.rollout.skinny_linear import config_for, skinny_linear_eager
+from tests.conftest import REPO
+
+HEADS, KV_HEADS, DIM = 14, 2, 64
+
+
+def _case(dtype, device, rows=6, length=200):
+    torch.manual_seed(0)
+    q = torch.randn(rows, 1, HEADS, DIM, dtype=dtype, device=device).transpose(1, 2)  # the decoder's layout
+    keys = torch.randn(rows, KV_HEADS, length, DIM, dtype=dtype, device=device)
+    values = torch.randn_like(keys)
+    lengths = torch.tensor([1, 37, 64, 130, 200, 65][:rows], device=device)
+    valid = torch.arange(length, device=device)[None] < lengths[:, None]
+    valid[3, :10] = False  # a left-padded prompt
+    keys[1, :, 37:] = 1e4  # past a row's length: never read (a read would swamp its scores)
+    return q, keys, values, valid, lengths
+
+
+def _reference(q, keys, values, valid):
+    mask = torch.zeros(valid.shape, device=q.device).masked_fill_(~valid, float("-inf"))[:, None, None]
+    return F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
+                                          enable_gqa=True, scale=DIM ** -0.5)
+
+
+def _check(dtype, device, tolerance):
+    q, keys, values, valid, lengths = _case(dtype, device)
+    expected = _reference(q, keys, values, valid)
+    for splits in (1, 3, 4):
+        out = live_attention_eager(q, keys, values, valid.view(torch.uint8), lengths, DIM ** -0.5, splits)
+        assert out.shape == (6, 1, HEADS, DIM) and out.dtype == dtype
+        torch.testing.assert_close(out.transpose(1, 2).float(), expected, atol=tolerance, rtol=tolerance)
+    valid[0] = False  # an empty slot (every position masked) stays finite, as under SDPA's finite mask
+    out = live_attention_eager(q, keys, values, valid.view(torch.uint8), lengths, DIM ** -0.5, 3)
+    assert torch.isfinite(out.float()).all()
+
+
+def _check_linear(dtype, device, tolerance):
+    torch.manual_seed(0)
+    for m, n, k in ((5, 100, 300), (64, 130, 896), (70, 64, 500)):
+        x, weight = torch.randn(m, k, dtype=dtype, device=device), torch.randn(n, k, dtype=dtype, device=device)
+        expected = x.float() @ weight.float().T
+        for config in (config_for(m, n, k, sms=132), {"splits": 3, "block_m": 16, "block_n": 32, "block_k": 64}):
+            parts = skinny_linear_eager(x, weight, **config)
+            assert parts.dtype == torch.float32 and parts.shape[1:] == (m, n)
+            torch.testing.assert_close(parts.sum(0), expected, atol=tolerance * k ** 0.5, rtol=tolerance)
+
+
+def _interpreted() -> None:
+    """`_check` and `_check_linear` in fp32 under Triton's interpreter (run in a fresh process: the interpreter is chosen when the
+    kernels are defined). fp32 only: the interpreter's bf16 dot is wrong (CUDA checks bf16 below)."""
+    import triton.runtime.interpreter as interpreter
+
+    # The interpreter (Triton 3.5) holds a loaded scalar as a 1-element array, which a loop bound cannot take.
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor):
+        patch(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
+
+    interpreter._patch_lang_tensor = patched
+    _check(torch.float32, "cpu", 1e-5)
+    _check_linear(torch.float32, "cpu", 1e-5)
+
+
+def test_kernels_match_torch_under_the_interpreter():
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", "import tests.rollout.test_decode_kernels as t; t._interpreted()"],
+                          cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_live_attention_matches_masked_sdpa_on_cuda():
+    _check(torch.bfloat16, "cuda", 2e-2)
+
+
+@pytest.mark.gpu
+def test_skinny_linear_matches_linear_on_cuda():
+    _check_linear(torch.bfloat16, "cuda", 1e-2)
+
+
+@pytest.mark.gpu
+def test_decode_step_with_the_kernels_matches_the_plain_one_on_cuda():
+    """One compiled decode layer stack over a half-filled cache: logits with live attention and split-K
+    projections equal those with SDPA and cuBLAS, to bf16 rounding."""
+    from rlspec.models.factory import load_model
+    from rlspec.rollout.decoder import StaticDecoder
+    from rlspec.spec import ModelSpec
+
+    model = load_model(ModelSpec(preset="qwen2_0p5b_shape", dtype="bfloat16", attn_implementation="sdpa"), 0).cuda()
+    logits = []
+    for fast in (True, False):
+        decoder = StaticDecoder(model, sdpa=True, live_attention=fast, skinny=fast)
+        decoder.fuse_weights()
+        decoder.compile_blocks(layers=True)
+        torch.manual_seed(1)
+        keys, values = decoder.new_cache(48, 256, "cuda")
+        for cache in keys + values:
+            cache.normal_()
+        lengths = torch.randint(1, 256, (48,), device="cuda")
+        valid = torch.arange(256, device="cuda")[None] < lengths[:, None]
+        ids = torch.randint(0, 1000, (48, 1), device="cuda")
+        with torch.no_grad():
+            logits.append(decoder.forward(ids, lengths[:, None] - 1, (lengths - 1)[:, None], valid[:, None], keys,
+                                          values, compiled=True, lengths=lengths).float())
+    torch.testing.assert_close(logits[0], logits[1], atol=0.15, rtol=0.05)
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.gpu
+def test_live_attention_compiles_inside_a_captured_graph():
+    """The custom op under torch.compile, captured in a CUDA graph, follows the lengths written before a replay."""
+    from rlspec.rollout.live_attention import live_attention
+
+    q, keys, values, valid, lengths = _case(torch.bfloat16, "cuda")
+    keys[1, :, 37:] = torch.randn_like(keys[1, :, 37:])  # this test's second lengths read them
+    valid8 = valid.view(torch.uint8)
+    attend = torch.compile(lambda *a: live_attention(*a, DIM ** -0.5), dynamic=False)
+    out = attend(q, keys, values, valid8, lengths)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend(q, keys, values, valid8, lengths)
+    lengths.fill_(150)
+    valid.copy_(torch.arange(valid.shape[1], device="cuda")[None] < 150)
+    graph.replay()
+    torch.testing.assert_close(out.float(), _reference(q, keys, values, valid), atol=2e-2, rtol=2e-2)
+
+
+def test_splits_fill_the_device_without_parts_shorter_than_a_block():
+    assert splits_for(64, 2, 384, sms=132) == 1  # 128 (row, K/V head) programs: no merge kernel
+    assert splits_for(16, 2, 1152, sms=132) == 9  # 32 programs: 9 parts (264 / 32, and 9 blocks of 128)
+    assert splits_for(8, 2, 384, sms=132) == 3  # capped: three 128-position blocks
