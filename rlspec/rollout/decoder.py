@@ -4,10 +4,12 @@ A small forward for Llama-style decoders (Qwen2, Llama, Mistral without a slidin
 transformers module's own weight tensors — weights still arrive by HF name through `HFEngine.load_weights`,
 and a colocated trainer's in-place optimizer steps are seen directly. Without `sdpa` its attention follows
 transformers' eager attention (scores in the model dtype, softmax in fp32); with it (the CUDA default) it is
-`scaled_dot_product_attention`; either way the engine's log-probs agree with the trainer's within bf16
-rounding (`tests/test_gpu.py`). On CUDA it also runs each layer's q/k/v and gate/up projections as one GEMM
-each, over fused copies refreshed before every batch (`fuse_weights`), and compiles one function per decoder
-layer.
+`scaled_dot_product_attention`, and a decode step (one token a row) on CUDA attends with the Triton kernel of
+`live_attention` over each row's reached positions only; either way the engine's log-probs agree with the
+trainer's within bf16 rounding (`tests/test_gpu.py`). Decode steps of up to `SKINNY_ROWS` rows run the output
+and down projections with the split-K `skinny_linear`. On CUDA it also runs each layer's q/k/v and gate/up
+projections as one GEMM each, over fused copies refreshed before every batch (`fuse_weights`), and compiles one
+function per decoder layer.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import live_attention as live
+from .noise import keyed_exponential
+from .sampling import exponential_race
 from .skinny_linear import skinny_linear
 
 SKINNY_ROWS = 64  # decode steps of at most this many rows run the output and down projections split-K
-from .noise import keyed_exponential
-from .sampling import exponential_race
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 
@@ -242,8 +244,9 @@ class StaticDecoder:
     def _layer(self, x: Tensor, delta: Tensor, weights: tuple, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                mask: Tensor, cos: Tensor, sin: Tensor, blocks=None) -> tuple[Tensor, Tensor]:
         """One decoder layer on the residual stream `x` + `delta` (the last layer's MLP output as parts to sum,
-        `_mlp_block`: added here so the sum and the add fuse into this layer's first norm); returns the stream after attention and this layer's MLP output.
-        Its K/V go to cache `slots` [b, T] (each row its own). `weights` from `_layer_weights`."""
+        `_mlp_block`: added here so the sum and the add fuse into this layer's first norm); returns the stream after
+        attention and this layer's MLP output (as parts). Its K/V go to cache `slots` [b, T] (each row its own).
+        `weights` from `_layer_weights`."""
         qkv, attention, mlp = blocks or self._blocks()
         norm1, qkv_weights, wo, bo, norm2, mlp_weights = weights
         x = x + delta.sum(0).to(x.dtype)
