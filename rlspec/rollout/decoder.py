@@ -138,6 +138,11 @@ class StaticDecoder:
         out = F.linear(x, weight, bias)
         return out[None] if parts else out
 
+    @staticmethod
+    def _summed(parts: Tensor, dtype: torch.dtype) -> Tensor:
+        """`_linear`'s parts summed, in `dtype`; one part is taken as it is (no copy on the eager prefill path)."""
+        return (parts[0] if parts.shape[0] == 1 else parts.sum(0)).to(dtype)
+
     def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
         dtype = x.dtype
         x = x.float()
@@ -249,7 +254,7 @@ class StaticDecoder:
         `weights` from `_layer_weights`."""
         qkv, attention, mlp = blocks or self._blocks()
         norm1, qkv_weights, wo, bo, norm2, mlp_weights = weights
-        x = x + delta.sum(0).to(x.dtype)
+        x = x + self._summed(delta, x.dtype)
         q, k, v = qkv(x, norm1, qkv_weights, cos, sin)
         # An indexed store, not scatter_: compiled, scatter_ became a scatter into a copy of the whole cache and a
         # copy back (two full-cache passes per layer and cache); index_put_ writes only the new positions in place.
@@ -292,5 +297,5 @@ class StaticDecoder:
         cos, sin = cos[:, None], sin[:, None]
         for index, (layer, k_cache, v_cache) in enumerate(zip(body.layers, keys, values)):
             x, delta = run(x, delta, self._layer_weights(index, layer), k_cache, v_cache, slots, mask, cos, sin)
-        x = self._rms_norm(x[:, -1] + delta[:, :, -1].sum(0).to(x.dtype), body.norm.weight)
+        x = self._rms_norm(x[:, -1] + self._summed(delta[:, :, -1], x.dtype), body.norm.weight)
         return F.linear(x, self.model.get_output_embeddings().weight)

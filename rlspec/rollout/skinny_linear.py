@@ -43,8 +43,9 @@ if triton is not None:
 
 def config_for(m: int, n: int, k: int, sms: int) -> dict:
     """Tiles of 16 or 64 rows by 32 columns, 128-deep K blocks, and K cut into parts until there are about two
-    programs per SM (at most one K block a part): the fastest in a sweep on an H100 for the 0.5B shape's q/k/v,
-    output and down projections at 16 and 64 rows (`tests/gpu/measure.sh decode_kernels`)."""
+    programs per SM (at most one K block a part): the fastest in a one-off sweep of tile sizes on an H100 for the
+    0.5B shape's q/k/v, output and down projections at 16 and 64 rows. `tests/gpu/measure.sh decode_kernels` times
+    this choice beside cuBLAS."""
     block_m, block_n, block_k = (16 if m <= 16 else 64), 32, 128
     tiles = -(-n // block_n) * -(-m // block_m)
     splits = max(1, min(-(-2 * sms // tiles), k // block_k))
@@ -55,10 +56,10 @@ def _launch(launch, x: Tensor, weight: Tensor, splits: int, block_m: int, block_
             warps: int = 4, stages: int = 3) -> Tensor:
     m, k = x.shape
     n = weight.shape[0]
-    chunk = -(-(-(-k // splits)) // block_k) * block_k  # each part a whole number of K blocks
-    splits = -(-k // chunk)
+    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # each part a whole number of K blocks
+    splits = triton.cdiv(k, chunk)
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    launch(_skinny_linear_parts)[(-(-n // block_n), splits, -(-m // block_m))](
+    launch(_skinny_linear_parts)[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out

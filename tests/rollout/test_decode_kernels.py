@@ -62,8 +62,8 @@ def _check_linear(dtype, device, tolerance):
 
 
 def _interpreted() -> None:
-    """`_check` and `_check_linear` in fp32 under Triton's interpreter (run in a fresh process: the interpreter is chosen when the
-    kernels are defined). fp32 only: the interpreter's bf16 dot is wrong (CUDA checks bf16 below)."""
+    """`_check` and `_check_linear` in fp32 under Triton's interpreter (run in a fresh process: the interpreter is
+    chosen when the kernels are defined). fp32 only: the interpreter's bf16 dot is wrong (CUDA checks bf16 below)."""
     import triton.runtime.interpreter as interpreter
 
     # The interpreter (Triton 3.5) holds a loaded scalar as a 1-element array, which a loop bound cannot take.
