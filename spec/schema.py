@@ -77,7 +77,8 @@ class AlgorithmSpec(Section):
     micro_batch_tokens: int = 0
     """Split each update's forward/backward by tokens instead: micro-batches of at most this many real tokens
     (a longer sequence is a micro-batch of its own), the sequences balanced over the trainer ranks by real
-    tokens (`rlspec.core.packing` states the rule). 0 = off: `micro_batch_size` sequences per micro-batch.
+    tokens and each rank's micro-batches evened out (as few as the budget allows, near equal in tokens;
+    `rlspec.core.packing` states the rule). 0 = off: `micro_batch_size` sequences per micro-batch.
     The no-gradient log-prob passes keep `micro_batch_size`."""
     updates_per_batch: int = 1
     """Optimizer updates per rollout batch (the batch is split into this many mini-batches)."""

@@ -77,6 +77,15 @@ def test_plan_split_balances_ranks_and_respects_the_budget():
     assert chunk_sizes(7, 3) == [3, 3, 1]
 
 
+def test_plan_split_evens_out_the_micro_batches():
+    # first-fit decreasing needs 3 micro-batches (8, 9 and 3 tokens); dealt again they hold 7, 7 and 6
+    assert plan_split([4, 4, 3, 3, 3, 3], 1, 10) == [([0, 4, 1, 5, 2, 3], [2, 2, 2])]
+    # uniform rows: no small remainder (four of 59 rows and one of 20 under first-fit)
+    assert plan_split([276] * 256, 1, 16384)[0][1] == [52, 51, 51, 51, 51]
+    # dealt again, one would hold 10 > 9 tokens: first-fit's own micro-batches stay
+    assert plan_split([5, 4, 3, 3, 3], 1, 9) == [([0, 1, 2, 3, 4], [2, 3])]
+
+
 def _reference_grads(model, batch, norm, cfg):
     """One forward of the whole batch on the padded path: the definition."""
     model.zero_grad(set_to_none=True)

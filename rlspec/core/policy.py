@@ -43,6 +43,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
+from ..runtime.collector import collection_paused
 from .batch import TrainBatch, position_ids
 from .grpo import LossConfig, LossNorm, policy_loss, token_logprobs_and_entropy
 from .packing import PACKED_SDPA, Packing, chunk_sizes, use_packed_sdpa
@@ -250,13 +251,14 @@ def sequence_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: fl
 def batch_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float, micro_batch_size: int,
                    device: torch.device | str) -> Tensor:
     """[N, L] token log-probs of `batch` under `model`, computed micro-batch by micro-batch, returned on CPU
-    (gathered on `device`, then copied once)."""
+    (gathered on `device`, then copied once); automatic garbage collection off meanwhile, as in `accumulate`."""
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
     split = batch.split(chunk_sizes(len(batch), micro_batch_size), device, packs(model, batch))
-    for start, (mb, packing) in zip(range(0, len(batch), micro_batch_size), split):
-        logp, _ = sequence_logprobs(model, mb, temperature, packing)
-        out[start:start + len(mb), :mb.input_ids.shape[1]] = logp.float()
-    return out.cpu()
+    with collection_paused():
+        for start, (mb, packing) in zip(range(0, len(batch), micro_batch_size), split):
+            logp, _ = sequence_logprobs(model, mb, temperature, packing)
+            out[start:start + len(mb), :mb.input_ids.shape[1]] = logp.float()
+        return out.cpu()
 
 
 def micro_batch_loss(model: torch.nn.Module, mb: TrainBatch, norm: LossNorm, cfg: LossConfig,
@@ -287,20 +289,22 @@ def accumulate(model: torch.nn.Module, shard: TrainBatch, micro_batch_size: int,
     across ranks only then).
 
     The statistics stay on the device, summed in fp64 (what adding them as Python floats gives), and are
-    read once at the end: the loop itself never waits for the device.
+    read once at the end: the loop itself never waits for the device. Python's automatic garbage collection is
+    off while it runs (`rlspec.runtime.collector`).
     """
     totals = None
     sizes = chunk_sizes(len(shard), micro_batch_size) if sizes is None else sizes
-    for i, (mb, packing) in enumerate(shard.split(sizes, device, packs(model, shard))):
-        loss, stats = micro_batch_loss(model, mb, norm, cfg, temperature, packing)
-        if boundary is not None:
-            boundary(i == len(sizes) - 1)
-        backward(loss)
-        part = torch.stack([stats[key].detach().to(torch.float64) for key in STAT_KEYS])
-        totals = part if totals is None else totals + part
-    if totals is None:
-        return dict.fromkeys(STAT_KEYS, 0.0)
-    return dict(zip(STAT_KEYS, totals.tolist()))
+    with collection_paused():
+        for i, (mb, packing) in enumerate(shard.split(sizes, device, packs(model, shard))):
+            loss, stats = micro_batch_loss(model, mb, norm, cfg, temperature, packing)
+            if boundary is not None:
+                boundary(i == len(sizes) - 1)
+            backward(loss)
+            part = torch.stack([stats[key].detach().to(torch.float64) for key in STAT_KEYS])
+            totals = part if totals is None else totals + part
+        if totals is None:
+            return dict.fromkeys(STAT_KEYS, 0.0)
+        return dict(zip(STAT_KEYS, totals.tolist()))
 
 
 def block_classes(model: torch.nn.Module) -> set[str]:

@@ -5,7 +5,8 @@ Runs the spec's steps (sample, score, `loop.update`) and, for the train phase of
 
 - the train phase's median wall time and MFU as `rlspec bench` counts it; for the last step, the summed
   GPU kernel time (over the wall time, how busy the GPU is: a low share means the host does not keep it fed);
-- peak device memory of the generation phase and of the train phase, each measured alone;
+- peak device memory of the generation phase and of the train phase, each measured alone, and how many memory
+  segments the CUDA allocator had to add in each measured train phase (each a cudaMalloc on the host);
 - host-device synchronisations in the train phase (`torch.cuda.set_sync_debug_mode`), by the source line
   that asked for them, and the time the host spent in Python's garbage collector, by generation;
 - how many frames torch.compile compiled during the measured steps (a recompile there costs seconds, and past
@@ -28,7 +29,7 @@ import collections
 import statistics
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
@@ -44,7 +45,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stacks", action="store_true", help="record Python stacks in the trace (slows the host)")
     parser.add_argument("--backend", default="standalone", choices=("standalone", "fsdp", "deepspeed"),
                         help="the trainer to profile (fsdp and deepspeed: one rank, in this process)")
+    parser.add_argument("--gc", default="paused", choices=("paused", "automatic"),
+                        help="automatic: leave Python's garbage collector on during the train phase's micro-batch "
+                             "loops (to measure what pausing it gives, rlspec.runtime.collector)")
     args = parser.parse_args(argv)
+    if args.gc == "automatic":
+        from ..core import policy
+
+        policy.collection_paused = nullcontext
     if not torch.cuda.is_available():
         raise SystemExit("profile_train needs a CUDA device")
 
@@ -59,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         plan, backend = in_process_backend(args.spec, args.overrides, args.backend)
     pad_id = pad_token_id(engine.tokenizer)
     flops = _train_flops(plan)
-    walls, mfus, syncs, prepares = [], [], collections.Counter(), []
+    walls, mfus, syncs, prepares, mallocs = [], [], collections.Counter(), [], []
     prepare = getattr(backend, "prepare_update", None)
     collector = GCTimer()
     peaks = {"gen": 0.0, "train": 0.0}
@@ -83,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             last = step == args.steps - 1
             if last:  # the kernel table and GPU time: the last step's train phase alone
                 profiler.start()
+            segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)
             start = time.perf_counter()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -101,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                 compiled_after_warmup = _compiled_frames()
                 continue  # warm-up
             walls.append(wall)
+            mallocs.append(torch.cuda.memory_stats().get("segment.all.allocated", 0) - segments)
             syncs.update(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
             if flops is not None:
                 mfus.append(flops.flops(float(batch.attention_mask.sum())) / (wall * flops.peak))
@@ -119,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"prepare_update before sampling (beside the engine in a run with actors; not in the train phase): "
               f"median {statistics.median(prepares[1:]) * 1e3:.1f} ms")
     print(f"peak memory: generation {peaks['gen']:.2f} GB, train {peaks['train']:.2f} GB")
+    print(f"device memory segments the allocator had to add (cudaMalloc) in the train phase, per step: {mallocs}")
     print(f"host-device syncs in the train phase: {sum(syncs.values()) / steps:.0f} per step")
     for where, count in syncs.most_common(15):
         print(f"  {count / steps:6.0f}  {where}")

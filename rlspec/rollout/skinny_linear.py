@@ -22,7 +22,8 @@ if triton is not None:
 
     @triton.jit
     def _skinny_linear_parts(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, CHUNK: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GATED: tl.constexpr):
         n_block = tl.program_id(0)
         split = tl.program_id(1)
         m_block = tl.program_id(2)
@@ -32,8 +33,12 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for start in range(split * CHUNK, tl.minimum(split * CHUNK + CHUNK, K), BLOCK_K):
             k = start + ks
-            x = tl.load(x_ptr + rows[:, None] * sx_m + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
-                        other=0.0)
+            inside = (rows[:, None] < M) & (k[None, :] < K)
+            x = tl.load(x_ptr + rows[:, None] * sx_m + k[None, :], mask=inside, other=0.0)
+            if GATED:  # x holds [gate | up]: the input is silu(gate) * up, rounded to x's dtype as the plain path's
+                up = tl.load(x_ptr + rows[:, None] * sx_m + K + k[None, :], mask=inside, other=0.0)
+                gate = x.to(tl.float32)
+                x = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(up.dtype)
             w = tl.load(w_ptr + cols[:, None] * sw_n + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < K),
                         other=0.0)
             acc += tl.dot(x, tl.trans(w))
@@ -53,15 +58,14 @@ def config_for(m: int, n: int, k: int, sms: int) -> dict:
 
 
 def _launch(launch, x: Tensor, weight: Tensor, splits: int, block_m: int, block_n: int, block_k: int,
-            warps: int = 4, stages: int = 3) -> Tensor:
-    m, k = x.shape
-    n = weight.shape[0]
+            gated: bool = False, warps: int = 4, stages: int = 3) -> Tensor:
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # each part a whole number of K blocks
     splits = triton.cdiv(k, chunk)
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     launch(_skinny_linear_parts)[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        BLOCK_K=block_k, GATED=gated, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -73,19 +77,25 @@ def skinny_linear_eager(x: Tensor, weight: Tensor, **config) -> Tensor:
 if triton is not None:
     @torch.library.triton_op("rlspec::skinny_linear", mutates_args=())
     def _skinny_linear_op(x: Tensor, weight: Tensor, splits: int, block_m: int, block_n: int,
-                          block_k: int) -> Tensor:
+                          block_k: int, gated: bool = False) -> Tensor:
         from torch.library import wrap_triton
-        return _launch(wrap_triton, x, weight, splits, block_m, block_n, block_k)
+        return _launch(wrap_triton, x, weight, splits, block_m, block_n, block_k, gated)
 
 
-def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, parts: bool = False) -> Tensor:
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, parts: bool = False,
+                  gated: bool = False) -> Tensor:
     """`F.linear(x, weight, bias)` for x [..., K] with few rows, in x's dtype (fp32 sums of the parts); `parts`:
-    the fp32 parts [splits, ..., N] unsummed (the bias added to the first)."""
+    the fp32 parts [splits, ..., N] unsummed (the bias added to the first). `gated`: x is [..., 2K], a gate and
+    an up projection side by side, and the input is `silu(gate) * up` (the MLP's down projection), formed while
+    the kernel loads it instead of by a kernel of its own."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
+    if flat.shape[1] != weight.shape[1] * (2 if gated else 1):
+        raise ValueError(f"skinny_linear: input of {flat.shape[1]} features for a weight of {weight.shape[1]}"
+                         f"{' (gated: twice that expected)' if gated else ''}")
     config = config_for(flat.shape[0], weight.shape[0], weight.shape[1], sm_count(x.device.index or 0))
-    out = torch.ops.rlspec.skinny_linear(flat, weight, **config)
+    out = torch.ops.rlspec.skinny_linear(flat, weight, gated=gated, **config)
     if parts:
         if bias is not None:
             out = torch.cat([out[:1] + bias, out[1:]])

@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head decode_kernels
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head decode_kernels host
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 set -u
@@ -72,7 +72,8 @@ for section in "$@"; do
           rollout.max_staleness=1 --backends fsdp --out /tmp/b_$mode > $OUT/async_$mode.log 2>&1
         echo "$mode exit $?" >> $OUT/results.txt; keep async_$mode /tmp/b_$mode; tail -4 $OUT/async_$mode.log >> $OUT/results.txt
       done ;;
-    trl8|trl32)  # issue 9: the standalone engine beside TRL's GRPOTrainer, 8 or 32 prompts x 8
+    trl8|trl32|trl64)  # issue 9: the standalone engine beside TRL's GRPOTrainer, 8, 32 or 64 prompts x 8 (issue 18:
+      # the train phase's MFU at 32 and 64 x 8)
       p=${section#trl}
       CUDA_VISIBLE_DEVICES=0 timeout 480 $RL bench $BENCH rollout.prompts_per_step=$p --backends standalone ${REFERENCE---reference trl} \
         --out /tmp/b_$section > $OUT/$section.log 2>&1; echo "exit $?" >> $OUT/results.txt
@@ -116,12 +117,21 @@ for section in "$@"; do
           algorithm.micro_batch_tokens=16384 model.compile_layers=$c ${PT_EXTRA:-} --steps 4 > $OUT/profile_ab_$c.txt 2>&1
         echo "profile compile_layers=$c exit $?" >> $OUT/results.txt; head -4 $OUT/profile_ab_$c.txt >> $OUT/results.txt
       done ;;
-    trace32)  # issue 18: the packed, compiled train phase at 32 x 8 (16k-token budget) with the last step's Chrome
-      # trace in $OUT/trace32.json.gz, to find where the GPU idles (STACKS=--stacks: with Python stacks)
-      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=32 \
-        algorithm.micro_batch_tokens=16384 model.compile_layers=true --steps 4 --trace /tmp/trace32.json ${STACKS:-} \
-        > $OUT/trace32.txt 2>&1; echo "trace32 exit $?" >> $OUT/results.txt; head -4 $OUT/trace32.txt >> $OUT/results.txt
-      gzip -c /tmp/trace32.json > $OUT/trace32.json.gz ;;
+    trace32)  # issue 18: the packed, compiled train phase at P x 8 (default 32; 16k-token budget) with the last step's
+      # Chrome trace in $OUT/trace<P>.json.gz, to find where the GPU idles (STACKS=--stacks: with Python stacks)
+      P=${P:-32}
+      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=$P \
+        algorithm.micro_batch_tokens=16384 model.compile_layers=true --steps 4 --rows 40 --trace /tmp/trace$P.json ${STACKS:-} \
+        > $OUT/trace$P.txt 2>&1; echo "trace$P exit $?" >> $OUT/results.txt; head -4 $OUT/trace$P.txt >> $OUT/results.txt
+      gzip -c /tmp/trace$P.json > $OUT/trace$P.json.gz ;;
+    host)  # issue 18: the train phase's host time at P x 8 (default 32): Python's garbage collector paused in the
+      # micro-batch loops (the default) or automatic, and the CUDA allocator with expandable segments; 6 steps each
+      for run in automatic paused paused@expandable; do
+        gcmode=${run%%@*}; alloc=""; [ "$run" != "$gcmode" ] && alloc="expandable_segments:True"
+        PYTORCH_CUDA_ALLOC_CONF=$alloc CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_train $BENCH \
+          rollout.prompts_per_step=${P:-32} --gc $gcmode --steps 6 --rows 10 > $OUT/host_${gcmode}_${alloc%%:*}.txt 2>&1
+        echo "host $run exit $?" >> $OUT/results.txt; head -9 $OUT/host_${gcmode}_${alloc%%:*}.txt | grep -v Warn >> $OUT/results.txt
+      done ;;
     decode_kernels)  # issue 19: the decode step's Triton kernels (split-K projections, attention over live positions)
       # beside cuBLAS and cuDNN's SDPA, then the fixed 64 x 256 decode step with both, with live attention only, and
       # with neither (fused_layers_sdpa / _live / _masked), with its kernel table
