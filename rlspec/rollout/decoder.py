@@ -133,14 +133,10 @@ class StaticDecoder:
         """`F.linear`, or `skinny_linear` for a decode step's few rows (x [b, 1, in], b <= `SKINNY_ROWS`).
         `parts`: return the split-K parts [splits, b, 1, out] in fp32 unsummed (F.linear's output as the one part),
         for a caller whose sum fuses into the next compiled layer."""
-        if self._skinny_rows(x):
+        if self.skinny and x.dim() == 3 and x.shape[1] == 1 and x.shape[0] <= SKINNY_ROWS:
             return skinny_linear(x, weight, bias, parts=parts)
         out = F.linear(x, weight, bias)
         return out[None] if parts else out
-
-    def _skinny_rows(self, x: Tensor) -> bool:
-        """Whether `x` [b, T, in] is a decode step's few rows, which `skinny_linear` takes."""
-        return bool(self.skinny) and x.dim() == 3 and x.shape[1] == 1 and x.shape[0] <= SKINNY_ROWS
 
     @staticmethod
     def _summed(parts: Tensor, dtype: torch.dtype) -> Tensor:
@@ -227,13 +223,10 @@ class StaticDecoder:
         """The MLP's output as parts [splits, b, T, hidden] to be summed (`_linear`'s `parts`; the residual add is
         left to the caller). `weights`: (w_gate, w_up, w_down), or the fused (w_gate_up, w_down)."""
         h = self._rms_norm(x, norm)
-        if len(weights) == 3:
+        if len(weights) == 2:
+            gate, up = F.linear(h, weights[0]).chunk(2, dim=-1)
+        else:
             gate, up = F.linear(h, weights[0]), F.linear(h, weights[1])
-            return self._linear(F.silu(gate) * up, weights[-1], parts=True)
-        gate_up = F.linear(h, weights[0])
-        if self._skinny_rows(gate_up):  # silu(gate) * up formed inside the down projection's loads
-            return skinny_linear(gate_up, weights[-1], parts=True, gated=True)
-        gate, up = gate_up.chunk(2, dim=-1)
         return self._linear(F.silu(gate) * up, weights[-1], parts=True)
 
     def compile_blocks(self, layers: bool = False, autotune: bool = False) -> None:

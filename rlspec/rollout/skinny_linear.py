@@ -4,9 +4,10 @@ At 16-256 rows cuBLAS reads the decoder's smaller weight matrices far below the 
 shape at 64 rows, q/k/v and the output projection at about 0.4 TB/s, gate/up 1.8 and down 0.9 TB/s on an
 H100, with a different weight per layer so none stays in L2): too few output tiles to occupy the SMs. Here the
 K dimension is also cut into `splits` parts, one program per (N block, part, M block), each writing its fp32
-partial sum; `skinny_linear` returns the [splits, M, N] partials, and the caller's `.sum(0)` fuses, under
-torch.compile, into the element-wise kernel that reads the output next (the residual add, the next norm), so
-the split costs no extra kernel where such a kernel follows (`StaticDecoder._linear` says where it is used).
+partial sum; `skinny_linear` returns the [splits, M, N] partials, and the caller adds them part by part
+(`StaticDecoder._summed`), which torch.compile fuses into the element-wise kernel that reads the output next
+(the residual add, the next norm), so the split costs no extra kernel where such a kernel follows
+(`StaticDecoder._linear` says where it is used).
 Deterministic: no atomics.
 """
 
@@ -22,8 +23,7 @@ if triton is not None:
 
     @triton.jit
     def _skinny_linear_parts(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, CHUNK: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GATED: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         n_block = tl.program_id(0)
         split = tl.program_id(1)
         m_block = tl.program_id(2)
@@ -33,12 +33,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for start in range(split * CHUNK, tl.minimum(split * CHUNK + CHUNK, K), BLOCK_K):
             k = start + ks
-            inside = (rows[:, None] < M) & (k[None, :] < K)
-            x = tl.load(x_ptr + rows[:, None] * sx_m + k[None, :], mask=inside, other=0.0)
-            if GATED:  # x holds [gate | up]: the input is silu(gate) * up, rounded to x's dtype as the plain path's
-                up = tl.load(x_ptr + rows[:, None] * sx_m + K + k[None, :], mask=inside, other=0.0)
-                gate = x.to(tl.float32)
-                x = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(up.dtype)
+            x = tl.load(x_ptr + rows[:, None] * sx_m + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
+                        other=0.0)
             w = tl.load(w_ptr + cols[:, None] * sw_n + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < K),
                         other=0.0)
             acc += tl.dot(x, tl.trans(w))
@@ -58,14 +54,15 @@ def config_for(m: int, n: int, k: int, sms: int) -> dict:
 
 
 def _launch(launch, x: Tensor, weight: Tensor, splits: int, block_m: int, block_n: int, block_k: int,
-            gated: bool = False, warps: int = 4, stages: int = 3) -> Tensor:
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+            warps: int = 4, stages: int = 3) -> Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
     chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # each part a whole number of K blocks
     splits = triton.cdiv(k, chunk)
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     launch(_skinny_linear_parts)[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, GATED=gated, num_warps=warps, num_stages=stages)
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -77,25 +74,19 @@ def skinny_linear_eager(x: Tensor, weight: Tensor, **config) -> Tensor:
 if triton is not None:
     @torch.library.triton_op("rlspec::skinny_linear", mutates_args=())
     def _skinny_linear_op(x: Tensor, weight: Tensor, splits: int, block_m: int, block_n: int,
-                          block_k: int, gated: bool = False) -> Tensor:
+                          block_k: int) -> Tensor:
         from torch.library import wrap_triton
-        return _launch(wrap_triton, x, weight, splits, block_m, block_n, block_k, gated)
+        return _launch(wrap_triton, x, weight, splits, block_m, block_n, block_k)
 
 
-def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, parts: bool = False,
-                  gated: bool = False) -> Tensor:
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, parts: bool = False) -> Tensor:
     """`F.linear(x, weight, bias)` for x [..., K] with few rows, in x's dtype (fp32 sums of the parts); `parts`:
-    the fp32 parts [splits, ..., N] unsummed (the bias added to the first). `gated`: x is [..., 2K], a gate and
-    an up projection side by side, and the input is `silu(gate) * up` (the MLP's down projection), formed while
-    the kernel loads it instead of by a kernel of its own."""
+    the fp32 parts [splits, ..., N] unsummed (the bias added to the first)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    if flat.shape[1] != weight.shape[1] * (2 if gated else 1):
-        raise ValueError(f"skinny_linear: input of {flat.shape[1]} features for a weight of {weight.shape[1]}"
-                         f"{' (gated: twice that expected)' if gated else ''}")
     config = config_for(flat.shape[0], weight.shape[0], weight.shape[1], sm_count(x.device.index or 0))
-    out = torch.ops.rlspec.skinny_linear(flat, weight, gated=gated, **config)
+    out = torch.ops.rlspec.skinny_linear(flat, weight, **config)
     if parts:
         if bias is not None:
             out = torch.cat([out[:1] + bias, out[1:]])
