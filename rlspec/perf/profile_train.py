@@ -48,11 +48,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gc", default="paused", choices=("paused", "automatic"),
                         help="automatic: leave Python's garbage collector on during the train phase's micro-batch "
                              "loops (to measure what pausing it gives, rlspec.runtime.collector)")
+    parser.add_argument("--split", default="even", choices=("even", "first-fit"),
+                        help="first-fit: token-budget micro-batches as first-fit decreasing packs them, not evened "
+                             "out (to measure what evening them out gives, rlspec.core.packing)")
     args = parser.parse_args(argv)
     if args.gc == "automatic":
         from ..core import policy
 
         policy.collection_paused = nullcontext
+    if args.split == "first-fit":
+        from ..core import packing
+
+        packing._balanced = lambda bins, lengths, budget: bins
     if not torch.cuda.is_available():
         raise SystemExit("profile_train needs a CUDA device")
 

@@ -2,9 +2,10 @@
 
 Autograd, the compiled layers' wrappers and the loss allocate tens of thousands of short-lived Python objects per
 step; with automatic collection on, the collector ran about a hundred young-generation passes inside a 32 x 8
-train phase (on the GPU machine: 23.5 ms of them, and 15.6 ms of middle-generation ones) and now and then a full
-one over every object the process holds (168 ms, with the model, the tokenizer and torch.compile's caches
-tracked). The host time is the train phase's time wherever the host, not the GPU, sets its pace.
+train phase (the 0.5B shape on one H100: 23.5 ms of them, and 15.6 ms of middle-generation ones) and now and then
+a full one over every object the process holds (168 ms, with the model, the tokenizer and torch.compile's caches
+tracked). The host time is the train phase's time wherever the host, not the GPU, sets its pace: pausing the
+collector took that phase from 0.672 to 0.612 s (`python -m rlspec.perf.profile_train --gc`).
 
 `collection_paused` turns automatic collection off while a micro-batch loop runs. Objects freed by reference
 counting (nearly all of them) are freed as before; the collector runs again once the loop is done, over what

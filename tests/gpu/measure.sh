@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head decode_kernels host
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head decode_kernels host split
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 set -u
@@ -131,6 +131,13 @@ for section in "$@"; do
         PYTORCH_CUDA_ALLOC_CONF=$alloc CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_train $BENCH \
           rollout.prompts_per_step=${P:-32} --gc $gcmode --steps 6 --rows 10 > $OUT/host_${gcmode}_${alloc%%:*}.txt 2>&1
         echo "host $run exit $?" >> $OUT/results.txt; head -9 $OUT/host_${gcmode}_${alloc%%:*}.txt | grep -v Warn >> $OUT/results.txt
+      done ;;
+    split)  # issue 18: token-budget micro-batches first-fit against evened out (the default), at P x 8 (default 32)
+      # and a 32k budget, the runs interleaved
+      for split in first-fit even first-fit even; do
+        CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
+          algorithm.micro_batch_tokens=32768 --split $split --steps 6 --rows 5 > $OUT/split_$split.txt 2>&1
+        echo "split $split exit $?" >> $OUT/results.txt; grep -E "train phase|peak" $OUT/split_$split.txt >> $OUT/results.txt
       done ;;
     decode_kernels)  # issue 19: the decode step's Triton kernels (split-K projections, attention over live positions)
       # beside cuBLAS and cuDNN's SDPA, then the fixed 64 x 256 decode step with both, with live attention only, and
