@@ -129,18 +129,17 @@ class StaticDecoder:
         values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
         return keys, values
 
-    def _linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, parts: bool = False) -> Tensor:
-        """`F.linear`, or `skinny_linear` for a decode step's few rows (x [b, 1, in], b <= `SKINNY_ROWS`).
-        `parts`: return the split-K parts [splits, b, 1, out] in fp32 unsummed (F.linear's output as the one part),
-        for a caller whose sum fuses into the next compiled layer."""
+    def _linear_parts(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """`F.linear` as parts to add (`_summed`): for a decode step's few rows (x [b, 1, in], b <= `SKINNY_ROWS`)
+        the split-K parts of `skinny_linear` [splits, b, 1, out] in fp32, else F.linear's output as the one part,
+        so that the sum fuses into the compiled kernel that reads it next."""
         if self.skinny and x.dim() == 3 and x.shape[1] == 1 and x.shape[0] <= SKINNY_ROWS:
-            return skinny_linear(x, weight, bias, parts=parts)
-        out = F.linear(x, weight, bias)
-        return out[None] if parts else out
+            return skinny_linear(x, weight, bias)
+        return F.linear(x, weight, bias)[None]
 
     @staticmethod
     def _summed(parts: Tensor, dtype: torch.dtype) -> Tensor:
-        """`_linear`'s parts summed, in `dtype`; one part is taken as it is (no copy on the eager prefill path).
+        """`_linear_parts`'s parts summed, in `dtype`; one part is taken as it is (no copy on the eager prefill path).
 
         Added part by part (element-wise adds, in order), not `.sum(0)`: Inductor fuses element-wise work into the
         norm that reads the result next, where a reduction over the parts became a kernel of its own whenever
@@ -217,17 +216,17 @@ class StaticDecoder:
                          bo: Tensor | None) -> Tensor:
         b, t, _ = x.shape
         out = self._attend(q, keys, values, mask)
-        return x + self._summed(self._linear(out.transpose(1, 2).reshape(b, t, -1), wo, bo, parts=True), x.dtype)
+        return x + self._summed(self._linear_parts(out.transpose(1, 2).reshape(b, t, -1), wo, bo), x.dtype)
 
     def _mlp_block(self, x: Tensor, norm: Tensor, weights: tuple) -> Tensor:
-        """The MLP's output as parts [splits, b, T, hidden] to be summed (`_linear`'s `parts`; the residual add is
+        """The MLP's output as parts [splits, b, T, hidden] to be summed (`_linear_parts`; the residual add is
         left to the caller). `weights`: (w_gate, w_up, w_down), or the fused (w_gate_up, w_down)."""
         h = self._rms_norm(x, norm)
         if len(weights) == 2:
             gate, up = F.linear(h, weights[0]).chunk(2, dim=-1)
         else:
             gate, up = F.linear(h, weights[0]), F.linear(h, weights[1])
-        return self._linear(F.silu(gate) * up, weights[-1], parts=True)
+        return self._linear_parts(F.silu(gate) * up, weights[-1])
 
     def compile_blocks(self, layers: bool = False, autotune: bool = False) -> None:
         """Fuse the elementwise work (norms, RoPE, softmax, SiLU, residual adds) with torch.compile; shapes are

@@ -7,7 +7,7 @@ K dimension is also cut into `splits` parts, one program per (N block, part, M b
 partial sum; `skinny_linear` returns the [splits, M, N] partials, and the caller adds them part by part
 (`StaticDecoder._summed`), which torch.compile fuses into the element-wise kernel that reads the output next
 (the residual add, the next norm), so the split costs no extra kernel where such a kernel follows
-(`StaticDecoder._linear` says where it is used).
+(`StaticDecoder._linear_parts` says where it is used).
 Deterministic: no atomics.
 """
 
@@ -79,19 +79,14 @@ if triton is not None:
         return _launch(wrap_triton, x, weight, splits, block_m, block_n, block_k)
 
 
-def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, parts: bool = False) -> Tensor:
-    """`F.linear(x, weight, bias)` for x [..., K] with few rows, in x's dtype (fp32 sums of the parts); `parts`:
-    the fp32 parts [splits, ..., N] unsummed (the bias added to the first)."""
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)` for x [..., K] with few rows, as fp32 parts [splits, ..., N] for the caller to
+    add (the bias added to the first)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     config = config_for(flat.shape[0], weight.shape[0], weight.shape[1], sm_count(x.device.index or 0))
     out = torch.ops.rlspec.skinny_linear(flat, weight, **config)
-    if parts:
-        if bias is not None:
-            out = torch.cat([out[:1] + bias, out[1:]])
-        return out.reshape(out.shape[0], *x.shape[:-1], weight.shape[0])
-    out = out.sum(0)
     if bias is not None:
-        out = out + bias
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        out = torch.cat([out[:1] + bias, out[1:]])
+    return out.reshape(out.shape[0], *x.shape[:-1], weight.shape[0])

@@ -112,7 +112,7 @@ class GraphSampler:
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # The defaults on CUDA are the fastest measured (`python -m rlspec.perf.profile_engine`, H200, 0.5B shape, 64
         # rows: 1.43 ms a decode step fused + SDPA + per-layer compile, 1.98 ms with none of them; on an H100, 1.41 ms
-        # -> 1.26 ms with the decode kernels, `live_attention` and `skinny`, on where Triton runs).
+        # -> 1.21 ms with the decode kernels, `live_attention` and `skinny`, on where Triton runs).
         self.decoder = StaticDecoder(model, sdpa=self.use_graphs if sdpa is None else sdpa,
                                      live_attention=live_attention, skinny=skinny)
         self.compiled = self.use_graphs if compile_blocks is None else compile_blocks
