@@ -16,13 +16,15 @@ where no micro-batch passes the budget. Every micro-batch then carries about as 
 costs the host a full forward and backward's launches for a fraction of the GPU work, and the GPU waited on it
 (256 rows of 276 tokens under a 16k budget: four micro-batches of 59 rows and one of 20 first-fit, five of 51-52
 dealt again; on one H100 at 32 x 8 and a 32k budget the train phase took 0.58 and 0.56 s against 0.62 and 0.63 s,
-its peak memory 26.5 GB against 37.0, `python -m rlspec.perf.profile_train --split`). A sharded model's forward and backward are collective, so every rank must run as many
-micro-batches as the rank with the most: the others add placeholder micro-batches (size 0, see
-`rlspec.core.batch.TrainBatch.placeholder`) whose loss and gradient are exactly 0.
+its peak memory 26.5 GB against 37.0, `python -m rlspec.perf.profile_train --split`). A sharded model's
+forward and backward are collective, so every rank must run as many micro-batches as the rank with the most: the
+others add placeholder micro-batches (size 0, see `rlspec.core.batch.TrainBatch.placeholder`) whose loss and
+gradient are exactly 0.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -133,12 +135,12 @@ def _balanced(bins: list[list[int]], lengths: list[int], budget: int) -> list[li
     if len(bins) < 2:
         return bins
     dealt: list[list[int]] = [[] for _ in bins]
-    tokens = [0] * len(bins)
+    fewest = [(0, b) for b in range(len(bins))]  # a heap of (tokens so far, micro-batch): O(log k) a row
     for row in sorted((r for b in bins for r in b), key=lambda r: (-lengths[r], r)):
-        target = min(range(len(dealt)), key=lambda b: (tokens[b], b))
+        tokens, target = fewest[0]
         dealt[target].append(row)
-        tokens[target] += lengths[row]
-    if all(total <= budget or len(rows) == 1 for total, rows in zip(tokens, dealt)):
+        heapq.heapreplace(fewest, (tokens + lengths[row], target))
+    if all(tokens <= budget or len(dealt[b]) == 1 for tokens, b in fewest):
         return dealt
     return bins
 
