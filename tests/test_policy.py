@@ -82,9 +82,9 @@ def _fused_equals_plain(vocab: int) -> None:
 
 @pytest.mark.gpu
 def test_fused_head_on_cuda_bf16_matches_the_plain_head():
-    """On CUDA in bf16 the chunked head runs fused and compiled by default: log-probs and entropies as the plain
-    fp32 chunk computes them from the same bf16 logits (up to summation order), gradients within bf16 rounding,
-    over several chunks and a second length (no recompile per shape)."""
+    """On CUDA in bf16 the chunked head runs fused (the Triton kernels) by default: log-probs and entropies as the
+    plain fp32 chunk computes them from the same bf16 logits (up to summation order), gradients within bf16
+    rounding, over several chunks and a second length."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(0)

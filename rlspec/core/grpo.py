@@ -58,6 +58,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from . import fused_head
+
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -262,12 +264,13 @@ def token_logprobs_and_entropy(states: Tensor, input_ids: Tensor, temperature: f
       log-softmax is row-wise, so chunked log-probs and entropies are bit-identical to the plain ones; an
       input that fits one chunk takes exactly the unchunked ops (gradients included). The CPU and fp32 path,
       which the conformance suite compares bit for bit.
-    - fused (`_head_stats`, `_head_grad`, torch.compile'd on CUDA): the same math in fp32 read from the 16-bit
-      logits in two reductions, keeping the row's log-sum-exp for backward, whose logits gradient is one
-      elementwise pass. A chunk then costs a few reads of its 16-bit logits instead of about ten passes over
-      fp32 copies, which made the head's elementwise work as slow as the whole model's matmuls (measured: 0.35
-      of 0.92 s of kernels in a 32 x 8 train phase); with no fp32 copies a chunk may hold 4x the logits.
-      Equal to plain up to fp32 summation order.
+    - fused (`_head_stats`, `_head_grad`): the same math in fp32 read from the 16-bit logits, keeping the
+      row's log-sum-exp for backward, whose logits gradient is one elementwise pass. On CUDA these are Triton
+      kernels that read a chunk's logits once each and write the gradient over them
+      (`rlspec.core.fused_head`), or without Triton the two functions torch.compile'd. A chunk then costs a few
+      passes over its 16-bit logits instead of about ten over fp32 copies, which made the head's elementwise
+      work as slow as the whole model's matmuls (measured: 0.35 of 0.92 s of kernels in a 32 x 8 train
+      phase); with no fp32 copies a chunk may hold 4x the logits. Equal to plain up to fp32 summation order.
     """
     targets = input_ids[:, 1:]
     rows, length = targets.shape
@@ -375,8 +378,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         head = (lambda x: x) if weight is None else (lambda x: torch.nn.functional.linear(x, weight, bias))
         pieces = zip(states.split(positions, dim=1), targets.split(positions, dim=1))
         if fused:
-            stats = _head_kernel(_head_stats, states.is_cuda)
-            parts = [stats(head(piece), target, temperature) for piece, target in pieces]
+            parts = [_fused_stats(head(piece), target, temperature) for piece, target in pieces]
             lse = torch.cat([part[2] for part in parts], dim=1)
         else:
             parts = [_chunk_logprobs(piece, target, temperature, None if weight is None else head)
@@ -400,7 +402,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
             cols = slice(start, start + step)
             piece = states[:, cols]
             out_dtype = states.dtype if weight is None else weight.dtype
-            if ctx.fused:
+            if ctx.fused and weight is not None and fused_head.available(piece):
+                logits = torch.nn.functional.linear(piece, weight, bias)
+                grad = fused_head.head_logits_grad_(logits.flatten(0, 1), targets[:, cols].flatten(),
+                                                    lse[:, cols].flatten(), grad_picked[:, cols].flatten(),
+                                                    temperature).view(logits.shape)
+                del logits
+            elif ctx.fused:
                 logits = piece if weight is None else torch.nn.functional.linear(piece, weight, bias)
                 grad = _head_kernel(_head_grad, states.is_cuda)(logits, targets[:, cols], lse[:, cols],
                                                                  grad_picked[:, cols], temperature).to(out_dtype)
@@ -420,6 +428,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
         return grad_states, grad_weight, grad_bias, None, None, None, None
+
+
+def _fused_stats(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`_head_stats` of one chunk's logits [N, C, V]: through the Triton kernels where they take them
+    (`rlspec.core.fused_head`), else compiled."""
+    if fused_head.available(logits):
+        stats = fused_head.head_stats(logits.flatten(0, 1), targets.flatten(), temperature)
+        return tuple(part.view(targets.shape) for part in stats)
+    return _head_kernel(_head_stats, logits.is_cuda)(logits, targets, temperature)
 
 
 def _plain_logits_grad(piece: Tensor, weight: Tensor | None, bias: Tensor | None, targets: Tensor,

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", default="even", choices=("even", "first-fit"),
                         help="first-fit: token-budget micro-batches as first-fit decreasing packs them, not evened "
                              "out (to measure what evening them out gives, rlspec.core.packing)")
+    parser.add_argument("--head", default="triton", choices=("triton", "compiled"),
+                        help="compiled: the log-prob head's reductions over the logits torch.compile'd, not the Triton "
+                             "kernels (to measure what rlspec.core.fused_head gives)")
     args = parser.parse_args(argv)
     if args.gc == "automatic":
         from ..core import policy
@@ -60,6 +63,10 @@ def main(argv: list[str] | None = None) -> None:
         from ..core import packing
 
         packing._balanced = lambda bins, lengths, budget: bins
+    if args.head == "compiled":
+        from ..core import fused_head
+
+        fused_head.available = lambda logits: False
     if not torch.cuda.is_available():
         raise SystemExit("profile_train needs a CUDA device")
 

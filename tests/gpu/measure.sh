@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head decode_kernels host split
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels host split
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 set -u
@@ -73,9 +73,9 @@ for section in "$@"; do
         echo "$mode exit $?" >> $OUT/results.txt; keep async_$mode /tmp/b_$mode; tail -4 $OUT/async_$mode.log >> $OUT/results.txt
       done ;;
     trl8|trl32|trl64)  # issue 9: the standalone engine beside TRL's GRPOTrainer, 8, 32 or 64 prompts x 8 (issue 18:
-      # the train phase's MFU at 32 and 64 x 8)
+      # the train phase's MFU at 32 and 64 x 8); BACKENDS= the runs (default standalone; e.g. standalone,standalone@KEY=VALUE)
       p=${section#trl}
-      CUDA_VISIBLE_DEVICES=0 timeout 480 $RL bench $BENCH rollout.prompts_per_step=$p --backends standalone ${REFERENCE---reference trl} \
+      CUDA_VISIBLE_DEVICES=0 timeout 480 $RL bench $BENCH rollout.prompts_per_step=$p --backends ${BACKENDS:-standalone} ${REFERENCE---reference trl} \
         --out /tmp/b_$section > $OUT/$section.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep $section /tmp/b_$section; tail -8 $OUT/$section.log >> $OUT/results.txt ;;
     engine)  # issue 9: where the engine's generation time goes (prefill, capture, decode step, kernels), per sampler variant
@@ -117,11 +117,12 @@ for section in "$@"; do
           algorithm.micro_batch_tokens=16384 model.compile_layers=$c ${PT_EXTRA:-} --steps 4 > $OUT/profile_ab_$c.txt 2>&1
         echo "profile compile_layers=$c exit $?" >> $OUT/results.txt; head -4 $OUT/profile_ab_$c.txt >> $OUT/results.txt
       done ;;
-    trace32)  # issue 18: the packed, compiled train phase at P x 8 (default 32; 16k-token budget) with the last step's
-      # Chrome trace in $OUT/trace<P>.json.gz, to find where the GPU idles (STACKS=--stacks: with Python stacks)
+    trace32)  # issue 18: the packed, compiled train phase at P x 8 (default 32; BUDGET= token budget, default 16k) with
+      # the last step's Chrome trace in $OUT/trace<P>.json.gz, to find where the GPU idles (STACKS=--stacks: with
+      # Python stacks; EXTRA= more overrides)
       P=${P:-32}
       CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=$P \
-        algorithm.micro_batch_tokens=16384 model.compile_layers=true --steps 4 --rows 40 --trace /tmp/trace$P.json ${STACKS:-} \
+        algorithm.micro_batch_tokens=${BUDGET:-16384} model.compile_layers=true ${EXTRA:-} --steps 4 --rows 40 --trace /tmp/trace$P.json ${STACKS:-} \
         > $OUT/trace$P.txt 2>&1; echo "trace$P exit $?" >> $OUT/results.txt; head -4 $OUT/trace$P.txt >> $OUT/results.txt
       gzip -c /tmp/trace$P.json > $OUT/trace$P.json.gz ;;
     host)  # issue 18: the train phase's host time at P x 8 (default 32): Python's garbage collector paused in the
@@ -139,6 +140,13 @@ for section in "$@"; do
           algorithm.micro_batch_tokens=32768 --split $split --steps 6 --rows 5 > $OUT/split_$split.txt 2>&1
         echo "split $split exit $?" >> $OUT/results.txt; grep -E "train phase|peak" $OUT/split_$split.txt >> $OUT/results.txt
       done ;;
+    headtrain)  # issue 18: the train phase at P x 8 (default 32) with the log-prob head's reductions torch.compile'd
+      # and as Triton kernels (the default, rlspec.core.fused_head); HEADS= the runs, in order (default: compiled triton)
+      for head in ${HEADS:-compiled triton}; do
+        CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
+          --head $head --steps ${STEPS:-6} --rows 8 > $OUT/headtrain_$head.txt 2>&1
+        echo "headtrain $head exit $?" >> $OUT/results.txt; grep -E "train phase|peak|kernel" $OUT/headtrain_$head.txt | head -6 >> $OUT/results.txt
+      done ;;
     decode_kernels)  # issue 19: the decode step's Triton kernels (split-K projections, attention over live positions)
       # beside cuBLAS and cuDNN's SDPA, then the fixed 64 x 256 decode step with both, with live attention only, and
       # with neither (fused_layers_sdpa / _live / _masked), with its kernel table
@@ -147,9 +155,10 @@ for section in "$@"; do
       CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_engine $BENCH \
         --variants fused_layers_sdpa,fused_layers_sdpa_live,fused_layers_sdpa_masked --rows 40 > $OUT/engine_decode.txt 2>&1
       echo "engine decode exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_decode.txt | head -10 >> $OUT/results.txt ;;
-    head)  # issue 18: the fused log-prob head's chunk kernels (forward reduction, backward logits gradient) by how
-      # they are compiled, beside a device copy of the same logits
-      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.bench_head > $OUT/head.json 2>&1
+    head)  # issue 18: the log-prob head at one chunk: the unfused chunk's elementwise kernels by how they are
+      # compiled, beside a device copy of the same logits; a whole chunk forward and backward, unfused against the
+      # Triton head (rlspec.core.fused_head), beside cuBLAS's logits GEMM; the Triton head's tile sweep
+      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.bench_head --sweep > $OUT/head.json 2>&1
       echo "head exit $?" >> $OUT/results.txt; cat $OUT/head.json >> $OUT/results.txt ;;
     trainers)  # issue 18: each backend's train phase on one GPU, its one rank in this process (profile_train
       # --backend: the kernel table, busy share and the last step's trace in $OUT/trainers_<run>_<P>.json.gz),

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from rlspec.rollout.live_attention import live_attention_eager, splits_for
 from rlspec.rollout.skinny_linear import config_for, skinny_linear_eager
 from tests.conftest import REPO
+from tests.triton_interpreter import allow_scalar_loop_bounds
 
 HEADS, KV_HEADS, DIM = 14, 2, 64
 
@@ -64,16 +65,7 @@ def _check_linear(dtype, device, tolerance):
 def _interpreted() -> None:
     """`_check` and `_check_linear` in fp32 under Triton's interpreter (run in a fresh process: the interpreter is
     chosen when the kernels are defined). fp32 only: the interpreter's bf16 dot is wrong (CUDA checks bf16 below)."""
-    import triton.runtime.interpreter as interpreter
-
-    # The interpreter (Triton 3.5) holds a loaded scalar as a 1-element array, which a loop bound cannot take.
-    patch = interpreter._patch_lang_tensor
-
-    def patched(tensor):
-        patch(tensor)
-        tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
-
-    interpreter._patch_lang_tensor = patched
+    allow_scalar_loop_bounds()
     _check(torch.float32, "cpu", 1e-5)
     _check_linear(torch.float32, "cpu", 1e-5)
 
