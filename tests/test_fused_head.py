@@ -5,16 +5,11 @@ ships without it, so CI skips that case); on CUDA in bf16, where the train path 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from rlspec.core.grpo import _head_grad, _head_stats
-from tests.conftest import REPO
-from tests.triton_interpreter import allow_scalar_loop_bounds
+from tests.triton_interpreter import allow_scalar_loop_bounds, run_interpreted
 
 
 def _check(dtype, device, rows, vocab, block, atol):
@@ -44,11 +39,7 @@ def _interpreted() -> None:
 
 
 def test_fused_head_matches_the_unfused_math_under_the_interpreter():
-    pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-c", "import tests.test_fused_head as t; t._interpreted()"],
-                          cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_interpreted("tests.test_fused_head")
 
 
 @pytest.mark.gpu

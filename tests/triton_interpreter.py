@@ -3,6 +3,12 @@ process: the interpreter is chosen when the kernels are defined)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
+
 
 def allow_scalar_loop_bounds() -> None:
     """The interpreter (Triton 3.5) holds a scalar (a loaded value, a kernel argument in arithmetic) as a
@@ -16,3 +22,13 @@ def allow_scalar_loop_bounds() -> None:
         tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
 
     interpreter._patch_lang_tensor = patched
+
+
+def run_interpreted(module: str) -> None:
+    """Run `module`'s `_interpreted()` in a fresh process under the interpreter; fails with its stderr's tail."""
+    pytest.importorskip("triton")
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", f"import {module} as t; t._interpreted()"], cwd=REPO,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

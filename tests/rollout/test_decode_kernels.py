@@ -5,18 +5,13 @@ without it, so CI skips that case; the device machine runs both)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rlspec.rollout.live_attention import live_attention_eager, splits_for
 from rlspec.rollout.skinny_linear import config_for, skinny_linear_eager
-from tests.conftest import REPO
-from tests.triton_interpreter import allow_scalar_loop_bounds
+from tests.triton_interpreter import allow_scalar_loop_bounds, run_interpreted
 
 HEADS, KV_HEADS, DIM = 14, 2, 64
 
@@ -71,11 +66,7 @@ def _interpreted() -> None:
 
 
 def test_kernels_match_torch_under_the_interpreter():
-    pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-c", "import tests.rollout.test_decode_kernels as t; t._interpreted()"],
-                          cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_interpreted("tests.rollout.test_decode_kernels")
 
 
 @pytest.mark.gpu
