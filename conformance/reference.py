@@ -92,7 +92,7 @@ def run_reference(spec: Spec, fixture: Fixture) -> CaseRun:
             old = logp.detach() if mini.old_logprobs is None else mini.old_logprobs
             loss, stats = policy_loss(logp, old, mini.advantages, mini.loss_mask, norm, cfg, mini.ref_logprobs)
             loss.backward()
-            grad_norms.append(grad_norm_and_clip(model.parameters(), algo.max_grad_norm))
+            grad_norms.append(float(grad_norm_and_clip(model.parameters(), algo.max_grad_norm)))
             trainer.optimizer.step()
             trainer.optimizer.zero_grad(set_to_none=True)
             stats = read_stats(stats) | {"loss": float(loss.item())}

@@ -194,3 +194,28 @@ def test_past_the_grace_period_the_run_exits_without_that_checkpoint(monkeypatch
             time.sleep(0.05)
         assert monitor.stop_signal == signal.SIGTERM
     assert exits == [143]
+
+
+def test_a_stop_signal_wrapped_by_a_c_extension_still_abandons_the_step():
+    """The stop signal's `StepAbandoned` raised inside Ray's `ray.wait` comes out as a `SystemError` caused by it
+    (seen on a loaded CI machine: a SIGTERM to an fsdp run then ended in a traceback and exit 1); the loop must
+    still take it for the stop, and nothing else for one."""
+    from rlspec.core.loop import _abandoned
+    from rlspec.runtime.monitor import StepAbandoned
+
+    def raised(make):
+        try:
+            make()
+        except BaseException as err:  # noqa: BLE001 - the point is what comes out
+            return err
+
+    def wrapped():
+        try:
+            raise StepAbandoned()
+        except StepAbandoned as cause:
+            raise SystemError("returned a result with an exception set") from cause
+
+    assert _abandoned(raised(lambda: (_ for _ in ()).throw(StepAbandoned())))
+    assert _abandoned(raised(wrapped))
+    assert not _abandoned(raised(lambda: 1 / 0))
+    assert not _abandoned(raised(lambda: (_ for _ in ()).throw(SystemError("other"))))

@@ -129,3 +129,28 @@ def test_micro_batches_of_uneven_length_carry_every_token_aligned_field():
     stats = accumulate(model, batch, 2, LossNorm.of(batch.loss_mask, width), LossConfig(tis_cap=2.0), 1.0,
                        lambda loss: loss.backward(), "cpu")
     assert all(torch.isfinite(torch.tensor(float(v))) for v in stats.values())
+
+
+def test_accumulate_can_leave_its_sums_on_the_device_until_read():
+    """`read_now=False` (the standalone trainer, which queues its optimizer step before reading): the same sums,
+    held as a tensor until the first read, then read once; no micro-batch (an empty shard) reads as zeros."""
+    from rlspec.core.batch import TrainBatch
+    from rlspec.core.grpo import LossConfig, LossNorm
+    from rlspec.core.policy import STAT_KEYS, DeviceSums, accumulate
+
+    model = load_model(ModelSpec(), seed=0)
+    ids = torch.randint(3, 100, (4, 9))
+    attention = torch.ones(4, 9, dtype=torch.long)
+    loss_mask = attention.float()
+    loss_mask[:, :3] = 0.0
+    batch = TrainBatch(input_ids=ids, attention_mask=attention, loss_mask=loss_mask,
+                       advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]), rewards=torch.zeros(4))
+    run = dict(model=model, shard=batch, micro_batch_size=2, norm=LossNorm.of(loss_mask, 9), cfg=LossConfig(),
+               temperature=1.0, backward=lambda loss: loss.backward(), device="cpu")
+    now = accumulate(**run)
+    later = accumulate(**run, read_now=False)
+    assert type(now) is dict and isinstance(later, DeviceSums)
+    assert later._values is None and later._totals is not None  # nothing read yet
+    assert later["tokens"] == now["tokens"] == 24.0 and later._totals is None
+    assert dict(later) == now and list(later) == list(STAT_KEYS)
+    assert dict(DeviceSums(None)) == dict.fromkeys(STAT_KEYS, 0.0)

@@ -51,7 +51,7 @@ def test_local_shard_step_and_norm_equal_the_dtensor_path(mesh):
                 norms.append(dtensor_norm(params, 0.5))
                 optimizer.step()
             else:
-                norms.append(grad_norm_and_clip(params, 0.5))
+                norms.append(float(grad_norm_and_clip(params, 0.5)))
                 step_on_shards(optimizer)
             optimizer.zero_grad(set_to_none=True)
         assert norms[1] == pytest.approx(norms[0], rel=1e-6)

@@ -172,7 +172,7 @@ class FSDPWorker(RankWorker):
         norm = grad_norm_and_clip(self.model.parameters(), self.plan.spec.algorithm.max_grad_norm)
         step_on_shards(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return float(norm)
 
     # --- weights -------------------------------------------------------------------------------------
 

@@ -41,7 +41,9 @@ class Backend(Protocol):
 
     def forward_backward(self, batch: TrainBatch, norm: LossNorm) -> dict[str, float]:
         """Accumulate gradients of the shared GRPO loss over `batch` (sharded over ranks, split into
-        micro-batches); return statistic sums (`rlspec.core.policy.STAT_KEYS`) over the whole batch."""
+        micro-batches); return statistic sums (`rlspec.core.policy.STAT_KEYS`) over the whole batch, as a mapping
+        that may read them from the device only when first accessed (`rlspec.core.policy.DeviceSums`): read
+        them after `optimizer_step`."""
 
     def optimizer_step(self) -> float:
         """Clip (if configured), step, zero gradients; return the global grad norm before clipping."""

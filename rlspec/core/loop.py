@@ -74,7 +74,9 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
                 saved = checkpoints.save(step, backend, {"backend": plan.backend})
                 if stop and not last:
                     raise monitor.stopped(step, saved)
-    except StepAbandoned:
+    except BaseException as err:
+        if not _abandoned(err):
+            raise
         # A stop signal while sampling: the weights are still those of the last completed step.
         if done is not None and (saved is None or saved.name != f"step_{done:06d}"):
             saved = checkpoints.save(done, backend, {"backend": plan.backend})
@@ -115,3 +117,15 @@ def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, w
                     sync_bytes = transport.push(weights, engine)
                 served_version(engine, step + 1)
         yield metrics_row(plan, step, result, timer, sync_bytes, {**counters, **replica_metrics(engine, transport)})
+
+
+def _abandoned(err: BaseException) -> bool:
+    """Whether `err` is the monitor's `StepAbandoned`, or arose from it: the signal handler raises it wherever
+    the main thread is, and inside Ray's `ray.wait` the C extension turns it into a `SystemError` caused by it."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, StepAbandoned):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False

@@ -37,6 +37,7 @@ not a `Linear` (LoRA on the head) keeps the full logits.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -277,7 +278,8 @@ def micro_batch_loss(model: torch.nn.Module, mb: TrainBatch, norm: LossNorm, cfg
 
 def accumulate(model: torch.nn.Module, shard: TrainBatch, micro_batch_size: int, norm: LossNorm, cfg: LossConfig,
                temperature: float, backward: Callable[[Tensor], None], device: torch.device | str,
-               sizes: list[int] | None = None, boundary: Callable[[bool], None] | None = None) -> dict[str, float]:
+               sizes: list[int] | None = None, boundary: Callable[[bool], None] | None = None,
+               read_now: bool = True) -> Mapping[str, float]:
     """Run forward + `backward(loss)` over `shard` in micro-batches; return summed statistics.
 
     The micro-batches are `sizes` consecutive rows each (the token-budget split, `TrainBatch.token_shards`;
@@ -289,8 +291,10 @@ def accumulate(model: torch.nn.Module, shard: TrainBatch, micro_batch_size: int,
     across ranks only then).
 
     The statistics stay on the device, summed in fp64 (what adding them as Python floats gives), and are
-    read once at the end: the loop itself never waits for the device. Python's automatic garbage collection is
-    off while it runs (`rlspec.runtime.collector`).
+    read once at the end: the loop itself never waits for the device. With `read_now=False` not even then: the
+    sums come back as `DeviceSums`, read on first access, so a caller can queue its optimizer step before the
+    host waits for the device. Python's automatic garbage collection is off while it runs
+    (`rlspec.runtime.collector`).
     """
     totals = None
     sizes = chunk_sizes(len(shard), micro_batch_size) if sizes is None else sizes
@@ -302,9 +306,33 @@ def accumulate(model: torch.nn.Module, shard: TrainBatch, micro_batch_size: int,
             backward(loss)
             part = torch.stack([stats[key].detach().to(torch.float64) for key in STAT_KEYS])
             totals = part if totals is None else totals + part
-        if totals is None:
-            return dict.fromkeys(STAT_KEYS, 0.0)
-        return dict(zip(STAT_KEYS, totals.tolist()))
+    sums = DeviceSums(totals)
+    return dict(sums) if read_now else sums
+
+
+class DeviceSums(Mapping):
+    """`accumulate`'s statistic sums (`STAT_KEYS` -> float), left on the device until one of them is read, then
+    copied over at once. Reading them drains the device's queue first (the host waits for the last backward);
+    a caller that queues more work before reading (the optimizer step) keeps the device busy meanwhile."""
+
+    def __init__(self, totals: Tensor | None) -> None:
+        self._totals, self._values = totals, None
+
+    def _read(self) -> dict[str, float]:
+        if self._values is None:
+            self._values = (dict.fromkeys(STAT_KEYS, 0.0) if self._totals is None
+                            else dict(zip(STAT_KEYS, self._totals.tolist())))
+            self._totals = None
+        return self._values
+
+    def __getitem__(self, key: str) -> float:
+        return self._read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(STAT_KEYS)
+
+    def __len__(self) -> int:
+        return len(STAT_KEYS)
 
 
 def block_classes(model: torch.nn.Module) -> set[str]:

@@ -32,9 +32,9 @@ def local_shards(params: list[Tensor]) -> list[Tensor] | None:
     return [p._local_tensor for p in params]
 
 
-def sharded_grad_norm_and_clip(params: list[Tensor], max_grad_norm: float) -> float | None:
-    """Global L2 norm of the gradients of DTensor `params` (before clipping), from the local shards and one
-    all-reduce; clips in place when `max_grad_norm` > 0 the way `clip_grad_norm_` does. None when `params`
+def sharded_grad_norm_and_clip(params: list[Tensor], max_grad_norm: float) -> Tensor | None:
+    """Global L2 norm of the gradients of DTensor `params` (before clipping, a 0-dim tensor), from the local shards
+    and one all-reduce; clips in place when `max_grad_norm` > 0 the way `clip_grad_norm_` does. None when `params`
     do not qualify (see the module docstring)."""
     import torch.distributed as dist
 
@@ -60,7 +60,7 @@ def sharded_grad_norm_and_clip(params: list[Tensor], max_grad_norm: float) -> fl
         else:
             for g in grads:
                 g.mul_(coef.to(g.dtype))
-    return float(norm.item())
+    return norm
 
 
 @contextmanager

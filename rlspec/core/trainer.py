@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Iterator
 
 import torch
@@ -44,8 +45,10 @@ def _on_cuda(params) -> bool:
     return bool(params) and all(p.is_cuda for p in params)
 
 
-def grad_norm_and_clip(params, max_grad_norm: float) -> float:
-    """Global L2 norm of the gradients (before clipping); clip in place when `max_grad_norm` > 0.
+def grad_norm_and_clip(params, max_grad_norm: float) -> Tensor:
+    """Global L2 norm of the gradients (before clipping), a 0-dim device tensor; clip in place when
+    `max_grad_norm` > 0. Read it after queueing the optimizer step: reading waits for the device, whose queue is
+    then empty while the host queues the step.
 
     Sharded (DTensor) gradients: from the local shards and one all-reduce (`rlspec.core.shards`), or where they
     do not qualify, the DTensor ops. On CUDA the multi-tensor kernels: the per-tensor loop costs a few kernels
@@ -59,7 +62,7 @@ def grad_norm_and_clip(params, max_grad_norm: float) -> float:
     norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=_on_cuda(params))
     if hasattr(norm, "full_tensor"):  # a DTensor: this rank's partial norm until reduced
         norm = norm.full_tensor()
-    return float(norm.item())
+    return norm
 
 
 class LocalTrainer:
@@ -92,19 +95,21 @@ class LocalTrainer:
             raise RuntimeError("no reference model: algorithm.kl_coef is 0")
         return batch_logprobs(model, batch, self.temperature, self.algo.micro_batch_size, self.device)
 
-    def forward_backward(self, batch: TrainBatch, norm: LossNorm) -> dict[str, float]:
+    def forward_backward(self, batch: TrainBatch, norm: LossNorm) -> Mapping[str, float]:
+        """The statistic sums stay on the device until read (`DeviceSums`): the caller queues the optimizer step
+        first (`rlspec.core.step.update`)."""
         sizes = None
         if self.algo.micro_batch_tokens:
             ((batch, sizes),) = batch.token_shards(1, self.algo.micro_batch_tokens)
         with self.compiled.active():
             return accumulate(self.model, batch, self.algo.micro_batch_size, norm, self.loss_cfg, self.temperature,
-                              lambda loss: loss.backward(), self.device, sizes)
+                              lambda loss: loss.backward(), self.device, sizes, read_now=False)
 
     def optimizer_step(self) -> float:
         norm = grad_norm_and_clip(self.model.parameters(), self.algo.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return float(norm)
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full policy weights by base-model name (LoRA adapters merged in); without LoRA, views of the
