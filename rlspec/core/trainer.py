@@ -7,8 +7,8 @@ backend against: fp32, no sharding, gradients accumulated over micro-batches wit
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Iterator
 
 import torch
