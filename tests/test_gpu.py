@@ -140,3 +140,24 @@ def test_continuous_batching_on_cuda_samples_like_the_static_batch():
     trainer = batch_logprobs(model, batch, 1.0, 16, "cuda")
     diff = ((trainer - engine_logprobs_tensor(rolled, batch)) * batch.loss_mask).abs().max().item()
     assert diff < 1e-3, diff
+
+
+def test_a_rollout_keeps_the_allocators_cached_blocks():
+    """Capturing the decode graphs must not empty the caching allocator: a colocated trainer's freed activation
+    blocks stay cached through a rollout, so its next train phase allocates nothing from the driver."""
+    from rlspec.models.base import byte_tokenizer
+    from rlspec.models.factory import load_model
+    from rlspec.rollout.hf import HFEngine
+    from rlspec.spec import ModelSpec, RolloutSpec
+
+    model = load_model(ModelSpec(eos_hazard=0.12), 0).cuda()
+    engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=32, decode_slots=8), "cuda")
+    assert engine._fast_sampler() is not None
+    activations = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # a trainer's freed activations
+    del activations
+    freed = torch.cuda.memory_stats()["segment.all.freed"]
+    engine.generate(["a=", "bcd=", "hello="], n=8, seed=0)  # graphs captured for the pool and its shrunk tail
+    assert torch.cuda.memory_stats()["segment.all.freed"] == freed
+    again = torch.cuda.memory_stats()["segment.all.allocated"]
+    activations = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == again, "served from the cache"

@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.backend} train phase, median of {steps} step(s): {wall:.3f} s wall" +
           (f", MFU {statistics.median(mfus):.1%}" if mfus else "") +
           f"; last step: {walls[-1]:.3f} s wall, {busy:.3f} s of GPU kernels ({busy / walls[-1]:.0%} busy)")
+    print(f"train phase wall per step (s): {[round(w, 3) for w in walls]}")
     if prepares and max(prepares) > 1e-3:  # a backend whose ranks prepare nothing says nothing
         print(f"prepare_update before sampling (beside the engine in a run with actors; not in the train phase): "
               f"median {statistics.median(prepares[1:]) * 1e3:.1f} ms")

@@ -37,6 +37,8 @@ from .sampling import sample_from_logits
 BATCH_BUCKETS = tuple(2 ** i for i in range(11))  # 1 .. 1024 rows per graph
 CACHE_STEP = 128
 PREFILL_ROWS = 64
+CAPTURE_HEADROOM = 2 << 30
+"""Free device bytes below which a capture first hands the allocator's cached blocks back to the driver."""
 
 
 def graph_key(shape: tuple[int, int], max_new_tokens: int, temperature: float, top_p: float, eos: int) -> tuple:
@@ -322,8 +324,20 @@ class GraphSampler:
         graph = torch.cuda.CUDAGraph()
         if self._capture_stream is None:  # on the sampler's device, not the (process-wide) default one
             self._capture_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.graph(graph, stream=self._capture_stream):
-            self._step(state, temperature, top_p, eos)
+        # Not `torch.cuda.graph`: it empties the caching allocator before every capture, which hands a colocated
+        # trainer's cached activation blocks back to the driver, so its next train phase allocated them again
+        # (226 cudaMalloc calls a 32 x 8 phase, most of them in its first forward, where the host sets the pace).
+        # The cache is emptied here only when the device is short of memory; the step's own intermediates come
+        # from the graph's private pool either way.
+        torch.cuda.synchronize(self.device)
+        if torch.cuda.mem_get_info(self.device)[0] < CAPTURE_HEADROOM:
+            torch.cuda.empty_cache()
+        with torch.cuda.stream(self._capture_stream):
+            graph.capture_begin()
+            try:
+                self._step(state, temperature, top_p, eos)
+            finally:
+                graph.capture_end()
         return graph
 
     def _warm_up(self, state: _State, temperature: float, top_p: float, eos: int) -> None:

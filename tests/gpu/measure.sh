@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels host split
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels host split ab
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 set -u
@@ -147,6 +147,17 @@ for section in "$@"; do
           --head $head --steps ${STEPS:-6} --rows 8 > $OUT/headtrain_$head.txt 2>&1
         echo "headtrain $head exit $?" >> $OUT/results.txt; grep -E "train phase|peak|kernel" $OUT/headtrain_$head.txt | head -6 >> $OUT/results.txt
       done ;;
+    ab)  # an A/B of one source file on the standalone train phase at P x 8 (default 32): AB_FILE=<the file, e.g.
+      # rlspec/rollout/static.py> AB_OLD=<a copy of its old version in the tree>, run old, new, old, new (profile_train,
+      # STEPS= steps each, default 6), each run's per-step walls and allocator segments in results.txt
+      i=0
+      for run in old new old new; do
+        i=$((i + 1)); cp $ROOT/$([ $run = old ] && echo ${AB_OLD:?} || echo ${AB_FILE:?}) /tmp/site/$AB_FILE
+        CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
+          --steps ${STEPS:-6} --rows 8 > $OUT/ab_${i}_$run.txt 2>&1
+        echo "ab $i $run exit $?" >> $OUT/results.txt; grep -E "train phase|segments" $OUT/ab_${i}_$run.txt >> $OUT/results.txt
+      done
+      cp $ROOT/$AB_FILE /tmp/site/$AB_FILE ;;
     decode_kernels)  # issue 19: the decode step's Triton kernels (split-K projections, attention over live positions)
       # beside cuBLAS and cuDNN's SDPA, then the fixed 64 x 256 decode step with both, with live attention only, and
       # with neither (fused_layers_sdpa / _live / _masked), with its kernel table
