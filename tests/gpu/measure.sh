@@ -6,6 +6,9 @@
 # Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels host split ab
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
+# The bench spec's token budget (algorithm.micro_batch_tokens) was 16k, then 32k, and is 64k now: a figure quoted at
+# an older budget re-runs with it as an override (EXTRA=algorithm.micro_batch_tokens=32768 where a section takes
+# EXTRA, BACKENDS=standalone@algorithm.micro_batch_tokens=32768 for the trl sections).
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}
@@ -141,20 +144,21 @@ for section in "$@"; do
         echo "split $split exit $?" >> $OUT/results.txt; grep -E "train phase|peak" $OUT/split_$split.txt >> $OUT/results.txt
       done ;;
     headtrain)  # issue 18: the train phase at P x 8 (default 32) with the log-prob head's reductions torch.compile'd
-      # and as Triton kernels (the default, rlspec.core.fused_head); HEADS= the runs, in order (default: compiled triton)
+      # and as Triton kernels (the default, rlspec.core.fused_head); HEADS= the runs, in order (default: compiled triton);
+      # EXTRA= more overrides
       for head in ${HEADS:-compiled triton}; do
         CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
-          --head $head --steps ${STEPS:-6} --rows 8 > $OUT/headtrain_$head.txt 2>&1
+          ${EXTRA:-} --head $head --steps ${STEPS:-6} --rows 8 > $OUT/headtrain_$head.txt 2>&1
         echo "headtrain $head exit $?" >> $OUT/results.txt; grep -E "train phase|peak|kernel" $OUT/headtrain_$head.txt | head -6 >> $OUT/results.txt
       done ;;
     ab)  # an A/B of one source file on the standalone train phase at P x 8 (default 32): AB_FILE=<the file, e.g.
       # rlspec/rollout/static.py> AB_OLD=<a copy of its old version in the tree>, run old, new, old, new (profile_train,
-      # STEPS= steps each, default 6), each run's per-step walls and allocator segments in results.txt
+      # STEPS= steps each, default 6; EXTRA= more overrides), each run's per-step walls and allocator segments in results.txt
       i=0
       for run in old new old new; do
         i=$((i + 1)); cp $ROOT/$([ $run = old ] && echo ${AB_OLD:?} || echo ${AB_FILE:?}) /tmp/site/$AB_FILE
         CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
-          --steps ${STEPS:-6} --rows 8 > $OUT/ab_${i}_$run.txt 2>&1
+          ${EXTRA:-} --steps ${STEPS:-6} --rows 8 > $OUT/ab_${i}_$run.txt 2>&1
         echo "ab $i $run exit $?" >> $OUT/results.txt; grep -E "train phase|segments" $OUT/ab_${i}_$run.txt >> $OUT/results.txt
       done
       cp $ROOT/$AB_FILE /tmp/site/$AB_FILE ;;
