@@ -309,8 +309,12 @@ class DeepSpeedSpec(Section):
     """Gradient values reduced per collective (`reduce_bucket_size`)."""
     prefetch_bucket_numel: int = 50_000_000
     """Parameter values gathered ahead of use (`stage3_prefetch_bucket_size`); 0 turns prefetching off."""
-    param_persistence_numel: int = 100_000
-    """Parameters with fewer values stay whole on every rank, never partitioned (`stage3_param_persistence_threshold`)."""
+    param_persistence_numel: Optional[int] = None
+    """Parameters with fewer values stay whole on every rank, never partitioned (`stage3_param_persistence_threshold`).
+    null (default): every parameter with one trainer rank and `hardware.offload_params` off, else 1e5. One rank
+    holds every parameter whole anyway, and on CUDA each fetch of a partitioned one synchronises the host with the
+    device (DeepSpeed's single-rank gather handle), which left the GPU idle while the next layer's hooks ran
+    (`backends/deepspeed/README.md`)."""
     max_live_numel: int = 1_000_000_000
     """Gathered parameter values a rank keeps at once before releasing some (`stage3_max_live_parameters`)."""
     module_granularity_numel: int = 0
@@ -327,7 +331,8 @@ class DeepSpeedSpec(Section):
         p = "hardware.deepspeed"
         positive(self.reduce_bucket_numel, f"{p}.reduce_bucket_numel")
         non_negative(self.prefetch_bucket_numel, f"{p}.prefetch_bucket_numel")
-        non_negative(self.param_persistence_numel, f"{p}.param_persistence_numel")
+        if self.param_persistence_numel is not None:
+            non_negative(self.param_persistence_numel, f"{p}.param_persistence_numel")
         positive(self.max_live_numel, f"{p}.max_live_numel")
         non_negative(self.module_granularity_numel, f"{p}.module_granularity_numel")
 

@@ -54,7 +54,7 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
             "reduce_scatter": True,
             "reduce_bucket_size": knobs.reduce_bucket_numel,
             "stage3_prefetch_bucket_size": knobs.prefetch_bucket_numel,
-            "stage3_param_persistence_threshold": knobs.param_persistence_numel,
+            "stage3_param_persistence_threshold": param_persistence_numel(spec, batch.num_trainer_ranks),
             "stage3_max_live_parameters": knobs.max_live_numel,
             "stage3_max_reuse_distance": 1_000_000_000,
             "stage3_module_granularity_threshold": knobs.module_granularity_numel,
@@ -77,6 +77,19 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
             config.pop(key)
         config["zero_optimization"]["offload_optimizer"] = {"device": "none"}
     return config
+
+
+PERSISTENCE_NUMEL = 100_000
+"""`hardware.deepspeed.param_persistence_numel` where null does not mean every parameter."""
+
+
+def param_persistence_numel(spec, num_ranks: int) -> int:
+    """`hardware.deepspeed.param_persistence_numel`, null resolved: every parameter stays whole on one rank without
+    parameter offload (the rank holds them whole anyway), else `PERSISTENCE_NUMEL`."""
+    chosen = spec.hardware.deepspeed.param_persistence_numel
+    if chosen is not None:
+        return chosen
+    return 1 << 62 if num_ranks == 1 and not spec.hardware.offload_params else PERSISTENCE_NUMEL
 
 
 def memory_efficient_linear(spec) -> bool:

@@ -34,10 +34,11 @@ def test_spec_knobs_reach_zero_optimization():
 def test_defaults_come_from_the_schema():
     zero = ds_config(_plan())["zero_optimization"]
     defaults = Spec().hardware.deepspeed
-    fixed = {key: value for key, value in KNOBS.items() if key != "memory_efficient_linear"}
+    resolved = ("memory_efficient_linear", "param_persistence_numel")  # null in the schema, resolved from the plan
+    fixed = {key: value for key, value in KNOBS.items() if key not in resolved}
     assert {ds_key: zero[ds_key] for _, ds_key in fixed.values()} == {
         ds_key: getattr(defaults, key) for key, (_, ds_key) in fixed.items()}
-    assert defaults.memory_efficient_linear is None
+    assert defaults.memory_efficient_linear is None and defaults.param_persistence_numel is None
 
 
 def test_memory_efficient_linear_follows_compiled_layers_unless_set():
@@ -49,3 +50,16 @@ def test_memory_efficient_linear_follows_compiled_layers_unless_set():
     assert chosen("model.compile_layers=true") is False
     assert chosen("model.compile_layers=true", "hardware.deepspeed.memory_efficient_linear=true") is True
     assert chosen("model.compile_layers=false", "hardware.deepspeed.memory_efficient_linear=false") is False
+
+
+def test_param_persistence_keeps_every_parameter_whole_on_one_rank_unless_set():
+    """null: every parameter persistent with one rank and no parameter offload (nothing to partition), DeepSpeed's
+    1e5 otherwise; an explicit value always wins."""
+    def chosen(*overrides: str) -> int:
+        return ds_config(_plan(*overrides))["zero_optimization"]["stage3_param_persistence_threshold"]
+
+    every = chosen()
+    assert every >= 10 ** 15
+    assert chosen("hardware.device=cuda", "hardware.offload_params=true") == 100_000
+    assert chosen("hardware.num_trainer_ranks=2") == 100_000
+    assert chosen("hardware.deepspeed.param_persistence_numel=7") == 7
