@@ -116,8 +116,8 @@ def test_gated_mlp_matches_linear_and_silu_on_cuda():
 
 @pytest.mark.gpu
 def test_decode_step_with_the_kernels_matches_the_plain_one_on_cuda():
-    """One compiled decode layer stack over a half-filled cache: logits with live attention and split-K
-    projections equal those with SDPA and cuBLAS, to bf16 rounding."""
+    """One compiled decode layer stack over a half-filled cache: logits with live attention, split-K projections
+    and the gated MLP kernel equal those with SDPA and cuBLAS, to bf16 rounding."""
     from rlspec.models.factory import load_model
     from rlspec.rollout.decoder import StaticDecoder
     from rlspec.spec import ModelSpec
@@ -125,7 +125,7 @@ def test_decode_step_with_the_kernels_matches_the_plain_one_on_cuda():
     model = load_model(ModelSpec(preset="qwen2_0p5b_shape", dtype="bfloat16", attn_implementation="sdpa"), 0).cuda()
     logits = []
     for fast in (True, False):
-        decoder = StaticDecoder(model, sdpa=True, live_attention=fast, skinny=fast)
+        decoder = StaticDecoder(model, sdpa=True, live_attention=fast, skinny=fast, gated_mlp=fast)
         decoder.fuse_weights()
         decoder.compile_blocks(layers=True)
         torch.manual_seed(1)
@@ -165,3 +165,14 @@ def test_splits_fill_the_device_without_parts_shorter_than_a_block():
     assert splits_for(64, 2, 384, sms=132) == 1  # 128 (row, K/V head) programs: no merge kernel
     assert splits_for(16, 2, 1152, sms=132) == 9  # 32 programs: 9 parts (264 / 32, and 9 blocks of 128)
     assert splits_for(8, 2, 384, sms=132) == 3  # capped: three 128-position blocks
+
+
+def test_gated_mlp_is_off_and_refused_without_cuda():
+    from rlspec.models.factory import load_model
+    from rlspec.rollout.decoder import StaticDecoder
+    from rlspec.spec import ModelSpec
+
+    model = load_model(ModelSpec(), seed=0)
+    assert not StaticDecoder(model, sdpa=True).gated_mlp  # the CPU path stays F.linear and silu(gate) * up
+    with pytest.raises(ValueError, match="gated_mlp needs Triton and a CUDA model"):
+        StaticDecoder(model, gated_mlp=True)
