@@ -19,6 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..rollout.gated_mlp import config_for as gated_config_for
+from ..rollout.gated_mlp import gated_mlp_eager
 from ..rollout.live_attention import live_attention_eager, sm_count, splits_for
 from ..rollout.skinny_linear import config_for, skinny_linear_eager
 
@@ -79,7 +81,43 @@ def run(layers: int) -> dict:
                                  for kc, vc in zip(keys, values)], layers)
         rows.append({"kernel": f"attention {batch} rows, cache {length}, {live} live", "cudnn_sdpa_us": round(sdpa, 2),
                      "live_us": round(ours, 2), "splits": splits})
+    rows += gated_mlp_rows(layers, sms)
     return {"device": torch.cuda.get_device_name(0), "layers": layers, "rows": rows}
+
+
+# (rows, block_m, block_n, block_k, warps, stages): `gated_mlp` tiles to time at the 0.5B shape
+GATED_SWEEP = ((64, 64, 16, 128, 4, 3), (64, 64, 32, 128, 4, 3), (64, 64, 64, 128, 4, 3), (64, 64, 16, 64, 4, 4),
+               (64, 64, 32, 64, 4, 4), (64, 64, 16, 128, 8, 3), (64, 64, 32, 128, 8, 3), (64, 64, 16, 256, 4, 2),
+               (64, 64, 32, 256, 8, 2), (64, 32, 32, 128, 4, 3), (64, 64, 16, 128, 4, 2), (64, 64, 32, 128, 4, 4),
+               (16, 16, 16, 128, 4, 3), (16, 16, 32, 128, 4, 3), (16, 16, 64, 128, 4, 3))
+
+
+def gated_mlp_rows(layers: int, sms: int, hidden: int = 896, ffn: int = 4864) -> list[dict]:
+    """`gated_mlp` (gate/up with silu(gate) * up in its epilogue) against what the decode layer runs without it:
+    cuBLAS over the fused [2F, H] weight, then silu(gate) * up compiled into one kernel; at 16, 64 and 256 rows
+    with `config_for`'s tiles, then each tile of `GATED_SWEEP`. `max_abs_diff`: the largest difference of the
+    outputs (both bf16) over the last layer's weight."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    weights = [torch.randn(2 * ffn, hidden, device=dev, dtype=dtype) * 0.03 for _ in range(layers)]
+    silu_mul = torch.compile(lambda gate_up: F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], dynamic=False)
+    out = []
+    cases = [(m, gated_config_for(m, ffn, hidden, sms)) for m in (16, 64, 256)]
+    cases += [(m, {"block_m": bm, "block_n": bn, "block_k": bk, "warps": w, "stages": s})
+              for m, bm, bn, bk, w, s in GATED_SWEEP]
+    baseline = {}
+    for m, config in cases:
+        x = torch.randn(m, hidden, device=dev, dtype=dtype)
+        if m not in baseline:
+            gemm = graph_us(lambda: [F.linear(x, w) for w in weights], layers)
+            both = graph_us(lambda: [silu_mul(F.linear(x, w)) for w in weights], layers)
+            baseline[m] = (gemm, both)
+        gemm, both = baseline[m]
+        fused = graph_us(lambda: [gated_mlp_eager(x, w, **config) for w in weights], layers)
+        diff = (gated_mlp_eager(x, weights[-1], **config).float() - silu_mul(F.linear(x, weights[-1])).float())
+        out.append({"kernel": f"gated_mlp {m}x{ffn}x{hidden}", "config": config, "cublas_gate_up_us": round(gemm, 2),
+                    "cublas_and_silu_us": round(both, 2), "gated_mlp_us": round(fused, 2),
+                    "max_abs_diff": round(diff.abs().max().item(), 4)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

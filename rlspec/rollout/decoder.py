@@ -9,7 +9,8 @@ transformers' eager attention (scores in the model dtype, softmax in fp32); with
 trainer's within bf16 rounding (`tests/test_gpu.py`). Decode steps of up to `SKINNY_ROWS` rows run the output
 and down projections with the split-K `skinny_linear`. On CUDA it also runs each layer's q/k/v and gate/up
 projections as one GEMM each, over fused copies refreshed before every batch (`fuse_weights`), and compiles one
-function per decoder layer.
+function per decoder layer; decode steps of up to `GATED_MLP_ROWS` rows run the gate/up GEMM and silu(gate) * up
+as one Triton kernel, `gated_mlp`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import gated_mlp as gated
 from . import live_attention as live
 from .noise import keyed_exponential
 from .sampling import exponential_race
 from .skinny_linear import skinny_linear
 
 SKINNY_ROWS = 64  # decode steps of at most this many rows run the output and down projections split-K
+GATED_MLP_ROWS = SKINNY_ROWS  # ... and gate/up with silu(gate) * up in one kernel (`gated_mlp`)
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 
@@ -49,7 +52,7 @@ class StaticDecoder:
     """Forward pass over the HF module's weights, writing K/V into caller-owned static caches."""
 
     def __init__(self, model: torch.nn.Module, sdpa: bool = False, live_attention: bool | None = None,
-                 skinny: bool | None = None) -> None:
+                 skinny: bool | None = None, gated_mlp: bool | None = None) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
@@ -74,8 +77,13 @@ class StaticDecoder:
         # ... and, at up to `SKINNY_ROWS` rows, run the output and down projections with `skinny_linear` (split-K)
         # instead of cuBLAS, whose few output tiles leave most SMs idle. Their parts' sum fuses into the residual
         # add and the next norm; q/k/v stays on cuBLAS (its sum, read by the cache write and the attention op, became
-        # a kernel of its own and cost more than the split gained), and so does gate/up (wide enough for cuBLAS).
+        # a kernel of its own and cost more than the split gained), and gate/up is not split (wide enough as it is).
         self.skinny = (usable and sdpa) if skinny is None else skinny
+        # ... and, at up to `GATED_MLP_ROWS` rows with fused weights, run gate/up and silu(gate) * up as one kernel
+        # (`gated_mlp`: the SiLU gate in the GEMM's epilogue) instead of a cuBLAS GEMM and an element-wise kernel.
+        if gated_mlp and not gated.available(device):
+            raise ValueError("gated_mlp needs Triton and a CUDA model")
+        self.gated_mlp = (gated.available(device) and sdpa) if gated_mlp is None else gated_mlp
         self._compiled = None
         self.race = None  # the compiled `exponential_race` and `keyed_exponential`, with the compiled blocks
         self.noise = None
@@ -222,6 +230,8 @@ class StaticDecoder:
         """The MLP's output as parts [splits, b, T, hidden] to be summed (`_linear_parts`; the residual add is
         left to the caller). `weights`: (w_gate, w_up, w_down), or the fused (w_gate_up, w_down)."""
         h = self._rms_norm(x, norm)
+        if len(weights) == 2 and self.gated_mlp and h.dim() == 3 and h.shape[1] == 1 and h.shape[0] <= GATED_MLP_ROWS:
+            return self._linear_parts(gated.gated_mlp(h, weights[0]), weights[-1])
         if len(weights) == 2:
             gate, up = F.linear(h, weights[0]).chunk(2, dim=-1)
         else:

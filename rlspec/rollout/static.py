@@ -109,14 +109,16 @@ class GraphSampler:
                  compile_blocks: bool | None = None, check_every: int = 8, keep_graphs: bool = False,
                  fuse_weights: bool | None = None, sdpa: bool | None = None, compile_layers: bool | None = None,
                  share_prefill: bool = True, shrink_tail: bool = True, autotune: bool = False,
-                 live_attention: bool | None = None, skinny: bool | None = None) -> None:
+                 live_attention: bool | None = None, skinny: bool | None = None,
+                 gated_mlp: bool | None = None) -> None:
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # The defaults on CUDA are the fastest measured (`python -m rlspec.perf.profile_engine`, H200, 0.5B shape, 64
         # rows: 1.43 ms a decode step fused + SDPA + per-layer compile, 1.98 ms with none of them; on an H100, 1.41 ms
-        # -> 1.21 ms with the decode kernels, `live_attention` and `skinny`, on where Triton runs).
+        # -> 1.21 ms with the decode kernels, `live_attention` and `skinny`, on where Triton runs; `gated_mlp`, also on
+        # there by default, is not in these figures).
         self.decoder = StaticDecoder(model, sdpa=self.use_graphs if sdpa is None else sdpa,
-                                     live_attention=live_attention, skinny=skinny)
+                                     live_attention=live_attention, skinny=skinny, gated_mlp=gated_mlp)
         self.compiled = self.use_graphs if compile_blocks is None else compile_blocks
         self.fuse = self.use_graphs if fuse_weights is None else fuse_weights
         if self.compiled:

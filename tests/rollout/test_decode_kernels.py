@@ -1,7 +1,8 @@
 """The decode step's Triton kernels against what they replace: `live_attention` (attention over each row's live
-cache positions) against SDPA over the whole masked cache, `skinny_linear` (split-K) against `F.linear`. On
-CUDA compiled in bf16; on CPU under Triton's interpreter in fp32 where Triton is installed (CPU-only torch ships
-without it, so CI skips that case; the device machine runs both)."""
+cache positions) against SDPA over the whole masked cache, `skinny_linear` (split-K) against `F.linear`,
+`gated_mlp` against the fused gate/up `F.linear` and `silu(gate) * up`. On CUDA compiled in bf16; on CPU under
+Triton's interpreter in fp32 where Triton is installed (CPU-only torch ships without it, so CI skips that case;
+the device machine runs both)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rlspec.rollout.gated_mlp import config_for as gated_config_for
+from rlspec.rollout.gated_mlp import gated_mlp_eager
 from rlspec.rollout.live_attention import live_attention_eager, splits_for
 from rlspec.rollout.skinny_linear import config_for, skinny_linear_eager
 from tests.triton_interpreter import allow_scalar_loop_bounds, run_interpreted
@@ -57,12 +60,37 @@ def _check_linear(dtype, device, tolerance):
             torch.testing.assert_close(parts.sum(0), expected, atol=tolerance * k ** 0.5, rtol=tolerance)
 
 
+def _gated_reference(x, weight):
+    """Today's decode MLP before the down projection: gate and up rounded to x's dtype, silu(gate) * up in fp32."""
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+def _check_gated(dtype, device, tolerance):
+    """Ragged M (5, 70: a part-filled row block) and F (40, 24: a part-filled column block), K not a multiple of
+    the K block; weights scaled so gate and up are about N(0, 1), as in a trained layer."""
+    torch.manual_seed(0)
+    for m, f, k in ((5, 40, 96), (16, 64, 128), (70, 24, 200)):
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        weight = (torch.randn(2 * f, k, device=device) / k ** 0.5).to(dtype)
+        expected = _gated_reference(x, weight).float()
+        configs = (gated_config_for(m, f, k, sms=132),
+                   {"block_m": 16, "block_n": 32, "block_k": 64, "warps": 4, "stages": 2},
+                   {"block_m": 64, "block_n": 16, "block_k": 128, "warps": 8, "stages": 3})
+        for config in configs:
+            out = gated_mlp_eager(x, weight, **config)
+            assert out.shape == (m, f) and out.dtype == dtype
+            torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
 def _interpreted() -> None:
-    """`_check` and `_check_linear` in fp32 under Triton's interpreter (run in a fresh process: the interpreter is
-    chosen when the kernels are defined). fp32 only: the interpreter's bf16 dot is wrong (CUDA checks bf16 below)."""
+    """`_check`, `_check_linear` and `_check_gated` in fp32 under Triton's interpreter (run in a fresh process: the
+    interpreter is chosen when the kernels are defined). fp32 only: the interpreter's bf16 dot is wrong (CUDA checks
+    bf16 below)."""
     allow_scalar_loop_bounds()
     _check(torch.float32, "cpu", 1e-5)
     _check_linear(torch.float32, "cpu", 1e-5)
+    _check_gated(torch.float32, "cpu", 1e-5)
 
 
 def test_kernels_match_torch_under_the_interpreter():
@@ -80,9 +108,16 @@ def test_skinny_linear_matches_linear_on_cuda():
 
 
 @pytest.mark.gpu
+def test_gated_mlp_matches_linear_and_silu_on_cuda():
+    """bf16: where cuBLAS sums in another order, gate or up may round to the neighbouring bf16 value (one step:
+    under 0.8%), and y rounds once more, so y within 2% (and 0.02 absolute)."""
+    _check_gated(torch.bfloat16, "cuda", 2e-2)
+
+
+@pytest.mark.gpu
 def test_decode_step_with_the_kernels_matches_the_plain_one_on_cuda():
-    """One compiled decode layer stack over a half-filled cache: logits with live attention and split-K
-    projections equal those with SDPA and cuBLAS, to bf16 rounding."""
+    """One compiled decode layer stack over a half-filled cache: logits with live attention, split-K projections
+    and the gated MLP kernel equal those with SDPA and cuBLAS, to bf16 rounding."""
     from rlspec.models.factory import load_model
     from rlspec.rollout.decoder import StaticDecoder
     from rlspec.spec import ModelSpec
@@ -90,7 +125,7 @@ def test_decode_step_with_the_kernels_matches_the_plain_one_on_cuda():
     model = load_model(ModelSpec(preset="qwen2_0p5b_shape", dtype="bfloat16", attn_implementation="sdpa"), 0).cuda()
     logits = []
     for fast in (True, False):
-        decoder = StaticDecoder(model, sdpa=True, live_attention=fast, skinny=fast)
+        decoder = StaticDecoder(model, sdpa=True, live_attention=fast, skinny=fast, gated_mlp=fast)
         decoder.fuse_weights()
         decoder.compile_blocks(layers=True)
         torch.manual_seed(1)
@@ -130,3 +165,14 @@ def test_splits_fill_the_device_without_parts_shorter_than_a_block():
     assert splits_for(64, 2, 384, sms=132) == 1  # 128 (row, K/V head) programs: no merge kernel
     assert splits_for(16, 2, 1152, sms=132) == 9  # 32 programs: 9 parts (264 / 32, and 9 blocks of 128)
     assert splits_for(8, 2, 384, sms=132) == 3  # capped: three 128-position blocks
+
+
+def test_gated_mlp_is_off_and_refused_without_cuda():
+    from rlspec.models.factory import load_model
+    from rlspec.rollout.decoder import StaticDecoder
+    from rlspec.spec import ModelSpec
+
+    model = load_model(ModelSpec(), seed=0)
+    assert not StaticDecoder(model, sdpa=True).gated_mlp  # the CPU path stays F.linear and silu(gate) * up
+    with pytest.raises(ValueError, match="gated_mlp needs Triton and a CUDA model"):
+        StaticDecoder(model, gated_mlp=True)
