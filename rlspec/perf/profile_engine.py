@@ -18,7 +18,9 @@ Variants (keyword arguments of `GraphSampler`): `plain` (compiled blocks, separa
 instead of one per block), `fused_layers_sdpa` (the default; where Triton runs, decode steps attend with
 `live_attention`, reading only each row's reached positions, and run the output and down projections split-K
 with `skinny_linear` at up to 64 rows), `fused_layers_sdpa_live` (live attention, every projection on cuBLAS),
-`fused_layers_sdpa_masked` (neither: SDPA over the whole masked cache, cuBLAS), `fused_layers_sdpa_autotune`
+`fused_layers_sdpa_masked` (neither: SDPA over the whole masked cache, cuBLAS), `fused_layers_sdpa_logits` (the
+default with the LM head's logits formed by cuBLAS and raced by the compiled race, where without top-p the default
+samples with the fused head and race of `sampled_head`), `fused_layers_sdpa_autotune`
 (Inductor times its own GEMM kernels against cuBLAS: mode max-autotune-no-cudagraphs). On CUDA every variant
 that does not set `sdpa` uses SDPA, and with it the two decode kernels. Every compiled variant samples with the
 compiled race; `fused_eager` computes the keyed noise eagerly (about 30 elementwise kernels over [slots,
@@ -48,6 +50,7 @@ VARIANTS = {
     "fused_layers_sdpa_masked": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "live_attention": False,
                                  "skinny": False},
     "fused_layers_sdpa_live": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "skinny": False},
+    "fused_layers_sdpa_logits": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "sampled_head": False},
 }
 
 

@@ -10,6 +10,10 @@ trainer's within bf16 rounding (`tests/test_gpu.py`). Decode steps of up to `SKI
 and down projections with the split-K `skinny_linear`. On CUDA it also runs each layer's q/k/v and gate/up
 projections as one GEMM each, over fused copies refreshed before every batch (`fuse_weights`), and compiles one
 function per decoder layer.
+
+`forward` ends with the final norm and the LM head (logits), or, `head=False`, with the final-normed hidden of the
+last position: the sampler keeps that and samples from it (`sampling.sample_from_hidden`), on CUDA without top-p
+with the head GEMM and the race fused in one Triton kernel (`sampled_head`: no [rows, V] logits are written).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import live_attention as live
+from . import sampled_head as head_kernel
 from .noise import keyed_exponential
 from .sampling import exponential_race
 from .skinny_linear import skinny_linear
@@ -49,7 +54,7 @@ class StaticDecoder:
     """Forward pass over the HF module's weights, writing K/V into caller-owned static caches."""
 
     def __init__(self, model: torch.nn.Module, sdpa: bool = False, live_attention: bool | None = None,
-                 skinny: bool | None = None) -> None:
+                 skinny: bool | None = None, sampled_head: bool | None = None) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
@@ -61,6 +66,7 @@ class StaticDecoder:
         self.scaling = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
         self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         self.rotary = model.model.rotary_emb
         self.sdpa = sdpa
@@ -76,6 +82,11 @@ class StaticDecoder:
         # add and the next norm; q/k/v stays on cuBLAS (its sum, read by the cache write and the attention op, became
         # a kernel of its own and cost more than the split gained), and so does gate/up (wide enough for cuBLAS).
         self.skinny = (usable and sdpa) if skinny is None else skinny
+        # Sampling without top-p (`sampling.sample_from_hidden`) runs the head GEMM and the race as one kernel
+        # (`sampled_head`) where Triton runs on CUDA; False forms the logits and races them as before.
+        if sampled_head and not head_kernel.available(device):
+            raise ValueError("sampled_head needs Triton and a CUDA model")
+        self.sampled_head = head_kernel.available(device) if sampled_head is None else sampled_head
         self._compiled = None
         self.race = None  # the compiled `exponential_race` and `keyed_exponential`, with the compiled blocks
         self.noise = None
@@ -86,6 +97,11 @@ class StaticDecoder:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def head_weight(self) -> Tensor:
+        """The LM head's weight [V, H] (the input embedding's, when tied)."""
+        return self.model.get_output_embeddings().weight
 
     def weight_pointers(self) -> tuple[int, ...]:
         """Storage addresses a captured graph baked in; they change only if a weight is re-allocated."""
@@ -285,10 +301,11 @@ class StaticDecoder:
 
     def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
                 keys: list[Tensor], values: list[Tensor], compiled: bool = False,
-                lengths: Tensor | None = None) -> Tensor:
-        """Logits [b, V] of the last of `ids` [b, T]; K/V of all T tokens go to cache `slots`: [T] (the same for
-        every row) or [b, T] (each row its own, as the continuous-batching decode step writes). `lengths` [b]
-        (decode steps): no cache position at or past a row's length is allowed, so attention may stop there.
+                lengths: Tensor | None = None, head: bool = True) -> Tensor:
+        """Logits [b, V] of the last of `ids` [b, T] (`head=False`: its final-normed hidden [b, H] in the model
+        dtype, which `sampling.sample_from_hidden` samples from); K/V of all T tokens go to cache `slots`: [T] (the
+        same for every row) or [b, T] (each row its own, as the continuous-batching decode step writes). `lengths`
+        [b] (decode steps): no cache position at or past a row's length is allowed, so attention may stop there.
 
         `compiled` uses the torch.compile'd layers or blocks (decode steps: one shape per graph); prefill
         shapes vary with the prompt width, so prefill runs the plain ones.
@@ -305,4 +322,4 @@ class StaticDecoder:
         for index, (layer, k_cache, v_cache) in enumerate(zip(body.layers, keys, values)):
             x, delta = run(x, delta, self._layer_weights(index, layer), k_cache, v_cache, slots, mask, cos, sin)
         x = self._rms_norm(x[:, -1] + self._summed(delta[:, :, -1], x.dtype), body.norm.weight)
-        return F.linear(x, self.model.get_output_embeddings().weight)
+        return F.linear(x, self.head_weight) if head else x

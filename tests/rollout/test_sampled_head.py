@@ -1,7 +1,7 @@
 """The fused LM head and exponential race (`rlspec.rollout.sampled_head`) against what it replaces, `F.linear` then
 `exponential_race`, and its in-kernel noise against `noise.keyed_uniform`. On CPU under Triton's interpreter in
 fp32 where Triton is installed (CPU-only torch ships without it, so CI skips that case); on CUDA in bf16, also
-inside a captured CUDA graph.
+inside a captured CUDA graph and as the graph sampler's head.
 
 Tokens: the kernel's logits differ from `F.linear`'s in accumulation order only, so its token must be the
 reference's wherever the reference's two best scores are further apart than `slack`, and everywhere within
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from rlspec.rollout.live_attention import triton
 from rlspec.rollout.noise import keyed_exponential, keyed_uniform, sample_keys
 from rlspec.rollout.sampled_head import config_for, sampled_head_eager
-from rlspec.rollout.sampling import exponential_race
+from rlspec.rollout.sampling import exponential_race, sample_from_hidden, sample_from_logits
 from tests.triton_interpreter import allow_scalar_loop_bounds, run_interpreted
 
 # rows, vocabulary, hidden, config: rows and vocabulary off the tile sizes, a K not a multiple of its block
@@ -126,6 +126,16 @@ def test_sampled_head_matches_linear_and_race_under_the_interpreter():
     run_interpreted("tests.rollout.test_sampled_head")
 
 
+def test_sample_from_hidden_without_the_kernel_is_linear_then_the_race():
+    """Off CUDA (and with top-p) the hidden is put through `F.linear` and sampled as the logits are: the same
+    tokens and log-probs as `sample_from_logits`, bit for bit."""
+    x, weight, keys, steps = _inputs(6, 500, 32, torch.float32, "cpu")
+    for top_p in (1.0, 0.8):
+        got = sample_from_hidden(x, weight, 0.8, top_p, keys, steps)
+        want = sample_from_logits(F.linear(x, weight), 0.8, top_p, keys, steps)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.gpu
 def test_sampled_head_matches_linear_and_race_on_cuda():
     """bf16: the 0.5B head (896 x 151,936) at the engine's row counts, shapes off the tiles, and ties."""
@@ -185,3 +195,36 @@ def test_graph_captured_sampled_head_follows_a_known_categorical():
     chi2 = (((counts - expected) ** 2) / expected).sum().item()
     print(f"fused head graph sampling chi-square (4 dof) over {rows * replays} draws: {chi2:.2f}")
     assert chi2 < 20.5  # P(chi2_4 > 20.5) < 4e-4
+
+
+@pytest.mark.gpu
+def test_graph_sampler_with_the_fused_head_samples_like_the_logits_path():
+    """The CUDA-graph engine at top_p 1 (bf16, 0.5B shape): with the fused head, nearly the same samples as with
+    the logits formed and raced (a near tie may resolve differently), and log-probs that match the trainer's."""
+    from rlspec.core.policy import batch_logprobs
+    from rlspec.models.base import byte_tokenizer
+    from rlspec.models.factory import load_model
+    from rlspec.rollout.base import collate, engine_logprobs_tensor
+    from rlspec.rollout.hf import HFEngine
+    from rlspec.rollout.static import GraphSampler
+    from rlspec.spec import ModelSpec, RolloutSpec
+
+    model = load_model(ModelSpec(preset="qwen2_0p5b_shape", dtype="bfloat16", attn_implementation="sdpa"), 0).cuda()
+    prompts = ["a=", "bcd=", "hello world=", "x" * 20 + "="]
+
+    def run(fused: bool):
+        engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=64, temperature=0.9), "cuda")
+        sampler = GraphSampler(model, "cuda", sampled_head=fused)
+        assert sampler.decoder.sampled_head == fused
+        engine._fast_sampler = lambda: sampler
+        return engine.generate(prompts, n=4, seed=0)
+
+    fused, plain = run(True), run(False)
+    same = sum(a == b for a, b in zip(fused.completion_ids, plain.completion_ids))
+    batch = collate(fused, torch.zeros(16), torch.zeros(16), 0)
+    trainer = batch_logprobs(model, batch, 0.9, 8, "cuda")
+    diff = (trainer - engine_logprobs_tensor(fused, batch)).abs()[batch.loss_mask > 0]
+    error = diff.exp().mean().item()
+    print(f"fused head: {same}/16 samples as the logits path; token_mult_prob_error {error:.5f}, "
+          f"max |diff| {diff.max().item():.3e}")
+    assert same >= 12 and error <= 1.01
