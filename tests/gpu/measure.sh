@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra, the serve stack; under
 # `.devicepkgs/extra` TRL 1.16 with datasets, dill, multiprocess for the TRL reference row).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels host split ab
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels sampled_head host split ab
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 # The bench spec's token budget (algorithm.micro_batch_tokens) was 16k, then 32k, and is 64k now: a figure quoted at
@@ -170,6 +170,14 @@ for section in "$@"; do
       CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_engine $BENCH \
         --variants fused_layers_sdpa,fused_layers_sdpa_live,fused_layers_sdpa_masked --rows 40 > $OUT/engine_decode.txt 2>&1
       echo "engine decode exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_decode.txt | head -10 >> $OUT/results.txt ;;
+    sampled_head)  # the LM head and its sampling as one Triton kernel (rlspec.rollout.sampled_head) beside cuBLAS's
+      # head GEMM then the compiled race, at 16, 64 and 256 rows; then the fixed 64 x 256 decode step with it and
+      # with the logits formed (fused_layers_sdpa / _logits), with its kernel table
+      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.bench_decode_kernels --head > $OUT/sampled_head.txt 2>&1
+      echo "sampled_head exit $?" >> $OUT/results.txt; cat $OUT/sampled_head.txt >> $OUT/results.txt
+      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_engine $BENCH \
+        --variants fused_layers_sdpa,fused_layers_sdpa_logits --rows 40 > $OUT/engine_head.txt 2>&1
+      echo "engine head exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_head.txt | head -10 >> $OUT/results.txt ;;
     head)  # issue 18: the log-prob head at one chunk: the unfused chunk's elementwise kernels by how they are
       # compiled, beside a device copy of the same logits; a whole chunk forward and backward, unfused against the
       # Triton head (rlspec.core.fused_head), beside cuBLAS's logits GEMM; the Triton head's tile sweep
