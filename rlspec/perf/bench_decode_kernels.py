@@ -8,6 +8,12 @@ Each figure is the median time of one call, from CUDA-graph replays of `--layers
 caches (one per layer, as in a decode step, so a matrix is not still in L2 from the last call); the split-K
 figure includes the sum of its parts (`.sum(0)` and the cast: a separate kernel here, fused into the next
 element-wise kernel inside the compiled decode layer).
+
+    python -m rlspec.perf.bench_decode_kernels --head [--heads 4]
+
+times instead the LM head and its sampling at the 0.5B shape (hidden 896, vocabulary 151,936, bf16) at 16, 64 and
+256 rows: the fused head and race (`sampled_head`) against `F.linear` then the compiled `exponential_race`, and
+each of those two alone, over `--heads` distinct head weights (272 MB each) per replay.
 """
 
 from __future__ import annotations
@@ -120,11 +126,55 @@ def gated_mlp_rows(layers: int, sms: int, hidden: int = 896, ffn: int = 4864) ->
     return out
 
 
+HEAD = (151_936, 896)  # the 0.5B shape's vocabulary and hidden size (its tied head)
+
+
+def run_head(heads: int, temperature: float = 0.9) -> list[dict]:
+    """The fused head and race against the head GEMM then the compiled race, as `graph_us` times them, over
+    `heads` distinct weights and hidden states; `agree`: the fraction of rows whose tokens match (the rest are near
+    ties resolved the other way: the two compute the logits in different orders)."""
+    from ..rollout.noise import sample_keys
+    from ..rollout.sampled_head import config_for as head_config, sampled_head_eager
+    from ..rollout.sampling import exponential_race
+
+    torch.manual_seed(0)
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    vocab, hidden = HEAD
+    race = torch.compile(exponential_race, dynamic=False)
+    weights = [torch.randn(vocab, hidden, device=dev, dtype=dtype) * 0.02 for _ in range(heads)]
+    rows = []
+    for m in (16, 64, 256):
+        xs = [torch.randn(m, hidden, device=dev, dtype=dtype) for _ in range(heads)]
+        keys = sample_keys(0, torch.arange(m, device=dev))
+        steps = torch.full((m,), 7, device=dev)
+        config = head_config(m)
+        logits = [F.linear(x, w) for x, w in zip(xs, weights)]
+        linear = graph_us(lambda: [F.linear(x, w) for x, w in zip(xs, weights)], heads)
+        race_only = graph_us(lambda: [race(z, keys, steps, temperature) for z in logits], heads)
+        unfused = graph_us(lambda: [race(F.linear(x, w), keys, steps, temperature) for x, w in zip(xs, weights)], heads)
+        fused = graph_us(lambda: [sampled_head_eager(x, w, keys, steps, temperature, **config)
+                                  for x, w in zip(xs, weights)], heads)
+        tokens = sampled_head_eager(xs[0], weights[0], keys, steps, temperature, **config)[0]
+        agree = (tokens == race(logits[0], keys, steps, temperature)[0]).float().mean().item()
+        rows.append({"kernel": f"head + race {m}x{vocab}x{hidden}", "linear_us": round(linear, 2),
+                     "race_us": round(race_only, 2), "linear_then_race_us": round(unfused, 2),
+                     "fused_us": round(fused, 2), "agree": round(agree, 4), **config})
+        del logits
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rlspec.perf.bench_decode_kernels",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24, help="distinct weights / caches per replay")
+    parser.add_argument("--head", action="store_true", help="time the fused LM head and race instead")
+    parser.add_argument("--heads", type=int, default=4, help="distinct head weights per replay (--head)")
     args = parser.parse_args(argv)
+    if args.head:
+        for row in run_head(args.heads):
+            print(json.dumps(row))
+        print(json.dumps({"device": torch.cuda.get_device_name(0), "heads": args.heads}))
+        return
     result = run(args.layers)
     for row in result["rows"]:
         print(json.dumps(row))

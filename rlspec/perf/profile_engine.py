@@ -17,12 +17,15 @@ Variants (keyword arguments of `GraphSampler`): `plain` (compiled blocks, separa
 `fused_eager` (fused, blocks not compiled), `fused_layers` (fused, one compiled function per decoder layer
 instead of one per block), `fused_layers_sdpa` (the default; where Triton runs, decode steps attend with
 `live_attention`, reading only each row's reached positions, run the output and down projections split-K
-with `skinny_linear` and gate/up with silu(gate) * up as one kernel, `gated_mlp`, at up to 64 rows),
-`fused_layers_sdpa_ungated` (the default less `gated_mlp`), `fused_layers_sdpa_live` (live attention, every
-projection on cuBLAS), `fused_layers_sdpa_masked` (none: SDPA over the whole masked cache, cuBLAS),
-`fused_layers_sdpa_autotune` (Inductor times its own GEMM kernels against cuBLAS: mode
-max-autotune-no-cudagraphs). On CUDA every variant that does not set `sdpa` uses SDPA, and with it the decode
-kernels (`gated_mlp` only where the weights are fused). Every compiled variant samples with the
+with `skinny_linear` and gate/up with silu(gate) * up as one kernel, `gated_mlp`, at up to 64 rows, and, without
+top-p, sample with the LM head and the race as one kernel, `sampled_head`, so no [rows, V] logits are written),
+`fused_layers_sdpa_ungated` (the default less `gated_mlp`), `fused_layers_sdpa_logits` (the default less
+`sampled_head`: cuBLAS logits, then the compiled race), `fused_layers_sdpa_cublas_head_mlp` (the default less
+both), `fused_layers_sdpa_live` (live attention, every projection and the head on cuBLAS),
+`fused_layers_sdpa_masked` (none: SDPA over the whole masked cache, cuBLAS), `fused_layers_sdpa_autotune`
+(Inductor times its own GEMM kernels against cuBLAS: mode max-autotune-no-cudagraphs). On CUDA every variant
+that does not set `sdpa` uses SDPA, and with it the decode kernels (`gated_mlp` only where the weights are
+fused). Every compiled variant samples with the
 compiled race; `fused_eager` computes the keyed noise eagerly (about 30 elementwise kernels over [slots,
 vocabulary] a step), so its decode step is not the blocks' cost alone.
 """
@@ -49,9 +52,12 @@ VARIANTS = {
     "fused_layers_sdpa_autotune": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "autotune": True},
     "fused_layers_sdpa_ungated": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "gated_mlp": False},
     "fused_layers_sdpa_masked": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "live_attention": False,
-                                 "skinny": False, "gated_mlp": False},
+                                 "skinny": False, "gated_mlp": False, "sampled_head": False},
     "fused_layers_sdpa_live": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "skinny": False,
-                               "gated_mlp": False},
+                               "gated_mlp": False, "sampled_head": False},
+    "fused_layers_sdpa_logits": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "sampled_head": False},
+    "fused_layers_sdpa_cublas_head_mlp": {"fuse_weights": True, "compile_layers": True, "sdpa": True,
+                                          "gated_mlp": False, "sampled_head": False},
 }
 
 

@@ -11,6 +11,10 @@ and down projections with the split-K `skinny_linear`. On CUDA it also runs each
 projections as one GEMM each, over fused copies refreshed before every batch (`fuse_weights`), and compiles one
 function per decoder layer; decode steps of up to `GATED_MLP_ROWS` rows run the gate/up GEMM and silu(gate) * up
 as one Triton kernel, `gated_mlp`.
+
+`forward` ends with the final norm and the LM head (logits), or, `head=False`, with the final-normed hidden of the
+last position: the sampler keeps that and samples from it (`sampling.sample_from_hidden`), on CUDA without top-p
+with the head GEMM and the race fused in one Triton kernel (`sampled_head`: no [rows, V] logits are written).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import Tensor
 
 from . import gated_mlp as gated
 from . import live_attention as live
+from . import sampled_head as head_kernel
 from .noise import keyed_exponential
 from .sampling import exponential_race
 from .skinny_linear import skinny_linear
@@ -52,7 +57,8 @@ class StaticDecoder:
     """Forward pass over the HF module's weights, writing K/V into caller-owned static caches."""
 
     def __init__(self, model: torch.nn.Module, sdpa: bool = False, live_attention: bool | None = None,
-                 skinny: bool | None = None, gated_mlp: bool | None = None) -> None:
+                 skinny: bool | None = None, gated_mlp: bool | None = None,
+                 sampled_head: bool | None = None) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
@@ -64,6 +70,7 @@ class StaticDecoder:
         self.scaling = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
         self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         self.rotary = model.model.rotary_emb
         self.sdpa = sdpa
@@ -84,6 +91,11 @@ class StaticDecoder:
         if gated_mlp and not gated.available(device):
             raise ValueError("gated_mlp needs Triton and a CUDA model")
         self.gated_mlp = (gated.available(device) and sdpa) if gated_mlp is None else gated_mlp
+        # Sampling without top-p (`sampling.sample_from_hidden`) runs the head GEMM and the race as one kernel
+        # (`sampled_head`) where Triton runs on CUDA; False forms the logits and races them as before.
+        if sampled_head and not head_kernel.available(device):
+            raise ValueError("sampled_head needs Triton and a CUDA model")
+        self.sampled_head = head_kernel.available(device) if sampled_head is None else sampled_head
         self._compiled = None
         self.race = None  # the compiled `exponential_race` and `keyed_exponential`, with the compiled blocks
         self.noise = None
@@ -94,6 +106,11 @@ class StaticDecoder:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def head_weight(self) -> Tensor:
+        """The LM head's weight [V, H] (the input embedding's, when tied)."""
+        return self.model.get_output_embeddings().weight
 
     def weight_pointers(self) -> tuple[int, ...]:
         """Storage addresses a captured graph baked in; they change only if a weight is re-allocated."""
@@ -295,10 +312,11 @@ class StaticDecoder:
 
     def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
                 keys: list[Tensor], values: list[Tensor], compiled: bool = False,
-                lengths: Tensor | None = None) -> Tensor:
-        """Logits [b, V] of the last of `ids` [b, T]; K/V of all T tokens go to cache `slots`: [T] (the same for
-        every row) or [b, T] (each row its own, as the continuous-batching decode step writes). `lengths` [b]
-        (decode steps): no cache position at or past a row's length is allowed, so attention may stop there.
+                lengths: Tensor | None = None, head: bool = True) -> Tensor:
+        """Logits [b, V] of the last of `ids` [b, T] (`head=False`: its final-normed hidden [b, H] in the model
+        dtype, which `sampling.sample_from_hidden` samples from); K/V of all T tokens go to cache `slots`: [T] (the
+        same for every row) or [b, T] (each row its own, as the continuous-batching decode step writes). `lengths`
+        [b] (decode steps): no cache position at or past a row's length is allowed, so attention may stop there.
 
         `compiled` uses the torch.compile'd layers or blocks (decode steps: one shape per graph); prefill
         shapes vary with the prompt width, so prefill runs the plain ones.
@@ -315,4 +333,4 @@ class StaticDecoder:
         for index, (layer, k_cache, v_cache) in enumerate(zip(body.layers, keys, values)):
             x, delta = run(x, delta, self._layer_weights(index, layer), k_cache, v_cache, slots, mask, cos, sin)
         x = self._rms_norm(x[:, -1] + self._summed(delta[:, :, -1], x.dtype), body.norm.weight)
-        return F.linear(x, self.model.get_output_embeddings().weight)
+        return F.linear(x, self.head_weight) if head else x

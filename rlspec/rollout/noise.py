@@ -40,11 +40,17 @@ def keyed_exponential(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:
     shifted noise); the uniform keeps 23 bits, so (k + 0.5) / 2^23 is exact in float32 and never 0 or 1 (with 24
     bits the top value would round to 1, an exponential of 0, and win the race whatever its probability).
     """
+    return -torch.log(keyed_uniform(keys, steps, vocab))
+
+
+def keyed_uniform(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:
+    """The [B, vocab] uniforms in (0, 1) that `keyed_exponential` takes -log of (the fused head and race of
+    `rlspec.rollout.sampled_head` hash the same bits inside its kernel)."""
     row = _mix32(keys ^ _mix32(steps & _MASK32))
     salt = _mix32(row ^ 0x45D9F3B)
     ids = torch.arange(vocab, device=keys.device, dtype=torch.int32)
     x = _mix32_int32(_mix32_int32(ids[None] ^ _as_int32(row)[:, None]) ^ _as_int32(salt)[:, None])
-    return -torch.log(open_uniform(x))
+    return open_uniform(x)
 
 
 def _as_int32(x: Tensor) -> Tensor:

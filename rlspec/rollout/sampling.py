@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.grpo import logsumexp_in_parts, vocab_splits
+from . import sampled_head
 from .noise import keyed_exponential
 
 
@@ -66,6 +68,20 @@ def sample_from_logits(logits: Tensor, temperature: float, top_p: float, keys: T
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     token = torch.argmax(top_p_filter(logp.exp(), top_p) / draws, dim=-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def sample_from_hidden(hidden: Tensor, head_weight: Tensor, temperature: float, top_p: float, keys: Tensor,
+                       steps: Tensor, race=None, noise=None, fused: bool | None = None) -> tuple[Tensor, Tensor]:
+    """`sample_from_logits` on the head's logits `F.linear(hidden, head_weight)`, for the final-normed `hidden`
+    [B, H]. Without top-p and with `fused` (None: wherever `sampled_head.available`), the head GEMM and the race
+    run as one Triton pass over the head's weight (`rlspec.rollout.sampled_head`), which never writes the [B, V]
+    logits: the race over the same logits up to the GEMM's accumulation order. Otherwise the logits are formed and
+    sampled as `sample_from_logits` samples them (`race`, `noise`: its compiled pieces)."""
+    if fused is None:
+        fused = sampled_head.available(hidden.device)
+    if fused and top_p >= 1.0:
+        return sampled_head.sampled_head(hidden, head_weight, keys, steps, temperature)
+    return sample_from_logits(F.linear(hidden, head_weight), temperature, top_p, keys, steps, race, noise)
 
 
 def exponential_race(logits: Tensor, keys: Tensor, steps: Tensor, temperature: float) -> tuple[Tensor, Tensor]:

@@ -3,21 +3,24 @@ forward of `rlspec.rollout.decoder.StaticDecoder`.
 
 `GraphSampler` runs one rollout batch over a pool of slots (continuous batching; see its docstring):
 
-    prefill each distinct prompt once (row chunks, eager) -> its K/V and first logits
-    fill the pool: copy a pending sample's prompt K/V and logits into each free slot
+    prefill each distinct prompt once (row chunks, eager) -> its K/V and its last token's final-normed hidden h
+    fill the pool: copy a pending sample's prompt K/V and h into each free slot
     repeat:  [one CUDA graph replay per token]
+        logits = h W^T (the LM head; W [V, H])
         top_p = 1: token = argmax(logits / T - log E), logp = logits[token] / T - logsumexp(logits / T)
         top_p < 1: logp = log_softmax(logits / T); token = argmax(top_p(exp(logp)) / E)      (E ~ Exp(1))
         ended slots emit the end token; record token and logp[token] at the slot's own column
-        write K/V of `token` into the slot's next cache position; logits = forward(token)
+        write K/V of `token` into the slot's next cache position; h = forward(token)
         every `check_every` steps (the only host sync): copy ended slots' samples out, refill them
 
 `argmax(p_i / E_i)` with `E_i ~ Exp(1)` samples i with probability p_i / sum(p) (the exponential race),
 which needs no data-dependent shapes, so sampling lives inside the graph; E is keyed by (seed, sample,
-position) (`rlspec.rollout.noise`). One graph is captured per (slot bucket, cache length bucket): the pool is
-padded up to the next power of two with empty (ended) slots, and the cache length is rounded up to a
-multiple of `CACHE_STEP`. Without CUDA (`use_graphs=False`) the same step function runs eagerly, which is how
-the CPU tests check its logic.
+position) (`rlspec.rollout.noise`). With top_p = 1 on CUDA the head and the race are one Triton kernel
+(`rlspec.rollout.sampled_head`): each tile of logits is reduced where it is computed, and the [slots, V]
+logits are never written (`sampling.sample_from_hidden`; elsewhere the logits are formed and raced as above).
+One graph is captured per (slot bucket, cache length bucket): the pool is padded up to the next power of two
+with empty (ended) slots, and the cache length is rounded up to a multiple of `CACHE_STEP`. Without CUDA
+(`use_graphs=False`) the same step function runs eagerly, which is how the CPU tests check its logic.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch import Tensor
 from ..core.batch import position_ids
 from .decoder import StaticDecoder
 from .noise import sample_keys
-from .sampling import sample_from_logits
+from .sampling import sample_from_hidden
 
 BATCH_BUCKETS = tuple(2 ** i for i in range(11))  # 1 .. 1024 rows per graph
 CACHE_STEP = 128
@@ -56,7 +59,7 @@ class _Prompts:
 
     keys: list[Tensor]         # [P, Hkv, W, D] per layer
     values: list[Tensor]
-    logits: Tensor             # [P, V] logits of the first completion token
+    hidden: Tensor             # [P, H] final-normed hidden the first completion token is sampled from
     mask: Tensor               # [P, W] real (not padding) prompt tokens
     next_position: Tensor      # [P] RoPE position of the first completion token
     index: Tensor              # [rows] the prompt of each sample
@@ -69,7 +72,7 @@ class _State:
 
     keys: list[Tensor]   # [B, Hkv, S, D] per layer
     values: list[Tensor]
-    logits: Tensor       # [B, V] next-token logits
+    hidden: Tensor       # [B, H] final-normed hidden the next token is sampled from (not [B, V] logits)
     position: Tensor     # [B] RoPE position of the next token
     write: Tensor        # [B] cache slot of the next token
     step: Tensor         # [B] output column of the next token (= tokens sampled so far by the slot's sample)
@@ -103,6 +106,9 @@ class GraphSampler:
     the samples reach (no paging: a slot reserves the full length). For the 0.5B shape (24 layers, 2 K/V heads
     of 64) that is 12,288 bytes per cached token: 256 rows x 1,152 (a 1,024-token budget plus a prompt of up to
     128, rounded to `CACHE_STEP`) = 3.6 GB as a static batch; with 64 slots 0.91 GB for any number of rows.
+    Between steps a slot holds the final-normed hidden [H] it samples from, not the logits [V]: at 256 slots of the
+    0.5B shape 0.46 MB where bf16 logits took 77.8 MB; with top_p = 1 on CUDA the head's [256, V] output inside the
+    graph's pool (as much again) goes too, for 6 MB of the fused kernel's per-tile partials.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, use_graphs: bool | None = None,
@@ -110,7 +116,7 @@ class GraphSampler:
                  fuse_weights: bool | None = None, sdpa: bool | None = None, compile_layers: bool | None = None,
                  share_prefill: bool = True, shrink_tail: bool = True, autotune: bool = False,
                  live_attention: bool | None = None, skinny: bool | None = None,
-                 gated_mlp: bool | None = None) -> None:
+                 gated_mlp: bool | None = None, sampled_head: bool | None = None) -> None:
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # The defaults on CUDA are the fastest measured (`python -m rlspec.perf.profile_engine`, H200, 0.5B shape, 64
@@ -118,7 +124,8 @@ class GraphSampler:
         # -> 1.21 ms with the decode kernels, `live_attention` and `skinny`, on where Triton runs; `gated_mlp`, also on
         # there by default, is not in these figures).
         self.decoder = StaticDecoder(model, sdpa=self.use_graphs if sdpa is None else sdpa,
-                                     live_attention=live_attention, skinny=skinny, gated_mlp=gated_mlp)
+                                     live_attention=live_attention, skinny=skinny, gated_mlp=gated_mlp,
+                                     sampled_head=sampled_head)
         self.compiled = self.use_graphs if compile_blocks is None else compile_blocks
         self.fuse = self.use_graphs if fuse_weights is None else fuse_weights
         if self.compiled:
@@ -234,13 +241,13 @@ class GraphSampler:
         for name in ("keys", "values"):
             for target, source in zip(getattr(small, name), getattr(state, name)):
                 target[into] = source[moved]
-        for name in ("logits", "position", "write", "step", "key", "valid", "done", "out_tokens", "out_logps"):
+        for name in ("hidden", "position", "write", "step", "key", "valid", "done", "out_tokens", "out_logps"):
             getattr(small, name)[into] = getattr(state, name)[moved]
         small.done[len(live):] = True
         return small
 
     def _start(self, state: _State, prompts: _Prompts, keys: Tensor, slots: list[int], first: int) -> None:
-        """Start samples first, first + 1, ... in `slots`: their prompt's K/V and first logits, fresh counters."""
+        """Start samples first, first + 1, ... in `slots`: their prompt's K/V and last hidden, fresh counters."""
         dev = self.device
         slot = torch.tensor(slots, device=dev)
         sample = torch.arange(first, first + len(slots), device=dev)
@@ -248,7 +255,7 @@ class GraphSampler:
         width = prompts.mask.shape[1]
         for cache, store in zip(state.keys + state.values, prompts.keys + prompts.values):
             cache[slot, :, :width] = store[prompt]
-        state.logits[slot] = prompts.logits[prompt]
+        state.hidden[slot] = prompts.hidden[prompt]
         valid = torch.zeros(len(slots), state.valid.shape[1], dtype=torch.bool, device=dev)
         valid[:, :width] = prompts.mask[prompt]
         state.valid[slot] = valid
@@ -282,16 +289,16 @@ class GraphSampler:
             ids, index = input_ids, torch.arange(rows, device=input_ids.device)
         count = ids.shape[0]
         keys, values = self.decoder.new_cache(count, width, self.device)
-        logits = torch.empty(count, self.decoder.vocab_size, dtype=self.decoder.dtype, device=self.device)
+        hidden = torch.empty(count, self.decoder.hidden_size, dtype=self.decoder.dtype, device=self.device)
         positions = position_ids(mask)
         valid = mask.bool()
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         slots = torch.arange(width, device=self.device)
         for start in range(0, count, PREFILL_ROWS):
             part = slice(start, start + PREFILL_ROWS)
-            logits[part] = self.decoder.forward(ids[part], positions[part], slots, causal & valid[part, None, :],
-                                                [k[part] for k in keys], [v[part] for v in values])
-        return _Prompts(keys, values, logits, valid, positions[:, -1] + 1, index.to(self.device))
+            hidden[part] = self.decoder.forward(ids[part], positions[part], slots, causal & valid[part, None, :],
+                                                [k[part] for k in keys], [v[part] for v in values], head=False)
+        return _Prompts(keys, values, hidden, valid, positions[:, -1] + 1, index.to(self.device))
 
     def _state(self, key: tuple) -> _State:
         pointers = self.decoder.weight_pointers()
@@ -307,7 +314,7 @@ class GraphSampler:
         def rows(dtype=torch.long, columns=()):
             return torch.zeros(bucket, *columns, dtype=dtype, device=dev)
 
-        state = _State(keys=keys, values=values, logits=rows(self.decoder.dtype, (self.decoder.vocab_size,)),
+        state = _State(keys=keys, values=values, hidden=rows(self.decoder.dtype, (self.decoder.hidden_size,)),
                        position=rows(), write=rows(), step=rows(), key=rows(), valid=rows(torch.bool, (length,)),
                        done=torch.ones(bucket, dtype=torch.bool, device=dev),
                        out_tokens=rows(torch.long, (max_new_tokens + 1,)),
@@ -360,11 +367,12 @@ class GraphSampler:
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _step(self, state: _State, temperature: float, top_p: float, eos: int) -> None:
-        """Sample from `state.logits`, record, then run the decoder on the sampled tokens (graph body). Ended
+        """Sample from `state.hidden`, record, then run the decoder on the sampled tokens (graph body). Ended
         slots ride along: their token is `eos`, their counters stay, their record goes to the spare column."""
         last = state.out_tokens.shape[1] - 1
-        token, logp = sample_from_logits(state.logits, temperature, top_p, state.key, state.step, self.decoder.race,
-                                         self.decoder.noise)
+        decoder = self.decoder
+        token, logp = sample_from_hidden(state.hidden, decoder.head_weight, temperature, top_p, state.key, state.step,
+                                         decoder.race, decoder.noise, fused=decoder.sampled_head)
         live = ~state.done
         token = torch.where(live, token, eos)
         column = torch.where(live, state.step, last)[:, None]
@@ -373,8 +381,9 @@ class GraphSampler:
         state.done.logical_or_((token == eos) | (state.step >= last - 1))
         slot = state.write.clamp(max=state.valid.shape[1] - 1)[:, None]
         state.valid.scatter_(1, slot, True)
-        state.logits.copy_(self.decoder.forward(token[:, None], state.position[:, None], slot, state.valid[:, None, :],
-                                                state.keys, state.values, compiled=self.compiled, lengths=slot[:, 0] + 1))
+        state.hidden.copy_(decoder.forward(token[:, None], state.position[:, None], slot, state.valid[:, None, :],
+                                           state.keys, state.values, compiled=self.compiled, lengths=slot[:, 0] + 1,
+                                           head=False))
         advance = live.long()
         state.position.add_(advance)
         state.write.add_(advance)

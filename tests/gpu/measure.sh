@@ -162,14 +162,18 @@ for section in "$@"; do
         echo "ab $i $run exit $?" >> $OUT/results.txt; grep -E "train phase|segments" $OUT/ab_${i}_$run.txt >> $OUT/results.txt
       done
       cp $ROOT/$AB_FILE /tmp/site/$AB_FILE ;;
-    decode_kernels)  # issue 19: the decode step's Triton kernels (split-K projections, attention over live positions)
-      # beside cuBLAS and cuDNN's SDPA, then the fixed 64 x 256 decode step with both, with live attention only, and
-      # with neither (fused_layers_sdpa / _live / _masked), with its kernel table
+    decode_kernels)  # issue 19: the decode step's Triton kernels beside what they replace (split-K projections and
+      # gate/up with its SiLU gate against cuBLAS, attention over live positions against cuDNN's SDPA, the LM head with
+      # its sampling race against cuBLAS's head then the compiled race), then the fixed 64 x 256 decode step with all
+      # of them and without each (profile_engine variants), with its kernel table
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.bench_decode_kernels > $OUT/decode_kernels.txt 2>&1
       echo "decode_kernels exit $?" >> $OUT/results.txt; cat $OUT/decode_kernels.txt >> $OUT/results.txt
-      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_engine $BENCH \
-        --variants fused_layers_sdpa,fused_layers_sdpa_live,fused_layers_sdpa_masked --rows 40 > $OUT/engine_decode.txt 2>&1
-      echo "engine decode exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_decode.txt | head -10 >> $OUT/results.txt ;;
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.bench_decode_kernels --head > $OUT/sampled_head.txt 2>&1
+      echo "sampled_head exit $?" >> $OUT/results.txt; cat $OUT/sampled_head.txt >> $OUT/results.txt; cp $OUT/results.txt $FINAL/
+      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_engine $BENCH --variants ${VARIANTS:-fused_layers_sdpa,\
+fused_layers_sdpa_ungated,fused_layers_sdpa_logits,fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_masked} \
+        --rows 40 > $OUT/engine_decode.txt 2>&1
+      echo "engine decode exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_decode.txt | head -16 >> $OUT/results.txt ;;
     head)  # issue 18: the log-prob head at one chunk: the unfused chunk's elementwise kernels by how they are
       # compiled, beside a device copy of the same logits; a whole chunk forward and backward, unfused against the
       # Triton head (rlspec.core.fused_head), beside cuBLAS's logits GEMM; the Triton head's tile sweep
