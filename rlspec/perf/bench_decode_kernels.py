@@ -87,7 +87,7 @@ def run(layers: int) -> dict:
                                  for kc, vc in zip(keys, values)], layers)
         rows.append({"kernel": f"attention {batch} rows, cache {length}, {live} live", "cudnn_sdpa_us": round(sdpa, 2),
                      "live_us": round(ours, 2), "splits": splits})
-    rows += gated_mlp_rows(layers, sms)
+    rows += gated_mlp_rows(layers)
     return {"device": torch.cuda.get_device_name(0), "layers": layers, "rows": rows}
 
 
@@ -98,7 +98,7 @@ GATED_SWEEP = ((64, 64, 16, 128, 4, 3), (64, 64, 32, 128, 4, 3), (64, 64, 64, 12
                (16, 16, 16, 128, 4, 3), (16, 16, 32, 128, 4, 3), (16, 16, 64, 128, 4, 3))
 
 
-def gated_mlp_rows(layers: int, sms: int, hidden: int = 896, ffn: int = 4864) -> list[dict]:
+def gated_mlp_rows(layers: int, hidden: int = 896, ffn: int = 4864) -> list[dict]:
     """`gated_mlp` (gate/up with silu(gate) * up in its epilogue) against what the decode layer runs without it:
     cuBLAS over the fused [2F, H] weight, then silu(gate) * up compiled into one kernel; at 16, 64 and 256 rows
     with `config_for`'s tiles, then each tile of `GATED_SWEEP`. `max_abs_diff`: the largest difference of the
@@ -107,7 +107,7 @@ def gated_mlp_rows(layers: int, sms: int, hidden: int = 896, ffn: int = 4864) ->
     weights = [torch.randn(2 * ffn, hidden, device=dev, dtype=dtype) * 0.03 for _ in range(layers)]
     silu_mul = torch.compile(lambda gate_up: F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], dynamic=False)
     out = []
-    cases = [(m, gated_config_for(m, ffn, hidden, sms)) for m in (16, 64, 256)]
+    cases = [(m, gated_config_for(m)) for m in (16, 64, 256)]
     cases += [(m, {"block_m": bm, "block_n": bn, "block_k": bk, "warps": w, "stages": s})
               for m, bm, bn, bk, w, s in GATED_SWEEP]
     baseline = {}
@@ -127,6 +127,9 @@ def gated_mlp_rows(layers: int, sms: int, hidden: int = 896, ffn: int = 4864) ->
 
 
 HEAD = (151_936, 896)  # the 0.5B shape's vocabulary and hidden size (its tied head)
+# (block_m, block_n, block_k, warps, stages): `sampled_head` tiles timed at 64 rows besides `config_for`'s
+HEAD_SWEEP = ((64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4),
+              (64, 64, 128, 4, 4), (32, 128, 64, 4, 3), (64, 256, 128, 8, 2), (64, 128, 128, 4, 2))
 
 
 def run_head(heads: int, temperature: float = 0.9) -> list[dict]:
@@ -160,6 +163,11 @@ def run_head(heads: int, temperature: float = 0.9) -> list[dict]:
                      "race_us": round(race_only, 2), "linear_then_race_us": round(unfused, 2),
                      "fused_us": round(fused, 2), "agree": round(agree, 4), **config})
         del logits
+        for block_m, block_n, block_k, warps, stages in (HEAD_SWEEP if m == 64 else ()):
+            tiles = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "warps": warps, "stages": stages}
+            swept = graph_us(lambda: [sampled_head_eager(x, w, keys, steps, temperature, **tiles)
+                                      for x, w in zip(xs, weights)], heads)
+            rows.append({"kernel": f"head + race {m}x{vocab}x{hidden}", "fused_us": round(swept, 2), **tiles})
     return rows
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .live_attention import sm_count, triton
+from .live_attention import triton
 
 if triton is not None:
     import triton.language as tl
@@ -57,15 +57,13 @@ def available(device: torch.device) -> bool:
     return triton is not None and torch.device(device).type == "cuda"
 
 
-def config_for(m: int, n: int, k: int, sms: int) -> dict:
-    """Tiles of 16 or 64 rows (as `skinny_linear.config_for`); 32 columns (each program reading 64 weight rows, gate
-    and up) where that gives two programs per SM, else 16 (the 0.5B shape's F = 4864 in 32 columns is 152 programs
-    on a 132-SM H100, 304 in 16); the whole of K in blocks of 128. Not yet tuned:
-    `python -m rlspec.perf.bench_decode_kernels` times a sweep of tiles at 64 rows."""
-    block_m = 16 if m <= 16 else 64
-    m_blocks = -(-m // block_m)
-    block_n = 32 if -(-n // 32) * m_blocks >= 2 * sms else 16
-    return {"block_m": block_m, "block_n": block_n, "block_k": 128, "warps": 4, "stages": 3}
+def config_for(m: int) -> dict:
+    """Tiles of 16 or 64 rows (as `skinny_linear.config_for`) by 32 columns (each program reading 64 weight rows,
+    gate and up), the whole of K in blocks of 128, 4 warps, 3 stages: in a sweep on one H100 at the 0.5B shape
+    (`python -m rlspec.perf.bench_decode_kernels`), the fastest at 16 rows (9.5 us against 10.3-10.5 with 16
+    columns) and level with the best at 64 rows (10.6-10.7 us for 16 or 32 columns, 4 warps; 8 warps, 256-deep K
+    blocks or 32-row tiles were slower)."""
+    return {"block_m": 16 if m <= 16 else 64, "block_n": 32, "block_k": 128, "warps": 4, "stages": 3}
 
 
 def _launch(launch, x: Tensor, weight: Tensor, block_m: int, block_n: int, block_k: int, warps: int = 4,
@@ -98,5 +96,5 @@ def gated_mlp(x: Tensor, weight: Tensor) -> Tensor:
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    config = config_for(flat.shape[0], weight.shape[0] // 2, weight.shape[1], sm_count(x.device.index or 0))
+    config = config_for(flat.shape[0])
     return torch.ops.rlspec.gated_mlp(flat, weight, **config).reshape(*x.shape[:-1], weight.shape[0] // 2)

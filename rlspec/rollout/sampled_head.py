@@ -27,8 +27,9 @@ other programs' weight reads.
   top) over the tiles' (m_t, s_t), top = max_t m_t (z - lse without forming lse, which at large |z| would round).
 
 The noise is hashed in the kernel from `keys` and `steps` with `noise._mix32_int32`'s arithmetic (int32
-products wrap; right shifts are masked to logical ones), so u_ij is bit for bit `noise.keyed_uniform`; the
-division by T and the logs are the device's, so a score may differ from the compiled race's in its last bit.
+products wrap; right shifts are masked to logical ones), so u_ij is bit for bit `noise.keyed_uniform`; z is
+scaled by 1/T, and on CUDA the logs come from the hardware's approximate base-2 logarithm (`_ln`), so a score
+may differ from the compiled race's in its last bits (a near tie may go the other way).
 Deterministic: no atomics. Wrapped as the custom op `rlspec::sampled_head`, so it runs inside torch.compile and
 CUDA graph captures.
 """
@@ -56,6 +57,17 @@ def config_for(rows: int) -> dict:
 
 if triton is not None:
     import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _ln(x, FAST: tl.constexpr):
+        """ln x; `FAST` (CUDA): from the hardware's approximate base-2 logarithm (one special-function instruction,
+        relative error about 2^-22), where `tl.log` is libdevice's exact-rounding routine of a few dozen
+        instructions. The epilogue takes two per logit, so on CUDA they decided whether it hid under the weight reads."""
+        if FAST:
+            return libdevice.fast_log2f(x) * 0.6931471805599453
+        else:
+            return tl.log(x)
 
     @triton.jit
     def _mix32(x):
@@ -80,8 +92,9 @@ if triton is not None:
 
     @triton.jit
     def _head_race_tiles(x_ptr, w_ptr, keys_ptr, steps_ptr, best_ptr, column_ptr, picked_ptr, max_ptr, sum_ptr,
-                         M, V, sx_m, sw_n, temperature, K: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                         M, V, sx_m, sw_n, inv_temperature, K: tl.constexpr, TILES: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                         FAST: tl.constexpr):
         m_block = tl.program_id(0)  # fastest in launch order: a tile's row blocks run together
         tile = tl.program_id(1)
         rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -97,11 +110,11 @@ if triton is not None:
             x = tl.load(x_ptr + rows[:, None] * sx_m + k[None, :], mask=in_rows[:, None] & (k[None, :] < K), other=0.0)
             w = tl.load(w_rows + k[None, :], mask=in_cols[:, None] & (k[None, :] < K), other=0.0)
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        z = acc.to(w_ptr.dtype.element_ty).to(tl.float32) / temperature  # F.linear's rounding, then / T
+        z = acc.to(w_ptr.dtype.element_ty).to(tl.float32) * inv_temperature  # F.linear's rounding, then / T
         z = tl.where(in_cols[None, :], z, float("-inf"))
         keys = tl.load(keys_ptr + rows, mask=in_rows, other=0)
         steps = tl.load(steps_ptr + rows, mask=in_rows, other=0)
-        score = z - tl.log(-tl.log(_keyed_uniform(keys, steps, cols)))  # z - log E, E = keyed_exponential
+        score = z - _ln(-_ln(_keyed_uniform(keys, steps, cols), FAST), FAST)  # z - log E, E = keyed_exponential
         best, column = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
         picked = tl.max(tl.where(offsets[None, :] == column[:, None], z, float("-inf")), 1)
         top = tl.max(z, 1)
@@ -142,9 +155,9 @@ def _launch(launch, x: Tensor, weight: Tensor, keys: Tensor, steps: Tensor, temp
     column = torch.empty(rows, tiles, dtype=torch.int32, device=x.device)
     launch(_head_race_tiles)[(triton.cdiv(rows, block_m), tiles)](
         x, weight, keys, steps, best, column, picked, part_max, part_sum, rows, vocab, x.stride(0), weight.stride(0),
-        temperature, K=hidden, TILES=tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        1.0 / temperature, K=hidden, TILES=tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 weights: no TF32 rounding of the inputs
-        num_warps=warps, num_stages=stages)
+        FAST=x.is_cuda, num_warps=warps, num_stages=stages)
     token = torch.empty(rows, dtype=torch.int64, device=x.device)
     logp = torch.empty(rows, dtype=torch.float32, device=x.device)
     launch(_combine_tiles)[(rows,)](best, column, picked, part_max, part_sum, token, logp, TILES=tiles,

@@ -74,7 +74,7 @@ def _check_gated(dtype, device, tolerance):
         x = torch.randn(m, k, dtype=dtype, device=device)
         weight = (torch.randn(2 * f, k, device=device) / k ** 0.5).to(dtype)
         expected = _gated_reference(x, weight).float()
-        configs = (gated_config_for(m, f, k, sms=132),
+        configs = (gated_config_for(m),
                    {"block_m": 16, "block_n": 32, "block_k": 64, "warps": 4, "stages": 2},
                    {"block_m": 64, "block_n": 16, "block_k": 128, "warps": 8, "stages": 3})
         for config in configs:
