@@ -28,8 +28,8 @@ other programs' weight reads.
 
 The noise is hashed in the kernel from `keys` and `steps` with `noise._mix32_int32`'s arithmetic (int32
 products wrap; right shifts are masked to logical ones), so u_ij is bit for bit `noise.keyed_uniform`; z is
-scaled by 1/T, and on CUDA the logs come from the hardware's approximate base-2 logarithm (`_ln`), so a score
-may differ from the compiled race's in its last bits (a near tie may go the other way).
+scaled by 1/T, and on CUDA the outer log of log(-log u) comes from the hardware's approximate base-2 logarithm
+(`_ln`), so a score may differ from the compiled race's in its last bits (a near tie may go the other way).
 Deterministic: no atomics. Wrapped as the custom op `rlspec::sampled_head`, so it runs inside torch.compile and
 CUDA graph captures.
 """
@@ -62,8 +62,8 @@ if triton is not None:
     @triton.jit
     def _ln(x, FAST: tl.constexpr):
         """ln x; `FAST` (CUDA): from the hardware's approximate base-2 logarithm (one special-function instruction,
-        relative error about 2^-22), where `tl.log` is libdevice's exact-rounding routine of a few dozen
-        instructions. The epilogue takes two per logit, so on CUDA they decided whether it hid under the weight reads."""
+        absolute error about 2^-22), where `tl.log` is libdevice's routine of a few dozen instructions. Only for
+        values whose small absolute error does not matter (the race's log E, E = -log u, not -log u itself)."""
         if FAST:
             return libdevice.fast_log2f(x) * 0.6931471805599453
         else:
@@ -114,7 +114,9 @@ if triton is not None:
         z = tl.where(in_cols[None, :], z, float("-inf"))
         keys = tl.load(keys_ptr + rows, mask=in_rows, other=0)
         steps = tl.load(steps_ptr + rows, mask=in_rows, other=0)
-        score = z - _ln(-_ln(_keyed_uniform(keys, steps, cols), FAST), FAST)  # z - log E, E = keyed_exponential
+        # z - log E, E = -log u (keyed_exponential). E keeps the exact log: an approximate one's absolute error
+        # (~2^-22) is all of E where u is near 1, and the outer log would turn it into a winning score.
+        score = z - _ln(-tl.log(_keyed_uniform(keys, steps, cols)), FAST)
         best, column = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
         picked = tl.max(tl.where(offsets[None, :] == column[:, None], z, float("-inf")), 1)
         top = tl.max(z, 1)

@@ -99,12 +99,13 @@ for section in "$@"; do
     engine_longtail)  # issue 19: the engine alone on the long-tailed 32 x 8 batch: generate with and without continuous
       # batching (same seeds, lengths printed), then each variant's batch time, prefill, capture and decode step at the
       # default pool (the default one, and the same without the decode kernels: VARIANTS=... to change);
-      # and the fixed 8 x 8 x 256 batch's decode step (no regression: 1.43 ms on the H200 before issue 19)
+      # and the fixed 8 x 8 x 256 batch's decode step (no regression: 1.43 ms on the H200 before issue 19; FIXED_VARIANTS=...
+      # to compare variants there too)
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_engine $ROOT/examples/bench_longtail.yaml \
         --variants ${VARIANTS:-fused_layers_sdpa,fused_layers_sdpa_masked} --rows 0 > $OUT/engine_longtail.txt 2>&1
       echo "engine longtail exit $?" >> $OUT/results.txt; head -12 $OUT/engine_longtail.txt >> $OUT/results.txt
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH --variants fused_layers_sdpa \
-        --rows 30 > $OUT/engine_fixed.txt 2>&1
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH \
+        --variants ${FIXED_VARIANTS:-fused_layers_sdpa} --rows 30 > $OUT/engine_fixed.txt 2>&1
       echo "engine fixed exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_fixed.txt | head -12 >> $OUT/results.txt ;;
     train_ab)  # issue 18: the train phase alone, padded vs packed vs token budgets, uniform and spread lengths
       CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.bench_train --rows ${ROWS:-64,256} \
