@@ -55,7 +55,9 @@ for section in "$@"; do
     fsdp1)  # issue 7: the three backends on one GPU (all three take more than one 10-minute device call:
       # BACKENDS=standalone,deepspeed in one, BACKENDS=standalone,fsdp in the next; deepspeed@model.compile_layers=false
       # for its layers eager);
-      # EXTRA=<overrides> for all of them, e.g. EXTRA=rollout.prompts_per_step=32
+      # EXTRA=<overrides> for all of them, e.g. EXTRA=rollout.prompts_per_step=32. Issue 18's deepspeed ratios
+      # (backends/deepspeed/README.md): EXTRA="algorithm.steps=6 rollout.prompts_per_step=32", then EXTRA="algorithm.steps=6"
+      # with OUT set to another folder, both BACKENDS=standalone,deepspeed in one call
       CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $BENCH algorithm.steps=3 ${EXTRA:-} \
         --backends ${BACKENDS:-standalone,deepspeed,fsdp} \
         --out /tmp/b_fsdp1 > $OUT/fsdp1.log 2>&1; echo "exit $?" >> $OUT/results.txt
@@ -188,7 +190,9 @@ fused_layers_sdpa_ungated,fused_layers_sdpa_logits,fused_layers_sdpa_cublas_head
       # deepspeed). Figures in the READMEs: RUNS="fsdp@hardware.fsdp.gather_during_rollout=false fsdp" (the gather
       # during sampling, A/B); TORCH_LOGS=recompiles RUNS="standalone deepspeed deepspeed@hardware.deepspeed.memory_efficient_linear=true"
       # (ZeRO-3's linear inside compiled layers, and why it recompiles); RUNS="deepspeed@hardware.deepspeed.param_persistence_numel=1000000000
-      # standalone deepspeed" (nothing gathered or released)
+      # standalone deepspeed" (nothing gathered or released; at 8 x 8, and with P=32). Those ran when deepspeed's default
+      # persistence was 1e5; one rank now keeps every parameter whole by default, so name the partitioned run
+      # deepspeed@hardware.deepspeed.param_persistence_numel=100000 to re-run them
       for run in ${RUNS:-standalone fsdp deepspeed}; do
         b=${run%%@*}; extra=""; [ "$run" != "$b" ] && extra=$(echo ${run#*@} | tr , ' ')
         name=$(echo $run | tr '@=,.' '____')
