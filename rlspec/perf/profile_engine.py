@@ -25,9 +25,10 @@ both), `fused_layers_sdpa_live` (live attention, every projection and the head o
 `fused_layers_sdpa_masked` (none: SDPA over the whole masked cache, cuBLAS), `fused_layers_sdpa_autotune`
 (Inductor times its own GEMM kernels against cuBLAS: mode max-autotune-no-cudagraphs). On CUDA every variant
 that does not set `sdpa` uses SDPA, and with it the decode kernels (`gated_mlp` only where the weights are
-fused). Every compiled variant samples with the
-compiled race; `fused_eager` computes the keyed noise eagerly (about 30 elementwise kernels over [slots,
-vocabulary] a step), so its decode step is not the blocks' cost alone.
+fused). Without top-p (the bench specs' setting) every variant that does not turn `sampled_head` off samples with
+it; the others form the logits and race them, compiled, or, in `fused_eager`, with the keyed noise computed
+eagerly (about 30 elementwise kernels over [slots, vocabulary] a step, so that decode step is not the blocks'
+cost alone).
 """
 
 from __future__ import annotations
