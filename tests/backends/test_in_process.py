@@ -16,8 +16,10 @@ COMMON = ["rollout.prompts_per_step=1", "algorithm.max_grad_norm=0", "algorithm.
 
 @pytest.mark.parametrize("backend_name, extra", [
     ("fsdp", []), ("fsdp", ["hardware.fsdp.reshard_after_forward=true"]), ("deepspeed", []),
-    # partitioned parameters, fetched and released around each module (every parameter persists on one rank by default)
-    ("deepspeed", ["hardware.deepspeed.param_persistence_numel=100000"]),
+    # partitioned parameters, fetched and released around each module (every parameter persists on one rank by
+    # default); the 2-rank case of tests/backends/deepspeed/test_deepspeed.py runs that path in CI
+    pytest.param("deepspeed", ["hardware.deepspeed.param_persistence_numel=100000"], marks=pytest.mark.slow,
+                 id="deepspeed-partitioned"),
     # the tiny model's decoder layers gathered whole (granularity 3,093 values per module), torch's linear
     ("deepspeed", ["hardware.deepspeed.module_granularity_numel=3200", "hardware.deepspeed.memory_efficient_linear=false"]),
     pytest.param("fsdp", ["model.compile_layers=true"], marks=pytest.mark.slow, id="fsdp-compiled"),
