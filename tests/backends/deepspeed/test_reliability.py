@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -137,7 +138,11 @@ def test_more_ranks_than_the_cluster_holds_is_bad_input(tmp_path):
     proc = rlspec_run(out, "hardware.num_trainer_ranks=8", "algorithm.micro_batch_size=8")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err[-3000:]
-    assert "hardware.num_trainer_ranks: the plan's ranks and engines need 4.5 CPUs" in err and "Traceback" not in err
+    assert "hardware.num_trainer_ranks: the plan's ranks and engines need 4.5 CPUs" in err
+    # No traceback through rlspec's code. Not "no Traceback at all": Ray's log-printing thread in the driver can die
+    # with one of its own when the cluster it reads from shuts down under it (seen once in CI: a gRPC "connection
+    # refused" after the error above had been printed).
+    assert not re.search(r'File "[^"]*[/\\]rlspec[/\\]', err), err[-3000:]
     assert not out.exists()
 
 
