@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .live_attention import triton
+from .live_attention import triton_runs_on as available  # whether this kernel runs on a device (callers ask here)
 
 if triton is not None:
     import triton.language as tl
@@ -51,10 +52,6 @@ if triton is not None:
         y = g / (1.0 + tl.exp(-g)) * u
         tl.store(out_ptr + rows[:, None] * so_m + cols[None, :], y.to(dtype),
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
-
-
-def available(device: torch.device) -> bool:
-    return triton is not None and torch.device(device).type == "cuda"
 
 
 def config_for(m: int) -> dict:

@@ -32,9 +32,14 @@ _MASKED = -1.0e30  # a masked score: exp2(_MASKED - m) is 0 for any real m, and 
 _LOG2E = 1.4426950408889634
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether this process can run the decode step's Triton kernels on `device`: CUDA, with Triton installed (the
+    kernel modules' `available`)."""
+    return triton is not None and torch.device(device).type == "cuda"
+
+
 def available(head_dim: int, device: torch.device) -> bool:
-    return (triton is not None and torch.device(device).type == "cuda" and head_dim >= 16
-            and head_dim & (head_dim - 1) == 0)
+    return triton_runs_on(device) and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 _SMS: dict[int, int] = {}
