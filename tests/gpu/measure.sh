@@ -11,6 +11,12 @@
 # The bench spec's token budget (algorithm.micro_batch_tokens) was 16k, then 32k, and is 64k now: a figure quoted at
 # an older budget re-runs with it as an override (EXTRA=algorithm.micro_batch_tokens=32768 where a section takes
 # EXTRA, BACKENDS=standalone@algorithm.micro_batch_tokens=32768 for the trl sections).
+# The CUDA engine's default decode step gained gated_mlp and sampled_head after the earlier engine figures: the
+# former default is profile_engine's variant fused_layers_sdpa_cublas_head_mlp (decode_kernels and engine_longtail
+# take it through VARIANTS= / FIXED_VARIANTS=); no spec key switches them, so a bench figure taken before (trl*,
+# longtail, fsdp1's generation) re-runs as it was only from the commit it was taken at.
+# deepspeed's one-rank default became every parameter persistent at the same time: its earlier figures re-run with
+# hardware.deepspeed.param_persistence_numel=100000 (trainers: deepspeed@...; bench sections: in EXTRA or BACKENDS).
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}
