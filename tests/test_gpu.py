@@ -142,6 +142,24 @@ def test_continuous_batching_on_cuda_samples_like_the_static_batch():
     assert diff < 1e-3, diff
 
 
+def test_the_step_outside_the_layers_samples_alike_compiled_or_eager_on_cuda():
+    """The decode step's work outside the decoder layers (recording the sample, the counters, the embedding, the
+    final norm) captured compiled (the default) and eagerly (`compile_ends=False`, what a step runs if compiling
+    fails): both capture, and sample the same tokens (fp32 tiny model, refilled slots, a shrunk tail)."""
+    from rlspec.models.factory import load_model
+    from rlspec.rollout.static import GraphSampler
+    from rlspec.spec import ModelSpec
+
+    model = load_model(ModelSpec(eos_hazard=0.12), 0).cuda()
+    ids = torch.randint(4, 250, (24, 5), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    tokens = [GraphSampler(model, "cuda", compile_ends=ends).sample(ids, mask, seed=3, max_new_tokens=40,
+                                                                   temperature=1.0, top_p=1.0,
+                                                                   eos=model.config.eos_token_id, slots=8)[0]
+              for ends in (True, False)]
+    assert torch.equal(tokens[0], tokens[1])
+
+
 def test_a_rollout_keeps_the_allocators_cached_blocks():
     """Capturing the decode graphs must not empty the caching allocator: a colocated trainer's freed activation
     blocks stay cached through a rollout, so its next train phase allocates nothing from the driver."""

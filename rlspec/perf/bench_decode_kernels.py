@@ -87,8 +87,40 @@ def run(layers: int) -> dict:
                                  for kc, vc in zip(keys, values)], layers)
         rows.append({"kernel": f"attention {batch} rows, cache {length}, {live} live", "cudnn_sdpa_us": round(sdpa, 2),
                      "live_us": round(ours, 2), "splits": splits})
+    rows += skinny_rows(layers)
     rows += gated_mlp_rows(layers)
     return {"device": torch.cuda.get_device_name(0), "layers": layers, "rows": rows}
+
+
+# (projection, splits, block_n, block_k, warps): `skinny_linear` tiles timed at 64 rows besides `config_for`'s
+SKINNY_SWEEP = (("down", 10, 64, 128, 4), ("down", 19, 64, 256, 4), ("down", 19, 128, 256, 8), ("down", 5, 32, 128, 4),
+                ("down", 10, 32, 128, 8), ("down", 19, 32, 256, 4), ("down", 38, 64, 128, 4), ("o", 7, 64, 128, 4),
+                ("o", 4, 32, 256, 4), ("o", 7, 32, 128, 8), ("o", 4, 64, 256, 8), ("qkv", 7, 64, 128, 4),
+                ("qkv", 4, 32, 256, 4), ("qkv", 7, 32, 128, 8))
+
+
+def skinny_rows(layers: int, m: int = 64) -> list[dict]:
+    """`skinny_linear` at `m` rows with each tile of `SKINNY_SWEEP`: its parts alone (the decode layer adds them
+    inside the kernel that reads them next) and with their sum, beside cuBLAS."""
+    from triton.runtime.errors import OutOfResources
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    out = []
+    for name, splits, block_n, block_k, warps in SKINNY_SWEEP:
+        n, k = PROJECTIONS[name]
+        weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.02 for _ in range(layers)]
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        config = {"splits": splits, "block_m": 64, "block_n": block_n, "block_k": block_k, "warps": warps}
+        cublas = graph_us(lambda: [F.linear(x, w) for w in weights], layers)
+        try:
+            parts = graph_us(lambda: [skinny_linear_eager(x, w, **config) for w in weights], layers)
+        except OutOfResources as err:  # a tile too large for the device's shared memory
+            out.append({"kernel": f"{name} {m}x{n}x{k} sweep", "config": config, "error": str(err)[:80]})
+            continue
+        split = graph_us(lambda: [skinny_linear_eager(x, w, **config).sum(0).to(dtype) for w in weights], layers)
+        out.append({"kernel": f"{name} {m}x{n}x{k} sweep", "config": config, "cublas_us": round(cublas, 2),
+                    "split_k_us": round(split, 2), "split_k_parts_only_us": round(parts, 2)})
+    return out
 
 
 # (rows, block_m, block_n, block_k, warps, stages): `gated_mlp` tiles to time at the 0.5B shape

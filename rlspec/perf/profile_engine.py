@@ -16,12 +16,18 @@ Variants (keyword arguments of `GraphSampler`): `plain` (compiled blocks, separa
 (q/k/v and gate/up each one GEMM), `sdpa` (attention through `scaled_dot_product_attention`), `fused_sdpa`,
 `fused_eager` (fused, blocks not compiled), `fused_layers` (fused, one compiled function per decoder layer
 instead of one per block), `fused_layers_sdpa` (the default; where Triton runs, decode steps attend with
-`live_attention`, reading only each row's reached positions, run the output and down projections split-K
-with `skinny_linear` and gate/up with silu(gate) * up as one kernel, `gated_mlp`, at up to 64 rows, and, without
+`live_attention`, reading only each row's reached positions, with RoPE and the new K/V's cache writes in the
+same kernel (`rope_attention`, which also sums the split-K parts of q/k/v: `skinny_qkv`), run the output and
+down projections split-K with `skinny_linear` and gate/up with silu(gate) * up as one kernel, `gated_mlp`, at up to 64 rows, and, without
 top-p, sample with the LM head and the race as one kernel, `sampled_head`, so no [rows, V] logits are written),
 `fused_layers_sdpa_ungated` (the default less `gated_mlp`), `fused_layers_sdpa_logits` (the default less
-`sampled_head`: cuBLAS logits, then the compiled race), `fused_layers_sdpa_cublas_head_mlp` (the default less
-both), `fused_layers_sdpa_live` (live attention, every projection and the head on cuBLAS),
+`sampled_head`: cuBLAS logits, then the compiled race), `fused_layers_sdpa_cublas_qkv` (the default less
+`skinny_qkv`: q/k/v on cuBLAS), `fused_layers_sdpa_eager_ends` (the default with the step's work outside the
+decoder layers run eagerly: embedding, RoPE, final norm, recording the sample, the counters; the other
+compiled variants compile it), `fused_layers_sdpa_cache_write` (the default less `rope_attention`, and so
+`skinny_qkv`: q's and k's RoPE and the cache writes compiled, before live attention),
+`fused_layers_sdpa_cublas_head_mlp` (the default less all three), `fused_layers_sdpa_live` (live attention,
+every projection and the head on cuBLAS),
 `fused_layers_sdpa_masked` (none: SDPA over the whole masked cache, cuBLAS), `fused_layers_sdpa_autotune`
 (Inductor times its own GEMM kernels against cuBLAS: mode max-autotune-no-cudagraphs). On CUDA every variant
 that does not set `sdpa` uses SDPA, and with it the decode kernels (`gated_mlp` only where the weights are
@@ -55,10 +61,14 @@ VARIANTS = {
     "fused_layers_sdpa_masked": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "live_attention": False,
                                  "skinny": False, "gated_mlp": False, "sampled_head": False},
     "fused_layers_sdpa_live": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "skinny": False,
-                               "gated_mlp": False, "sampled_head": False},
+                               "gated_mlp": False, "sampled_head": False, "rope_attention": False},
     "fused_layers_sdpa_logits": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "sampled_head": False},
+    "fused_layers_sdpa_eager_ends": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "compile_ends": False},
+    "fused_layers_sdpa_cublas_qkv": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "skinny_qkv": False},
+    "fused_layers_sdpa_cache_write": {"fuse_weights": True, "compile_layers": True, "sdpa": True,
+                                      "rope_attention": False},
     "fused_layers_sdpa_cublas_head_mlp": {"fuse_weights": True, "compile_layers": True, "sdpa": True,
-                                          "gated_mlp": False, "sampled_head": False},
+                                          "gated_mlp": False, "sampled_head": False, "rope_attention": False},
 }
 
 

@@ -6,8 +6,9 @@ and a colocated trainer's in-place optimizer steps are seen directly. Without `s
 transformers' eager attention (scores in the model dtype, softmax in fp32); with it (the CUDA default) it is
 `scaled_dot_product_attention`, and a decode step (one token a row) on CUDA attends with the Triton kernel of
 `live_attention` over each row's reached positions only; either way the engine's log-probs agree with the
-trainer's within bf16 rounding (`tests/test_gpu.py`). Decode steps of up to `SKINNY_ROWS` rows run the output
-and down projections with the split-K `skinny_linear`. On CUDA it also runs each layer's q/k/v and gate/up
+trainer's within bf16 rounding (`tests/test_gpu.py`); that kernel also applies RoPE to the step's q and k and
+writes the new K/V into the cache (`live_attention_rope`). Decode steps of up to `SKINNY_ROWS` rows run the
+q/k/v (its parts added by the attention kernel), output and down projections with the split-K `skinny_linear`. On CUDA it also runs each layer's q/k/v and gate/up
 projections as one GEMM each, over fused copies refreshed before every batch (`fuse_weights`), and compiles one
 function per decoder layer; decode steps of up to `GATED_MLP_ROWS` rows run the gate/up GEMM and silu(gate) * up
 as one Triton kernel, `gated_mlp`.
@@ -58,7 +59,8 @@ class StaticDecoder:
 
     def __init__(self, model: torch.nn.Module, sdpa: bool = False, live_attention: bool | None = None,
                  skinny: bool | None = None, gated_mlp: bool | None = None,
-                 sampled_head: bool | None = None) -> None:
+                 sampled_head: bool | None = None, rope_attention: bool | None = None,
+                 skinny_qkv: bool | None = None) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
@@ -83,9 +85,21 @@ class StaticDecoder:
         self.live_attention = (usable and sdpa) if live_attention is None else live_attention
         # ... and, at up to `SKINNY_ROWS` rows, run the output and down projections with `skinny_linear` (split-K)
         # instead of cuBLAS, whose few output tiles leave most SMs idle. Their parts' sum fuses into the residual
-        # add and the next norm; q/k/v stays on cuBLAS (its sum, read by the cache write and the attention op, became
-        # a kernel of its own and cost more than the split gained), and gate/up is not split (wide enough as it is).
+        # add and the next norm. q/k/v is split only where the attention kernel adds its parts (`skinny_qkv` below):
+        # read by the compiled cache write and the attention op, its sum became a kernel of its own and cost more
+        # than the split gained. Gate/up is not split (wide enough as it is).
         self.skinny = (usable and sdpa) if skinny is None else skinny
+        # ... and, with fused q/k/v weights, take the projection's output as it is: the RoPE of q and of the new k,
+        # the new K/V's cache writes and the attention in one kernel (`live_attention_rope`), where the compiled
+        # layer ran two element-wise kernels (q's rotation; k's rotation with both cache writes) before it.
+        if rope_attention and not self.live_attention:
+            raise ValueError("rope_attention needs live_attention")
+        self.rope_attention = self.live_attention if rope_attention is None else rope_attention
+        # ... and, at up to `SKINNY_ROWS` rows, that q/k/v projection split-K too: the attention kernel adds its
+        # parts (and the bias), so the split costs no kernel of its own there.
+        if skinny_qkv and not self.rope_attention:
+            raise ValueError("skinny_qkv needs rope_attention")
+        self.skinny_qkv = self.rope_attention and self.skinny if skinny_qkv is None else skinny_qkv
         # ... and, at up to `GATED_MLP_ROWS` rows with fused weights, run gate/up and silu(gate) * up as one kernel
         # (`gated_mlp`: the SiLU gate in the GEMM's epilogue) instead of a cuBLAS GEMM and an element-wise kernel.
         if gated_mlp and not gated.available(device):
@@ -239,8 +253,27 @@ class StaticDecoder:
 
     def _attention_block(self, x: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, wo: Tensor,
                          bo: Tensor | None) -> Tensor:
+        return self._attended(x, self._attend(q, keys, values, mask), wo, bo)
+
+    def _rope_attention_block(self, x: Tensor, norm: Tensor, weights: tuple, keys: Tensor, values: Tensor,
+                              mask: tuple[Tensor, Tensor], slots: Tensor, cos: Tensor, sin: Tensor, wo: Tensor,
+                              bo: Tensor | None) -> Tensor:
+        """A decode step's attention block from the fused q/k/v GEMM's output (`weights`: (wqkv, bqkv)): RoPE, the
+        new K/V's cache writes at `slots` [b, 1] and live attention as one kernel (`live_attention_rope`), which also
+        adds the projection's split-K parts (`skinny_qkv`)."""
+        b = x.shape[0]
+        h = self._rms_norm(x, norm)
+        if self.skinny_qkv and b <= SKINNY_ROWS:  # fp32 parts [P, b, N]; the kernel adds them and the bias
+            qkv, bias = skinny_linear(h, weights[0])[:, :, 0], weights[1]
+        else:
+            qkv, bias = F.linear(h, *weights)[:, 0], None
+        out = live.live_attention_rope(qkv, bias, cos.reshape(b, -1), sin.reshape(b, -1), keys, values, *mask,
+                                       slots[:, 0], self.scaling, self.num_heads)
+        return self._attended(x, out, wo, bo)
+
+    def _attended(self, x: Tensor, out: Tensor, wo: Tensor, bo: Tensor | None) -> Tensor:
+        """The residual stream after the output projection of attention's `out` [b, H, T, D]."""
         b, t, _ = x.shape
-        out = self._attend(q, keys, values, mask)
         return x + self._summed(self._linear_parts(out.transpose(1, 2).reshape(b, t, -1), wo, bo), x.dtype)
 
     def _mlp_block(self, x: Tensor, norm: Tensor, weights: tuple) -> Tensor:
@@ -255,7 +288,7 @@ class StaticDecoder:
             gate, up = F.linear(h, weights[0]), F.linear(h, weights[1])
         return self._linear_parts(F.silu(gate) * up, weights[-1])
 
-    def compile_blocks(self, layers: bool = False, autotune: bool = False) -> None:
+    def compile_blocks(self, layers: bool = False, autotune: bool = False, ends: bool = True) -> None:
         """Fuse the elementwise work (norms, RoPE, softmax, SiLU, residual adds) with torch.compile; shapes are
         static. `layers`: one compiled function per decoder layer (the K/V cache writes included, so fusion
         crosses the block boundaries), compiled once and reused by every layer; else one per block.
@@ -266,10 +299,13 @@ class StaticDecoder:
         # prompt widths pass Dynamo's default limit of 8, past which the layer would silently run uncompiled.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if layers:
-            self._compiled = torch.compile(self._layer, dynamic=False, mode=mode)
+            layer = torch.compile(self._layer, dynamic=False, mode=mode)
         else:
             blocks = tuple(torch.compile(f, dynamic=False, mode=mode) for f in self._blocks())
-            self._compiled = lambda *args: self._layer(*args, blocks=blocks)
+            layer = lambda *args: self._layer(*args, blocks=blocks)  # noqa: E731
+        # `ends`: with the work before the first layer (embedding, RoPE) and after the last (final norm) compiled too
+        self._compiled = ((layer, torch.compile(self._start, dynamic=False), torch.compile(self._end, dynamic=False))
+                          if ends else (layer, self._start, self._end))
         self.race = torch.compile(exponential_race, dynamic=False)
         self.noise = torch.compile(keyed_exponential, dynamic=False)  # top-p < 1: one kernel, not ~30 over [B, V]
 
@@ -278,7 +314,7 @@ class StaticDecoder:
         self.race = self.noise = None
 
     def _blocks(self):
-        return self._qkv, self._attention_block, self._mlp_block
+        return self._qkv, self._attention_block, self._mlp_block, self._rope_attention_block
 
     def _layer(self, x: Tensor, delta: Tensor, weights: tuple, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                mask: Tensor, cos: Tensor, sin: Tensor, blocks=None) -> tuple[Tensor, Tensor]:
@@ -286,9 +322,12 @@ class StaticDecoder:
         `_mlp_block`: added here so the sum and the add fuse into this layer's first norm); returns the stream after
         attention and this layer's MLP output (as parts). Its K/V go to cache `slots` [b, T] (each row its own).
         `weights` from `_layer_weights`."""
-        qkv, attention, mlp = blocks or self._blocks()
+        qkv, attention, mlp, rope_attention = blocks or self._blocks()
         norm1, qkv_weights, wo, bo, norm2, mlp_weights = weights
         x = x + self._summed(delta, x.dtype)
+        if self.rope_attention and isinstance(mask, tuple) and len(qkv_weights) == 2:
+            x = rope_attention(x, norm1, qkv_weights, k_cache, v_cache, mask, slots, cos, sin, wo, bo)
+            return x, mlp(x, norm2, mlp_weights)
         q, k, v = qkv(x, norm1, qkv_weights, cos, sin)
         # An indexed store, not scatter_: compiled, scatter_ became a scatter into a copy of the whole cache and a
         # copy back (two full-cache passes per layer and cache); index_put_ writes only the new positions in place.
@@ -321,16 +360,24 @@ class StaticDecoder:
         `compiled` uses the torch.compile'd layers or blocks (decode steps: one shape per graph); prefill
         shapes vary with the prompt width, so prefill runs the plain ones.
         """
-        run = self._compiled if compiled and self._compiled is not None else self._layer
+        compiled = compiled and self._compiled is not None
+        run, start, end = self._compiled if compiled else (self._layer, self._start, self._end)
         body = self.model.model
         if slots.dim() == 1:
             slots = slots.expand(ids.shape[0], -1)
-        x = body.embed_tokens(ids)
-        delta = torch.zeros_like(x)[None]
         mask = self.attention_mask(allowed, lengths)
-        cos, sin = self._rope(positions, x.dtype)
-        cos, sin = cos[:, None], sin[:, None]
+        x, delta, cos, sin = start(ids, positions)
         for index, (layer, k_cache, v_cache) in enumerate(zip(body.layers, keys, values)):
             x, delta = run(x, delta, self._layer_weights(index, layer), k_cache, v_cache, slots, mask, cos, sin)
-        x = self._rms_norm(x[:, -1] + self._summed(delta[:, :, -1], x.dtype), body.norm.weight)
+        x = end(x, delta, body.norm.weight)
         return F.linear(x, self.head_weight) if head else x
+
+    def _start(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The embedded tokens, a zero MLP delta for the first layer, and the RoPE cos/sin [b, 1, T, D]."""
+        x = self.model.model.embed_tokens(ids)
+        cos, sin = self._rope(positions, x.dtype)
+        return x, torch.zeros_like(x)[None], cos[:, None], sin[:, None]
+
+    def _end(self, x: Tensor, delta: Tensor, norm: Tensor) -> Tensor:
+        """The last position's final-normed hidden: the stream plus the last layer's MLP parts, normed."""
+        return self._rms_norm(x[:, -1] + self._summed(delta[:, :, -1], x.dtype), norm)

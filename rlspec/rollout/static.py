@@ -116,7 +116,9 @@ class GraphSampler:
                  fuse_weights: bool | None = None, sdpa: bool | None = None, compile_layers: bool | None = None,
                  share_prefill: bool = True, shrink_tail: bool = True, autotune: bool = False,
                  live_attention: bool | None = None, skinny: bool | None = None,
-                 gated_mlp: bool | None = None, sampled_head: bool | None = None) -> None:
+                 gated_mlp: bool | None = None, sampled_head: bool | None = None,
+                 rope_attention: bool | None = None, skinny_qkv: bool | None = None,
+                 compile_ends: bool = True) -> None:
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # The defaults on CUDA are the fastest measured (`python -m rlspec.perf.profile_engine`, H200, 0.5B shape, 64
@@ -125,12 +127,18 @@ class GraphSampler:
         # `sampled_head` too, 1.112 ms against 1.193 without them on an H100, 1.021 against 1.107 ms on an H200).
         self.decoder = StaticDecoder(model, sdpa=self.use_graphs if sdpa is None else sdpa,
                                      live_attention=live_attention, skinny=skinny, gated_mlp=gated_mlp,
-                                     sampled_head=sampled_head)
+                                     sampled_head=sampled_head, rope_attention=rope_attention,
+                                     skinny_qkv=skinny_qkv)
         self.compiled = self.use_graphs if compile_blocks is None else compile_blocks
         self.fuse = self.use_graphs if fuse_weights is None else fuse_weights
         if self.compiled:
             self.decoder.compile_blocks(layers=self.use_graphs if compile_layers is None else compile_layers,
-                                        autotune=autotune)
+                                        autotune=autotune, ends=compile_ends)
+        # `compile_ends`: the step's own element-wise work around the decoder (recording the sample, the counters)
+        # compiled with it, as the decoder's work before its first layer and after its last: about 30 small
+        # kernels a step otherwise.
+        self._bookkeeping = ((torch.compile(_record, dynamic=False), torch.compile(_advance, dynamic=False))
+                             if compile_ends else (_record, _advance))
         self.check_every = check_every
         self.share_prefill = share_prefill  # False: one prefill per row (the equivalence tests' reference)
         self.shrink_tail = shrink_tail
@@ -369,22 +377,40 @@ class GraphSampler:
     def _step(self, state: _State, temperature: float, top_p: float, eos: int) -> None:
         """Sample from `state.hidden`, record, then run the decoder on the sampled tokens (graph body). Ended
         slots ride along: their token is `eos`, their counters stay, their record goes to the spare column."""
-        last = state.out_tokens.shape[1] - 1
         decoder = self.decoder
         token, logp = sample_from_hidden(state.hidden, decoder.head_weight, temperature, top_p, state.key, state.step,
                                          decoder.race, decoder.noise, fused=decoder.sampled_head)
-        live = ~state.done
-        token = torch.where(live, token, eos)
-        column = torch.where(live, state.step, last)[:, None]
-        state.out_tokens.scatter_(1, column, token[:, None])
-        state.out_logps.scatter_(1, column, logp[:, None])
-        state.done.logical_or_((token == eos) | (state.step >= last - 1))
-        slot = state.write.clamp(max=state.valid.shape[1] - 1)[:, None]
-        state.valid.scatter_(1, slot, True)
-        state.hidden.copy_(decoder.forward(token[:, None], state.position[:, None], slot, state.valid[:, None, :],
-                                           state.keys, state.values, compiled=self.compiled, lengths=slot[:, 0] + 1,
-                                           head=False))
-        advance = live.long()
-        state.position.add_(advance)
-        state.write.add_(advance)
-        state.step.add_(advance)
+        record, advance = self._bookkeeping if self.compiled else (_record, _advance)
+        token, slot, live = record(token, logp, state.done, state.step, state.write, state.valid, state.out_tokens,
+                                   state.out_logps, eos)
+        hidden = decoder.forward(token[:, None], state.position[:, None], slot, state.valid[:, None, :], state.keys,
+                                 state.values, compiled=self.compiled, lengths=slot[:, 0] + 1, head=False)
+        advance(hidden, live, state.hidden, state.position, state.write, state.step)
+
+
+def _record(token: Tensor, logp: Tensor, done: Tensor, step: Tensor, write: Tensor, valid: Tensor, out_tokens: Tensor,
+            out_logps: Tensor, eos: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A decode step's sampled `token` and `logp` [B] into the slots' records (ended slots: `eos`, to the spare
+    column), the slots that end now marked `done`, the cache slot of each row's new token marked `valid`. Returns
+    the tokens to decode, their cache slots [B, 1] and which slots were live. Index stores, not `scatter_`: compiled,
+    a scatter became a copy of its whole target and a copy back."""
+    last = out_tokens.shape[1] - 1
+    rows = torch.arange(token.shape[0], device=token.device)
+    live = ~done
+    token = torch.where(live, token, eos)
+    column = torch.where(live, step, last)
+    out_tokens[rows, column] = token
+    out_logps[rows, column] = logp
+    done.logical_or_((token == eos) | (step >= last - 1))
+    slot = write.clamp(max=valid.shape[1] - 1)
+    valid[rows, slot] = live.new_ones(())  # a device scalar: a Python True is a host tensor, copied while capturing
+    return token, slot[:, None], live
+
+
+def _advance(new_hidden: Tensor, live: Tensor, hidden: Tensor, position: Tensor, write: Tensor, step: Tensor) -> None:
+    """After the decoder: the hidden state to sample from next, and the live slots' counters one on."""
+    hidden.copy_(new_hidden)
+    advance = live.long()
+    position.add_(advance)
+    write.add_(advance)
+    step.add_(advance)

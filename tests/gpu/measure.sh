@@ -5,16 +5,17 @@
 # starlette, uvicorn, httpx and their pure-Python dependencies, opentelemetry-api and annotated-doc included,
 # downloaded as wheels with `pip download --no-deps` at the versions of `pip install -e ".[all]"`).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels host split ab
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels decode_step host split ab
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 # The bench spec's token budget (algorithm.micro_batch_tokens) was 16k, then 32k, and is 64k now: a figure quoted at
 # an older budget re-runs with it as an override (EXTRA=algorithm.micro_batch_tokens=32768 where a section takes
 # EXTRA, BACKENDS=standalone@algorithm.micro_batch_tokens=32768 for the trl sections).
-# The CUDA engine's default decode step gained gated_mlp and sampled_head after the earlier engine figures: the
-# former default is profile_engine's variant fused_layers_sdpa_cublas_head_mlp (decode_kernels and engine_longtail
-# take it through VARIANTS= / FIXED_VARIANTS=); no spec key switches them, so a bench figure taken before (trl*,
-# longtail, fsdp1's generation) re-runs as it was only from the commit it was taken at.
+# The CUDA engine's default decode step gained gated_mlp and sampled_head after the earlier engine figures, then
+# rope_attention and skinny_qkv: the default before the last two is profile_engine's variant
+# fused_layers_sdpa_cache_write, the one before all four fused_layers_sdpa_cublas_head_mlp (decode_kernels and
+# engine_longtail take them through VARIANTS= / FIXED_VARIANTS=); no spec key switches them, so a bench figure taken
+# before (trl*, longtail, fsdp1's generation) re-runs as it was only from the commit it was taken at.
 # deepspeed's one-rank default became every parameter persistent at the same time: its earlier figures re-run with
 # hardware.deepspeed.param_persistence_numel=100000 (trainers: deepspeed@...; bench sections: in EXTRA or BACKENDS).
 set -u
@@ -104,6 +105,11 @@ for section in "$@"; do
         ${REFERENCE---reference trl} \
         --out /tmp/b_longtail > $OUT/longtail.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep longtail /tmp/b_longtail; tail -20 $OUT/longtail.log >> $OUT/results.txt ;;
+    decode_step)  # issue 19: the fixed 64 x 256 batch's decode step alone, for the profile_engine variants VARIANTS=...
+      # (default: the default step, and the same with the work outside the decoder layers run eagerly)
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH \
+        --variants ${VARIANTS:-fused_layers_sdpa,fused_layers_sdpa_eager_ends} --rows 0 > $OUT/decode_step.txt 2>&1
+      echo "decode step exit $?" >> $OUT/results.txt; head -12 $OUT/decode_step.txt >> $OUT/results.txt ;;
     engine_longtail)  # issue 19: the engine alone on the long-tailed 32 x 8 batch: generate with and without continuous
       # batching (same seeds, lengths printed), then each variant's batch time, prefill, capture and decode step at the
       # default pool (the default one, and the same without the decode kernels: VARIANTS=... to change);
@@ -173,16 +179,18 @@ for section in "$@"; do
         echo "ab $i $run exit $?" >> $OUT/results.txt; grep -E "train phase|segments" $OUT/ab_${i}_$run.txt >> $OUT/results.txt
       done
       cp $ROOT/$AB_FILE /tmp/site/$AB_FILE ;;
-    decode_kernels)  # issue 19: the decode step's Triton kernels beside what they replace (split-K projections and
-      # gate/up with its SiLU gate against cuBLAS, attention over live positions against cuDNN's SDPA, the LM head with
-      # its sampling race against cuBLAS's head then the compiled race), then the fixed 64 x 256 decode step with all
-      # of them and without each (profile_engine variants), with its kernel table
+    decode_kernels)  # issue 19: the decode step's Triton kernels beside what they replace (split-K projections, with
+      # a sweep of their tiles at 64 rows, and gate/up with its SiLU gate against cuBLAS, attention over live positions
+      # against cuDNN's SDPA, the LM head with its sampling race against cuBLAS's head then the compiled race), then
+      # the fixed 64 x 256 decode step with all of them and without each (profile_engine variants), with its kernel
+      # table
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.bench_decode_kernels > $OUT/decode_kernels.txt 2>&1
       echo "decode_kernels exit $?" >> $OUT/results.txt; cat $OUT/decode_kernels.txt >> $OUT/results.txt
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.bench_decode_kernels --head > $OUT/sampled_head.txt 2>&1
       echo "sampled_head exit $?" >> $OUT/results.txt; cat $OUT/sampled_head.txt >> $OUT/results.txt; cp $OUT/results.txt $FINAL/
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_engine $BENCH --variants ${VARIANTS:-fused_layers_sdpa,\
-fused_layers_sdpa_ungated,fused_layers_sdpa_logits,fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_masked} \
+fused_layers_sdpa_cublas_qkv,fused_layers_sdpa_cache_write,fused_layers_sdpa_ungated,fused_layers_sdpa_logits,\
+fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_masked} \
         --rows 40 > $OUT/engine_decode.txt 2>&1
       echo "engine decode exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_decode.txt | head -16 >> $OUT/results.txt ;;
     head)  # issue 18: the log-prob head at one chunk: the unfused chunk's elementwise kernels by how they are

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from rlspec.rollout.gated_mlp import config_for as gated_config_for
 from rlspec.rollout.gated_mlp import gated_mlp_eager
@@ -47,6 +48,48 @@ def _check(dtype, device, tolerance):
     valid[0] = False  # an empty slot (every position masked) stays finite, as under SDPA's finite mask
     out = live_attention_eager(q, keys, values, valid.view(torch.uint8), lengths, DIM ** -0.5, 3)
     assert torch.isfinite(out.float()).all()
+
+
+def _rotate(x, cos, sin):
+    """The compiled layer's RoPE (`StaticDecoder._rotate`) in fp32, rounded once to x's dtype."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    return (xf * cos.float() + torch.cat((-xf[..., half:], xf[..., :half]), -1) * sin.float()).to(x.dtype)
+
+
+def _check_rope(dtype, device, tolerance):
+    """`live_attention_rope` from a fused q/k/v row, given as the projection in the model dtype or as fp32 split-K
+    parts with a bias: the new token's rotated k and its v land in the caches at `write` (and nothing else
+    changes), and the output is attention of the rotated q over the updated caches."""
+    q, keys, values, valid, lengths = _case(dtype, device)
+    rows, width = q.shape[0], (HEADS + 2 * KV_HEADS) * DIM
+    parts = torch.randn(3, rows, width, device=device)
+    bias = torch.randn(width, device=device).to(dtype)
+    summed = parts[0] + bias.float()
+    for part in parts[1:]:
+        summed = summed + part
+    angles = torch.rand(rows, DIM // 2, device=device) * 6.0
+    cos, sin = (torch.cat((f(angles), f(angles)), -1).to(dtype) for f in (torch.cos, torch.sin))
+    write = lengths - 1
+    for qkv, given, given_bias in ((summed.to(dtype), summed.to(dtype), None), (summed.to(dtype), parts, bias)):
+        q_new, k_new, v_new = qkv.view(rows, -1, DIM).split((HEADS, KV_HEADS, KV_HEADS), dim=1)
+        expected_keys, expected_values = keys.clone(), values.clone()
+        at = torch.arange(rows, device=device)
+        expected_keys[at, :, write] = _rotate(k_new, cos[:, None], sin[:, None])
+        expected_values[at, :, write] = v_new
+        expected = _reference(_rotate(q_new, cos[:, None], sin[:, None])[:, :, None], expected_keys,
+                              expected_values, valid)
+        for splits in (1, 3, 4):
+            cache_k, cache_v = keys.clone(), values.clone()
+            out = live_attention_eager(given, cache_k, cache_v, valid.view(torch.uint8), lengths, DIM ** -0.5, splits,
+                                       rope=(cos, sin, write), heads=HEADS, bias=given_bias)
+            assert out.shape == (rows, 1, HEADS, DIM) and out.dtype == dtype
+            assert torch.equal(cache_v, expected_values)
+            if dtype == torch.float32:
+                assert torch.equal(cache_k, expected_keys)
+            else:
+                torch.testing.assert_close(cache_k, expected_keys, atol=tolerance, rtol=tolerance)
+            torch.testing.assert_close(out.transpose(1, 2).float(), expected, atol=tolerance, rtol=tolerance)
 
 
 def _check_linear(dtype, device, tolerance):
@@ -89,6 +132,7 @@ def _interpreted() -> None:
     bf16 below)."""
     allow_scalar_loop_bounds()
     _check(torch.float32, "cpu", 1e-5)
+    _check_rope(torch.float32, "cpu", 1e-5)
     _check_linear(torch.float32, "cpu", 1e-5)
     _check_gated(torch.float32, "cpu", 1e-5)
 
@@ -103,6 +147,13 @@ def test_live_attention_matches_masked_sdpa_on_cuda():
 
 
 @pytest.mark.gpu
+def test_live_attention_rope_writes_the_cache_and_matches_sdpa_on_cuda():
+    """bf16: a rotated k may round to the neighbouring bf16 value where the kernel contracts a multiply-add that
+    torch rounds apart, so the keys are compared within a bf16 step (the values are copied: equal)."""
+    _check_rope(torch.bfloat16, "cuda", 2e-2)
+
+
+@pytest.mark.gpu
 def test_skinny_linear_matches_linear_on_cuda():
     _check_linear(torch.bfloat16, "cuda", 1e-2)
 
@@ -114,32 +165,59 @@ def test_gated_mlp_matches_linear_and_silu_on_cuda():
     _check_gated(torch.bfloat16, "cuda", 2e-2)
 
 
-@pytest.mark.gpu
-def test_decode_step_with_the_kernels_matches_the_plain_one_on_cuda():
-    """One compiled decode layer stack over a half-filled cache: logits with live attention, split-K projections
-    and the gated MLP kernel equal those with SDPA and cuBLAS, to bf16 rounding."""
+def _decode_layers(kernels: dict) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """One compiled decode step of the 0.5B shape (bf16, 48 rows) over a half-filled random cache, with the decode
+    kernels `kernels` (`StaticDecoder` flags): its logits and the caches after it."""
     from rlspec.models.factory import load_model
     from rlspec.rollout.decoder import StaticDecoder
     from rlspec.spec import ModelSpec
 
     model = load_model(ModelSpec(preset="qwen2_0p5b_shape", dtype="bfloat16", attn_implementation="sdpa"), 0).cuda()
-    logits = []
-    for fast in (True, False):
-        decoder = StaticDecoder(model, sdpa=True, live_attention=fast, skinny=fast, gated_mlp=fast)
-        decoder.fuse_weights()
-        decoder.compile_blocks(layers=True)
-        torch.manual_seed(1)
-        keys, values = decoder.new_cache(48, 256, "cuda")
-        for cache in keys + values:
-            cache.normal_()
-        lengths = torch.randint(1, 256, (48,), device="cuda")
-        valid = torch.arange(256, device="cuda")[None] < lengths[:, None]
-        ids = torch.randint(0, 1000, (48, 1), device="cuda")
-        with torch.no_grad():
-            logits.append(decoder.forward(ids, lengths[:, None] - 1, (lengths - 1)[:, None], valid[:, None], keys,
-                                          values, compiled=True, lengths=lengths).float())
-    torch.testing.assert_close(logits[0], logits[1], atol=0.15, rtol=0.05)
-    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() > 0.9
+    decoder = StaticDecoder(model, sdpa=True, **kernels)
+    decoder.fuse_weights()
+    decoder.compile_blocks(layers=True)
+    torch.manual_seed(1)
+    keys, values = decoder.new_cache(48, 256, "cuda")
+    for cache in keys + values:
+        cache.normal_()
+    lengths = torch.randint(1, 256, (48,), device="cuda")
+    valid = torch.arange(256, device="cuda")[None] < lengths[:, None]
+    ids = torch.randint(0, 1000, (48, 1), device="cuda")
+    with torch.no_grad():
+        logits = decoder.forward(ids, lengths[:, None] - 1, (lengths - 1)[:, None], valid[:, None], keys, values,
+                                 compiled=True, lengths=lengths).float()
+    return logits, keys, values
+
+
+@pytest.mark.gpu
+def test_decode_step_with_the_kernels_matches_the_plain_one_on_cuda():
+    """Logits with live attention (RoPE and the cache writes in its kernel), split-K projections and the gated
+    MLP kernel equal those with SDPA and cuBLAS, to bf16 rounding; so do the caches the step wrote."""
+    fast = _decode_layers({"live_attention": True, "skinny": True, "gated_mlp": True})
+    plain = _decode_layers({"live_attention": False, "skinny": False, "gated_mlp": False})
+    torch.testing.assert_close(fast[0], plain[0], atol=0.15, rtol=0.05)
+    assert (fast[0].argmax(-1) == plain[0].argmax(-1)).float().mean() > 0.9
+    for ours, theirs in zip(fast[1] + fast[2], plain[1] + plain[2]):
+        torch.testing.assert_close(ours, theirs, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.gpu
+def test_rope_attention_matches_the_compiled_rotation_and_cache_writes_on_cuda():
+    """`rope_attention` (with q/k/v from cuBLAS, and from split-K parts summed in the kernel: `skinny_qkv`) against
+    the compiled layer's RoPE and index_put cache writes before live attention, all else the same: the first
+    layer's keys within a bf16 step (a rotation, or a sum in another order, may round the other way), its values
+    equal from the same GEMM, every cache within bf16 rounding, and the logits close."""
+    apart = _decode_layers({"rope_attention": False})
+    for kernels in ({"rope_attention": True, "skinny_qkv": False}, {"rope_attention": True, "skinny_qkv": True}):
+        fused = _decode_layers(kernels)
+        torch.testing.assert_close(fused[1][0], apart[1][0], atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(fused[2][0], apart[2][0], atol=1e-2, rtol=1e-2)
+        if not kernels["skinny_qkv"]:
+            assert torch.equal(fused[2][0], apart[2][0])
+        for ours, theirs in zip(fused[1] + fused[2], apart[1] + apart[2]):
+            torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
+        torch.testing.assert_close(fused[0], apart[0], atol=0.1, rtol=0.05)
+        assert (fused[0].argmax(-1) == apart[0].argmax(-1)).float().mean() > 0.95
 
 
 @pytest.mark.gpu
