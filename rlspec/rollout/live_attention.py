@@ -12,6 +12,11 @@ into `splits` parts run as separate programs when rows x K/V heads alone would l
 kernel merges the parts' (max, sum, weighted values). Positions not `valid` (left padding of the prompt) score
 a large negative number, not -inf, so an empty slot (nothing valid) stays finite, as with SDPA's mask.
 
+`live_attention_rope` is the same kernel for a decode step that has not yet rotated or cached its new token: it
+takes the q/k/v projection's output (or that projection's split-K parts and bias, which it sums), applies RoPE to
+q and the new k, and the program whose part of the cache holds the new position writes the new K/V there before
+its loop reads them; the compiled layer ran those as two element-wise kernels before the attention op.
+
 Needs Triton and a power-of-two head dim; `available` says whether this process can use it. The decode step
 falls back to SDPA otherwise (`StaticDecoder.attention_mask`).
 """

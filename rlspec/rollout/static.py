@@ -124,7 +124,8 @@ class GraphSampler:
         # The defaults on CUDA are the fastest measured (`python -m rlspec.perf.profile_engine`, H200, 0.5B shape, 64
         # rows: 1.43 ms a decode step fused + SDPA + per-layer compile, 1.98 ms with none of them; on an H100, 1.41 ms
         # -> 1.21 ms with the decode kernels, `live_attention` and `skinny`, on where Triton runs; with `gated_mlp` and
-        # `sampled_head` too, 1.112 ms against 1.193 without them on an H100, 1.021 against 1.107 ms on an H200).
+        # `sampled_head` too, 1.112 ms against 1.193 without them on an H100, 1.021 against 1.107 ms on an H200; with
+        # `rope_attention` and `skinny_qkv`, 0.847 against 0.957 ms on an H200, and `compile_ends` 0.847 against 0.917).
         self.decoder = StaticDecoder(model, sdpa=self.use_graphs if sdpa is None else sdpa,
                                      live_attention=live_attention, skinny=skinny, gated_mlp=gated_mlp,
                                      sampled_head=sampled_head, rope_attention=rope_attention,
@@ -135,8 +136,8 @@ class GraphSampler:
             self.decoder.compile_blocks(layers=self.use_graphs if compile_layers is None else compile_layers,
                                         autotune=autotune, ends=compile_ends)
         # `compile_ends`: the step's own element-wise work around the decoder (recording the sample, the counters)
-        # compiled with it, as the decoder's work before its first layer and after its last: about 30 small
-        # kernels a step otherwise.
+        # compiled with it, as the decoder's work before its first layer and after its last: about 40 small
+        # kernels a step otherwise, ten with them compiled.
         self._bookkeeping = ((torch.compile(_record, dynamic=False), torch.compile(_advance, dynamic=False))
                              if compile_ends else (_record, _advance))
         self.check_every = check_every

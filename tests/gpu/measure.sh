@@ -51,7 +51,9 @@ for section in "$@"; do
       # From a copy of tests/ and examples/: in the project root its ./rlspec source tree would shadow the
       # installed package (the tests start `python -m rlspec.cli` subprocesses there).
       rm -rf /tmp/gputests; mkdir -p /tmp/gputests; cp -r $ROOT/tests $ROOT/examples $ROOT/pyproject.toml /tmp/gputests/
-      (cd /tmp/gputests && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPUTESTS:-tests} 2>&1 | tail -25) >> $OUT/results.txt ;;
+      # Four workers on the one GPU (GPU_WORKERS=1: one at a time): one at a time the whole set ran past 300 s.
+      (cd /tmp/gputests && timeout 500 python3 -m pytest -q -p no:cacheprovider -n ${GPU_WORKERS:-4} -rfEs \
+        --durations=8 -m gpu ${GPUTESTS:-tests} 2>&1 | tail -40) >> $OUT/results.txt ;;
     dsync)  # issue 8: the deepspeed backend colocated on one GPU, its step's sync through cuda_ipc and through ray
       for m in cuda_ipc ray; do
         CUDA_VISIBLE_DEVICES=0 timeout 200 $RL run $ROOT/examples/tiny.yaml --backend deepspeed model=qwen2_0p5b_shape \
@@ -64,7 +66,8 @@ for section in "$@"; do
       # for its layers eager);
       # EXTRA=<overrides> for all of them, e.g. EXTRA=rollout.prompts_per_step=32. Issue 18's deepspeed ratios
       # (backends/deepspeed/README.md): EXTRA="algorithm.steps=6 rollout.prompts_per_step=32", then EXTRA="algorithm.steps=6"
-      # with OUT set to another folder, both BACKENDS=standalone,deepspeed in one call
+      # with OUT set to another folder, both BACKENDS=standalone,deepspeed in one call; fsdp's (backends/fsdp/README.md,
+      # one H200): BACKENDS=standalone,fsdp with the same two EXTRA values, one call each
       CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $BENCH algorithm.steps=3 ${EXTRA:-} \
         --backends ${BACKENDS:-standalone,deepspeed,fsdp} \
         --out /tmp/b_fsdp1 > $OUT/fsdp1.log 2>&1; echo "exit $?" >> $OUT/results.txt
