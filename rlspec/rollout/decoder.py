@@ -8,10 +8,11 @@ transformers' eager attention (scores in the model dtype, softmax in fp32); with
 `live_attention` over each row's reached positions only; either way the engine's log-probs agree with the
 trainer's within bf16 rounding (`tests/test_gpu.py`); that kernel also applies RoPE to the step's q and k and
 writes the new K/V into the cache (`live_attention_rope`). Decode steps of up to `SKINNY_ROWS` rows run the
-q/k/v (its parts added by the attention kernel), output and down projections with the split-K `skinny_linear`. On CUDA it also runs each layer's q/k/v and gate/up
-projections as one GEMM each, over fused copies refreshed before every batch (`fuse_weights`), and compiles one
-function per decoder layer; decode steps of up to `GATED_MLP_ROWS` rows run the gate/up GEMM and silu(gate) * up
-as one Triton kernel, `gated_mlp`.
+q/k/v (its parts added by the attention kernel), output and down projections with the split-K `skinny_linear`.
+On CUDA it also runs each layer's q/k/v and gate/up projections as one GEMM each, over fused copies refreshed
+before every batch (`fuse_weights`), and compiles one function per decoder layer (and the work before the first
+layer and after the last); decode steps of up to `GATED_MLP_ROWS` rows run the gate/up GEMM and silu(gate) * up as
+one Triton kernel, `gated_mlp`.
 
 `forward` ends with the final norm and the LM head (logits), or, `head=False`, with the final-normed hidden of the
 last position: the sampler keeps that and samples from it (`sampling.sample_from_hidden`), on CUDA without top-p
