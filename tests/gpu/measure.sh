@@ -102,9 +102,11 @@ for section in "$@"; do
         --variants fused,fused_layers --rows 0 > $OUT/engine_32.txt 2>&1
       echo "engine 32 exit $?" >> $OUT/results.txt; head -8 $OUT/engine_32.txt >> $OUT/results.txt ;;
     longtail)  # issue 19: geometric lengths (median 100, 1,024 budget) at 32 x 8: continuous batching, the static
-      # batch and TRL in one bench call (continuous with the default 256 slots and with 64), each with its length histogram (response_len/*) beside its tokens/s
-      CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $ROOT/examples/bench_longtail.yaml \
-        --backends standalone,standalone@rollout.decode_slots=64,standalone@rollout.continuous_batching=false \
+      # batch and TRL in one bench call (continuous with the default 256 slots and with 64), each with its length
+      # histogram (response_len/*) beside its tokens/s; BACKENDS=standalone EXTRA=algorithm.steps=3: the default
+      # engine and TRL only, in a shorter call
+      CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $ROOT/examples/bench_longtail.yaml ${EXTRA:-} \
+        --backends ${BACKENDS:-standalone,standalone@rollout.decode_slots=64,standalone@rollout.continuous_batching=false} \
         ${REFERENCE---reference trl} \
         --out /tmp/b_longtail > $OUT/longtail.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep longtail /tmp/b_longtail; tail -20 $OUT/longtail.log >> $OUT/results.txt ;;
