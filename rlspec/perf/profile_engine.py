@@ -18,8 +18,9 @@ Variants (keyword arguments of `GraphSampler`): `plain` (compiled blocks, separa
 instead of one per block), `fused_layers_sdpa` (the default; where Triton runs, decode steps attend with
 `live_attention`, reading only each row's reached positions, with RoPE and the new K/V's cache writes in the
 same kernel (`rope_attention`, which also sums the split-K parts of q/k/v: `skinny_qkv`), run the output and
-down projections split-K with `skinny_linear` and gate/up with silu(gate) * up as one kernel, `gated_mlp`, at up to 64 rows, and, without
-top-p, sample with the LM head and the race as one kernel, `sampled_head`, so no [rows, V] logits are written),
+down projections split-K with `skinny_linear` and gate/up with silu(gate) * up as one kernel, `gated_mlp`, at up
+to 64 rows, and, without top-p, sample with the LM head and the race as one kernel, `sampled_head`, so no
+[rows, V] logits are written),
 `fused_layers_sdpa_ungated` (the default less `gated_mlp`), `fused_layers_sdpa_logits` (the default less
 `sampled_head`: cuBLAS logits, then the compiled race), `fused_layers_sdpa_cublas_qkv` (the default less
 `skinny_qkv`: q/k/v on cuBLAS), `fused_layers_sdpa_eager_ends` (the default with the step's work outside the
@@ -48,6 +49,7 @@ import torch
 
 from .profile_train import kernel_table, standalone_backend
 
+FUSED_LAYERS_SDPA = {"fuse_weights": True, "compile_layers": True, "sdpa": True}  # the default on CUDA
 VARIANTS = {
     "plain": {"fuse_weights": False},
     "fused": {"fuse_weights": True},
@@ -55,20 +57,19 @@ VARIANTS = {
     "fused_sdpa": {"fuse_weights": True, "sdpa": True},
     "fused_eager": {"fuse_weights": True, "compile_blocks": False},
     "fused_layers": {"fuse_weights": True, "compile_layers": True},
-    "fused_layers_sdpa": {"fuse_weights": True, "compile_layers": True, "sdpa": True},
-    "fused_layers_sdpa_autotune": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "autotune": True},
-    "fused_layers_sdpa_ungated": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "gated_mlp": False},
-    "fused_layers_sdpa_masked": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "live_attention": False,
-                                 "skinny": False, "gated_mlp": False, "sampled_head": False},
-    "fused_layers_sdpa_live": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "skinny": False,
-                               "gated_mlp": False, "sampled_head": False, "rope_attention": False},
-    "fused_layers_sdpa_logits": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "sampled_head": False},
-    "fused_layers_sdpa_eager_ends": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "compile_ends": False},
-    "fused_layers_sdpa_cublas_qkv": {"fuse_weights": True, "compile_layers": True, "sdpa": True, "skinny_qkv": False},
-    "fused_layers_sdpa_cache_write": {"fuse_weights": True, "compile_layers": True, "sdpa": True,
-                                      "rope_attention": False},
-    "fused_layers_sdpa_cublas_head_mlp": {"fuse_weights": True, "compile_layers": True, "sdpa": True,
-                                          "gated_mlp": False, "sampled_head": False, "rope_attention": False},
+    "fused_layers_sdpa": FUSED_LAYERS_SDPA,
+    "fused_layers_sdpa_autotune": {**FUSED_LAYERS_SDPA, "autotune": True},
+    "fused_layers_sdpa_ungated": {**FUSED_LAYERS_SDPA, "gated_mlp": False},
+    "fused_layers_sdpa_masked": {**FUSED_LAYERS_SDPA, "live_attention": False, "skinny": False, "gated_mlp": False,
+                                 "sampled_head": False},
+    "fused_layers_sdpa_live": {**FUSED_LAYERS_SDPA, "skinny": False, "gated_mlp": False, "sampled_head": False,
+                               "rope_attention": False},
+    "fused_layers_sdpa_logits": {**FUSED_LAYERS_SDPA, "sampled_head": False},
+    "fused_layers_sdpa_eager_ends": {**FUSED_LAYERS_SDPA, "compile_ends": False},
+    "fused_layers_sdpa_cublas_qkv": {**FUSED_LAYERS_SDPA, "skinny_qkv": False},
+    "fused_layers_sdpa_cache_write": {**FUSED_LAYERS_SDPA, "rope_attention": False},
+    "fused_layers_sdpa_cublas_head_mlp": {**FUSED_LAYERS_SDPA, "gated_mlp": False, "sampled_head": False,
+                                          "rope_attention": False},
 }
 
 

@@ -382,18 +382,19 @@ class GraphSampler:
         token, logp = sample_from_hidden(state.hidden, decoder.head_weight, temperature, top_p, state.key, state.step,
                                          decoder.race, decoder.noise, fused=decoder.sampled_head)
         record, advance = self._bookkeeping if self.compiled else (_record, _advance)
-        token, slot, live = record(token, logp, state.done, state.step, state.write, state.valid, state.out_tokens,
-                                   state.out_logps, eos)
+        token, slot, lengths, live = record(token, logp, state.done, state.step, state.write, state.valid,
+                                            state.out_tokens, state.out_logps, eos)
         hidden = decoder.forward(token[:, None], state.position[:, None], slot, state.valid[:, None, :], state.keys,
-                                 state.values, compiled=self.compiled, lengths=slot[:, 0] + 1, head=False)
+                                 state.values, compiled=self.compiled, lengths=lengths, head=False)
         advance(hidden, live, state.hidden, state.position, state.write, state.step)
 
 
 def _record(token: Tensor, logp: Tensor, done: Tensor, step: Tensor, write: Tensor, valid: Tensor, out_tokens: Tensor,
-            out_logps: Tensor, eos: int) -> tuple[Tensor, Tensor, Tensor]:
+            out_logps: Tensor, eos: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A decode step's sampled `token` and `logp` [B] into the slots' records (ended slots: `eos`, to the spare
     column), the slots that end now marked `done`, the cache slot of each row's new token marked `valid`. Returns
-    the tokens to decode, their cache slots [B, 1] and which slots were live. Index stores, not `scatter_`: compiled,
+    the tokens to decode, their cache slots [B, 1], the rows' attended lengths [B] (slot + 1) and which slots were
+    live. Index stores, not `scatter_`: compiled,
     a scatter became a copy of its whole target and a copy back."""
     last = out_tokens.shape[1] - 1
     rows = torch.arange(token.shape[0], device=token.device)
@@ -405,7 +406,7 @@ def _record(token: Tensor, logp: Tensor, done: Tensor, step: Tensor, write: Tens
     done.logical_or_((token == eos) | (step >= last - 1))
     slot = write.clamp(max=valid.shape[1] - 1)
     valid[rows, slot] = live.new_ones(())  # a device scalar: a Python True is a host tensor, copied while capturing
-    return token, slot[:, None], live
+    return token, slot[:, None], slot + 1, live
 
 
 def _advance(new_hidden: Tensor, live: Tensor, hidden: Tensor, position: Tensor, write: Tensor, step: Tensor) -> None:
