@@ -30,7 +30,10 @@ compiled variants compile it), `fused_layers_sdpa_cache_write` (the default less
 `fused_layers_sdpa_cublas_head_mlp` (the default less all three), `fused_layers_sdpa_live` (live attention,
 every projection and the head on cuBLAS),
 `fused_layers_sdpa_masked` (none: SDPA over the whole masked cache, cuBLAS), `fused_layers_sdpa_autotune`
-(Inductor times its own GEMM kernels against cuBLAS: mode max-autotune-no-cudagraphs). On CUDA every variant
+(Inductor times its own GEMM kernels against cuBLAS: mode max-autotune-no-cudagraphs); and two of continuous
+batching's tail: `fused_layers_sdpa_halving` (the tail moves to a smaller pool once half of it has ended, not
+three quarters: `shrink_ratio=2`), `fused_layers_sdpa_no_shrink` (it never does). `--timeline` splits each batch by
+pool size: steps, time and ms a step, and the captures; the `engine.generate` lines are always split so. On CUDA every variant
 that does not set `sdpa` uses SDPA, and with it the decode kernels (`gated_mlp` only where the weights are
 fused). Without top-p (the bench specs' setting) every variant that does not turn `sampled_head` off samples with
 it; the others form the logits and race them, compiled, or, in `fused_eager`, with the keyed noise computed
@@ -70,7 +73,22 @@ VARIANTS = {
     "fused_layers_sdpa_cache_write": {**FUSED_LAYERS_SDPA, "rope_attention": False},
     "fused_layers_sdpa_cublas_head_mlp": {**FUSED_LAYERS_SDPA, "gated_mlp": False, "sampled_head": False,
                                           "rope_attention": False},
+    "fused_layers_sdpa_halving": {**FUSED_LAYERS_SDPA, "shrink_ratio": 2},
+    "fused_layers_sdpa_no_shrink": {**FUSED_LAYERS_SDPA, "shrink_tail": False},
 }
+
+
+def timeline_summary(timeline: list[tuple]) -> str:
+    """A `GraphSampler.timeline` as one line per pool size: decode steps, their seconds and ms a step (host checks,
+    refills and copies out included), then the graph captures."""
+    lines, captures = [], [t for t in timeline if t[0] == "capture"]
+    for slots in sorted({t[1] for t in timeline if t[0] == "decode"}, reverse=True):
+        parts = [t for t in timeline if t[0] == "decode" and t[1] == slots]
+        steps, seconds = sum(t[2] for t in parts), sum(t[3] for t in parts)
+        lines.append(f"  {slots:5d} slots: {steps:5d} steps, {seconds:.3f} s, {seconds / steps * 1e3:.3f} ms a step")
+    lines.append(f"  captures: {len(captures)} ({', '.join(str(t[1]) for t in captures)} slots), "
+                 f"{sum(t[2] for t in captures) * 1e3:.1f} ms")
+    return "\n".join(lines)
 
 
 def _timed(fn, repeats: int) -> list[float]:
@@ -163,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", default="plain,fused,fused_sdpa,fused_layers,fused_layers_sdpa")
     parser.add_argument("--replays", type=int, default=64, help="graph replays timed for the per-step figure")
     parser.add_argument("--rows", type=int, default=30, help="kernels to list (0: no kernel tables)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="each variant's batch again, split by pool size (steps, time, captures)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine needs a CUDA device")
@@ -186,8 +206,13 @@ def main(argv: list[str] | None = None) -> None:
             view.generate(prompts, group, seed=0)  # compile and warm up
             gen = _timed(lambda: view.generate(prompts, group, seed=1), args.repeats)
             mode = f"continuous, {spec.decode_slots} slots" if view.spec.continuous_batching else "static batch"
+            sampler = view._fast_sampler()
+            sampler.timeline = []
+            lengths = _lengths(view.generate(prompts, group, seed=1))
             print(f"engine.generate ({mode}): median {statistics.median(gen):.3f} s "
-                  f"({', '.join(f'{t:.3f}' for t in gen)}); {_lengths(view.generate(prompts, group, seed=1))}")
+                  f"({', '.join(f'{t:.3f}' for t in gen)}); {lengths}")
+            print(timeline_summary(sampler.timeline))
+            sampler.timeline = None
 
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=engine.device)
@@ -210,6 +235,11 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 batch(0)  # compile, warm up
                 wall = statistics.median(_timed(batch, args.repeats))
+                timeline = ""
+                if args.timeline:
+                    sampler.timeline = []
+                    batch()
+                    timeline, sampler.timeline = timeline_summary(sampler.timeline), None
                 sampler.keep_graphs = True
                 parts = _split(sampler, input_ids, attention_mask, spec, eos, args.replays)
             except Exception as err:  # noqa: BLE001 - one variant failing must not hide the others' figures
@@ -217,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             print(f"{name:12} {wall:8.3f} {parts['prefill_ms']:10.2f} {parts['capture_ms']:10.1f} "
                   f"{parts['decode_step_ms']:14.3f}   (slots {parts['bucket']}, cache {parts['cache_len']})")
+            if timeline:
+                print(timeline)
             if first is None:
                 first = sampler
             else:

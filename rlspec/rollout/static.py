@@ -26,6 +26,7 @@ with empty (ended) slots, and the cache length is rounded up to a multiple of `C
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -91,10 +92,11 @@ class GraphSampler:
     bucket while samples remain); every `check_every` steps the host reads which slots have ended, copies their
     samples' tokens out, and starts the next pending samples in them — it copies the prompt's K/V (prefilled once
     per distinct prompt: the G completions of a GRPO group share one prefill) into the slot, so a refill runs no
-    forward pass. Once no sample is pending and at most a quarter of the pool is live, the live slots move into a
-    pool a quarter the size or less (`shrink_tail`; its own graph), so the long tail does not pay for a full
-    pool's step (each bucket's decode layer is compiled once per process). Without `slots`, the pool holds all rows (up to 1,024; more run in waves, each started when
-    the whole pool has ended): the static batch.
+    forward pass. Once no sample is pending and at most 1 / `shrink_ratio` of the pool is live (a quarter by
+    default), the live slots move into the smallest pool that holds them (`shrink_tail`; its own graph), so the
+    long tail does not pay for a full pool's step (each bucket's decode layer is compiled once per process).
+    Without `slots`, the pool holds all rows (up to 1,024; more run in waves, each started when the whole pool has
+    ended): the static batch.
 
     Reproducibility: sample i's token at position t is drawn with noise keyed by (seed, i, t), and its logits
     depend only on its prompt and its own earlier tokens, so a sample's tokens do not depend on the slot it ran
@@ -114,7 +116,7 @@ class GraphSampler:
     def __init__(self, model: torch.nn.Module, device: torch.device, use_graphs: bool | None = None,
                  compile_blocks: bool | None = None, check_every: int = 8, keep_graphs: bool = False,
                  fuse_weights: bool | None = None, sdpa: bool | None = None, compile_layers: bool | None = None,
-                 share_prefill: bool = True, shrink_tail: bool = True, autotune: bool = False,
+                 share_prefill: bool = True, shrink_tail: bool = True, shrink_ratio: int = 4, autotune: bool = False,
                  live_attention: bool | None = None, skinny: bool | None = None,
                  gated_mlp: bool | None = None, sampled_head: bool | None = None,
                  rope_attention: bool | None = None, skinny_qkv: bool | None = None,
@@ -143,6 +145,14 @@ class GraphSampler:
         self.check_every = check_every
         self.share_prefill = share_prefill  # False: one prefill per row (the equivalence tests' reference)
         self.shrink_tail = shrink_tail
+        # The tail moves into a smaller pool once at most 1 / `shrink_ratio` of the pool is live: 2 wastes at most
+        # half a pool's rows on ended slots for more captures (one per halving), 4 wastes up to three quarters.
+        if shrink_ratio < 2:
+            raise ValueError(f"shrink_ratio must be at least 2, got {shrink_ratio}")
+        self.shrink_ratio = shrink_ratio
+        self.timeline: list[tuple] | None = None
+        """A list to record into (profiling): ("capture", slots, s) per graph captured, ("decode", slots, steps, s)
+        per stretch of decode steps between two host checks (their refills and copies out included)."""
         # Dropping the graphs (their KV cache and memory pool) after each batch gives that memory back to a
         # colocated trainer; a later capture of a seen shape skips warm-up and costs a few milliseconds.
         self.keep_graphs = keep_graphs
@@ -217,7 +227,7 @@ class GraphSampler:
             live = [b for b in range(bucket) if occupant[b] >= 0]
             if not live:
                 break
-            if self.shrink_tail and not waves and next_sample == rows and len(live) * 4 <= bucket:
+            if self.shrink_tail and not waves and next_sample == rows and len(live) * self.shrink_ratio <= bucket:
                 state = self._shrink(state, live, temperature, top_p, eos)
                 occupant, started = [occupant[b] for b in live], [started[b] for b in live]
                 bucket = state.done.shape[0]
@@ -225,6 +235,7 @@ class GraphSampler:
                 started += [0] * (bucket - len(live))
                 live = list(range(len(live)))
             chunk = min(self.check_every, max(n - (clock - started[b]) for b in live))
+            began = time.perf_counter()
             for _ in range(chunk):
                 if state.graph is not None:
                     state.graph.replay()
@@ -237,6 +248,8 @@ class GraphSampler:
                 self._harvest(state, ended, [occupant[b] for b in ended], tokens, logps, lengths, eos)
                 for b in ended:
                     occupant[b] = -1
+            if self.timeline is not None:
+                self.timeline.append(("decode", bucket, chunk, time.perf_counter() - began))
         width = max(int(lengths.max()), 1)
         return tokens[:, :width].cpu(), logps[:, :width].cpu()
 
@@ -329,8 +342,12 @@ class GraphSampler:
                        out_tokens=rows(torch.long, (max_new_tokens + 1,)),
                        out_logps=rows(torch.float32, (max_new_tokens + 1,)))
         if self.use_graphs:
+            began = time.perf_counter()
             state.graph = self._capture(state, temperature, top_p, eos, warm_up=key not in self._warmed)
             self._warmed.add(key)
+            if self.timeline is not None:
+                torch.cuda.synchronize(self.device)
+                self.timeline.append(("capture", bucket, time.perf_counter() - began))
         self._states[key] = state
         return state
 

@@ -5,7 +5,7 @@
 # starlette, uvicorn, httpx and their pure-Python dependencies, opentelemetry-api and annotated-doc included,
 # downloaded as wheels with `pip download --no-deps` at the versions of `pip install -e ".[all]"`).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels decode_step host split ab
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels decode_step host split ab
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 # The bench spec's token budget (algorithm.micro_batch_tokens) was 16k, then 32k, and is 64k now: a figure quoted at
@@ -126,6 +126,13 @@ for section in "$@"; do
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH \
         --variants ${FIXED_VARIANTS:-fused_layers_sdpa} --rows 30 > $OUT/engine_fixed.txt 2>&1
       echo "engine fixed exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_fixed.txt | head -12 >> $OUT/results.txt ;;
+    tail)  # issue 19: continuous batching's long tail, the engine alone on the long-tailed 32 x 8 batch: generate with and
+      # without continuous batching, each split by pool size (steps, ms a step, captures), then each variant's batch
+      # time, split too (default: the tail moving to a smaller pool at a quarter live, at half, and never)
+      CUDA_VISIBLE_DEVICES=0 timeout 280 python3 -m rlspec.perf.profile_engine $ROOT/examples/bench_longtail.yaml \
+        --variants ${VARIANTS:-fused_layers_sdpa,fused_layers_sdpa_halving,fused_layers_sdpa_no_shrink} --rows 0 \
+        --timeline > $OUT/tail.txt 2>&1
+      echo "tail exit $?" >> $OUT/results.txt; cat $OUT/tail.txt >> $OUT/results.txt ;;
     train_ab)  # issue 18: the train phase alone, padded vs packed vs token budgets, uniform and spread lengths
       CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.bench_train --rows ${ROWS:-64,256} \
         --json $OUT/train_ab.json > $OUT/train_ab.txt 2>&1; echo "train_ab exit $?" >> $OUT/results.txt

@@ -48,20 +48,21 @@ def test_eos_hazard_sets_the_end_tokens_probability_at_every_step(model):
         ModelSpec(eos_hazard=1.0)
 
 
-@pytest.mark.parametrize("slots", [2, 5])
-def test_refilled_slots_sample_what_the_static_batch_samples(model, slots):
+@pytest.mark.parametrize("slots, ratio", [(2, 4), (5, 4), (5, 2)])
+def test_refilled_slots_sample_what_the_static_batch_samples(model, slots, ratio):
     """12 samples through 2 (or 8: 5 rounded up to the bucket) slots, refilled as samples end (the 8-slot pool's
-    tail moved into a smaller pool), against the static batch of 12 rows: the same tokens per sample, log-probs
-    within fp32 rounding, equal to the trainer's."""
+    tail moved into a smaller pool once a quarter, or half, of it is live), against the static batch of 12 rows:
+    the same tokens per sample, log-probs within fp32 rounding, equal to the trainer's."""
     check = 3
     static_engine, static = _generate(model, GraphSampler(model, "cpu", use_graphs=False, check_every=check),
                                       continuous_batching=False)
-    sampler = GraphSampler(model, "cpu", use_graphs=False, check_every=check)
+    sampler = GraphSampler(model, "cpu", use_graphs=False, check_every=check, shrink_ratio=ratio)
     shrunk = []
     shrink = sampler._shrink
     sampler._shrink = lambda state, live, *a: shrunk.append(len(live)) or shrink(state, live, *a)
     engine, rolled = _generate(model, sampler, decode_slots=slots)
     assert bool(shrunk) == (slots == 5), shrunk
+    assert all(live * ratio <= 8 for live in shrunk) and (ratio == 4 or len(shrunk) >= 2), shrunk
     lengths = [len(c) for c in rolled.completion_ids]
     assert min(lengths) < 24 // 2 and len(set(lengths)) > 3, f"the workload must end samples early: {lengths}"
     assert rolled.completion_ids == static.completion_ids
