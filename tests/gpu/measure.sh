@@ -128,8 +128,9 @@ for section in "$@"; do
       echo "engine fixed exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_fixed.txt | head -12 >> $OUT/results.txt ;;
     tail)  # issue 19: continuous batching's long tail, the engine alone on the long-tailed 32 x 8 batch: generate with and
       # without continuous batching, each split by pool size (steps, ms a step, captures), then each variant's batch
-      # time, split too (default: the tail moving to a smaller pool at a quarter live, at half, and never)
-      CUDA_VISIBLE_DEVICES=0 timeout 280 python3 -m rlspec.perf.profile_engine $ROOT/examples/bench_longtail.yaml \
+      # time, split too (default: the tail moving to a smaller pool at a quarter live, at half, and never);
+      # EXTRA=rollout.prompts_per_step=64: 64 x 8, twice the default pool, so continuous batching refills slots
+      CUDA_VISIBLE_DEVICES=0 timeout 280 python3 -m rlspec.perf.profile_engine $ROOT/examples/bench_longtail.yaml ${EXTRA:-} \
         --variants ${VARIANTS:-fused_layers_sdpa,fused_layers_sdpa_halving,fused_layers_sdpa_no_shrink} --rows 0 \
         --timeline > $OUT/tail.txt 2>&1
       echo "tail exit $?" >> $OUT/results.txt; cat $OUT/tail.txt >> $OUT/results.txt ;;
