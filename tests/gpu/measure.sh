@@ -219,7 +219,9 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
       # (ZeRO-3's linear inside compiled layers, and why it recompiles); RUNS="deepspeed@hardware.deepspeed.param_persistence_numel=1000000000
       # standalone deepspeed" (nothing gathered or released; at 8 x 8, and with P=32). Those ran when deepspeed's default
       # persistence was 1e5; one rank now keeps every parameter whole by default, so name the partitioned run
-      # deepspeed@hardware.deepspeed.param_persistence_numel=100000 to re-run them
+      # deepspeed@hardware.deepspeed.param_persistence_numel=100000 to re-run them.
+      # RUNS="standalone deepspeed deepspeed@hardware.deepspeed.reduce_bucket_numel=500000000,hardware.deepspeed.prefetch_bucket_numel=0"
+      # (one gradient bucket and no prefetching on one rank: within noise of the defaults, H200)
       for run in ${RUNS:-standalone fsdp deepspeed}; do
         b=${run%%@*}; extra=""; [ "$run" != "$b" ] && extra=$(echo ${run#*@} | tr , ' ')
         name=$(echo $run | tr '@=,.' '____')
