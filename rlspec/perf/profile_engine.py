@@ -33,9 +33,9 @@ every projection and the head on cuBLAS),
 (Inductor times its own GEMM kernels against cuBLAS: mode max-autotune-no-cudagraphs); and two of continuous
 batching's tail: `fused_layers_sdpa_halving` (the tail moves to a smaller pool once half of it has ended, not
 three quarters: `shrink_ratio=2`), `fused_layers_sdpa_no_shrink` (it never does). `--timeline` splits each batch by
-pool size: steps, time and ms a step, and the captures; the `engine.generate` lines are always split so. On CUDA every variant
-that does not set `sdpa` uses SDPA, and with it the decode kernels (`gated_mlp` only where the weights are
-fused). Without top-p (the bench specs' setting) every variant that does not turn `sampled_head` off samples with
+pool size: steps, time and ms a step, and the captures; the `engine.generate` lines are always split so.
+On CUDA every variant that does not set `sdpa` uses SDPA, and with it the decode kernels (`gated_mlp` only where
+the weights are fused). Without top-p (the bench specs' setting) every variant that does not turn `sampled_head` off samples with
 it; the others form the logits and race them, compiled, or, in `fused_eager`, with the keyed noise computed
 eagerly (about 30 elementwise kernels over [slots, vocabulary] a step, so that decode step is not the blocks'
 cost alone).
