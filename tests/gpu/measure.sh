@@ -112,7 +112,8 @@ for section in "$@"; do
       keep longtail /tmp/b_longtail; tail -20 $OUT/longtail.log >> $OUT/results.txt ;;
     decode_step)  # issue 19: the fixed 64 x 256 batch's decode step alone, for the profile_engine variants VARIANTS=...
       # (default: the default step, and the same with the work outside the decoder layers run eagerly); EXTRA=
-      # overrides (a few rows: EXTRA="rollout.prompts_per_step=1 algorithm.group_size=4"), ROWS=30: the kernel tables
+      # overrides (a few rows: EXTRA="rollout.prompts_per_step=1 algorithm.group_size=4 algorithm.micro_batch_size=4"),
+      # ROWS=30: the kernel tables
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH ${EXTRA:-} \
         --variants ${VARIANTS:-fused_layers_sdpa,fused_layers_sdpa_eager_ends} --rows ${ROWS:-0} > $OUT/decode_step.txt 2>&1
       echo "decode step exit $?" >> $OUT/results.txt; head -12 $OUT/decode_step.txt >> $OUT/results.txt ;;
