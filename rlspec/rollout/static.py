@@ -411,8 +411,7 @@ def _record(token: Tensor, logp: Tensor, done: Tensor, step: Tensor, write: Tens
     """A decode step's sampled `token` and `logp` [B] into the slots' records (ended slots: `eos`, to the spare
     column), the slots that end now marked `done`, the cache slot of each row's new token marked `valid`. Returns
     the tokens to decode, their cache slots [B, 1], the rows' attended lengths [B] (slot + 1) and which slots were
-    live. Index stores, not `scatter_`: compiled,
-    a scatter became a copy of its whole target and a copy back."""
+    live. Index stores, not `scatter_`: compiled, a scatter became a copy of its whole target and a copy back."""
     last = out_tokens.shape[1] - 1
     rows = torch.arange(token.shape[0], device=token.device)
     live = ~done
