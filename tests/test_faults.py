@@ -8,6 +8,7 @@ import functools
 import itertools
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -219,3 +220,28 @@ def test_a_stop_signal_wrapped_by_a_c_extension_still_abandons_the_step():
     assert _abandoned(raised(wrapped))
     assert not _abandoned(raised(lambda: 1 / 0))
     assert not _abandoned(raised(lambda: (_ for _ in ()).throw(SystemError("other"))))
+
+
+def test_a_fatal_signal_in_an_actor_dumps_every_threads_stack():
+    """An actor's crash in another thread (as in a collective's worker thread) still shows the method that was
+    running: `report_fatal_signals` widens the one-thread dump that Ray's worker enables."""
+    script = """
+import faulthandler, sys, threading, time
+from rlspec.runtime.stall import report_fatal_signals
+faulthandler.enable(all_threads=False)  # what a Ray worker sets up
+if sys.argv[1] == "widen":
+    report_fatal_signals()
+def crash_later():
+    time.sleep(0.3)
+    faulthandler._sigsegv()
+def the_running_actor_method():
+    threading.Thread(target=crash_later, daemon=True).start()
+    threading.Event().wait(30)
+the_running_actor_method()
+"""
+    for mode, shown in (("ray_default", False), ("widen", True)):
+        done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=60,
+                              cwd=REPO)
+        assert done.returncode != 0
+        assert "crash_later" in done.stderr, done.stderr
+        assert ("the_running_actor_method" in done.stderr) is shown, done.stderr

@@ -22,7 +22,7 @@ from ...core.grpo import LossConfig, LossNorm
 from ...core.policy import CompiledBlocks, accumulate, block_modules
 from ...core.trainer import build_optimizer
 from ...core.weights import gather_groups
-from ...models.factory import load_model, load_tokenizer, read_safetensors_dir, save_hf
+from ...models.factory import load_model, load_tokenizer, read_safetensors_dir, save_gathered
 from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
 from ...spec import RunPlan
 
@@ -218,9 +218,7 @@ class DeepSpeedWorker(RankWorker):
         """HF safetensors directory (rank 0) + the portable optimizer state by parameter name
         (`rlspec.runtime.checkpoints`), gathered from the ZeRO-3 partitions: any backend at any rank count
         resumes it."""
-        full = dict(self._full_weights())
-        if self.rank == 0:
-            save_hf(self.engine.module, self.tokenizer, Path(path), state_dict={k: v.cpu() for k, v in full.items()})
+        self.run_sender(save_gathered, (self.engine.module, self.tokenizer, Path(path)))
         if save_optimizer:
             tensors, step = self._portable_state()
             if self.rank == 0:

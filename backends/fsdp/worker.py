@@ -27,7 +27,7 @@ from ...core.shards import step_on_shards
 from ...core.trainer import build_optimizer, grad_norm_and_clip, merged_weights
 from ...core.weights import gather_groups
 from ...models.base import DTYPES
-from ...models.factory import apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_hf
+from ...models.factory import apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_gathered
 from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
 from ...spec import RunPlan
 
@@ -212,10 +212,8 @@ class FSDPWorker(RankWorker):
         (`rlspec.runtime.checkpoints`), which any backend at any rank count resumes. With LoRA, the sharded
         parameters and optimizer state instead (`torch.distributed.checkpoint`, one file per rank: fsdp alone
         resumes it)."""
-        full = {name: t.cpu() for name, t in self._full_weights()}
-        if self.rank == 0:
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            save_hf(base, self.tokenizer, Path(path), state_dict=full)
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        self.run_sender(save_gathered, (base, self.tokenizer, Path(path)))  # only rank 0 holds the full weights
         if not save_optimizer:
             return
         if hasattr(self.model, "peft_config"):

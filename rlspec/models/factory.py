@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -295,3 +296,8 @@ def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None, p
         tokenizer.save_pretrained(path)
 
 
+def save_gathered(named: Iterator[tuple[str, torch.Tensor]], payload: tuple) -> None:
+    """A sender function for a sharded trainer's `run_sender`: rank 0 writes the gathered weights `named` as
+    `save_hf((model, tokenizer, path) = payload)` does, while the other ranks only take part in the gathers."""
+    model, tokenizer, path = payload
+    save_hf(model, tokenizer, path, state_dict={name: t.cpu() for name, t in named})

@@ -87,13 +87,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class StackReporter:
     """Mixin for Ray actor classes: `stacks()` answers from its own thread (see the module docstring). Built inside
-    a Ray worker, the actor also defers the stop signals (`defer_termination`)."""
+    a Ray worker, the actor also defers the stop signals (`defer_termination`) and dumps every thread's Python
+    stack when it dies of a fatal signal (`report_fatal_signals`)."""
 
     def __new__(cls, *args, **kwargs):
         # Here rather than in each actor's __init__: every rlspec actor class inherits this, and its
         # construction is the one call Ray makes on the actor process's main thread.
         if _in_ray_worker():
             defer_termination()
+            report_fatal_signals()
         return super().__new__(cls)
 
     def stacks(self) -> str:
@@ -108,6 +110,22 @@ def defer_termination() -> None:
         return
     for signum in STOP_SIGNALS:
         signal.signal(signum, _note_deferred)
+
+
+def report_fatal_signals() -> None:
+    """On SIGSEGV, SIGABRT, SIGFPE, SIGBUS or SIGILL, write the Python stack of every thread to stderr (which
+    Ray forwards to the driver) before the process dies.
+
+    Ray's worker enables this for the crashing thread only. An actor's methods run on a pool thread (the
+    stacks concurrency group), and a crash inside a native library often happens on one of its own threads
+    (a collective's worker, an OpenMP thread), which has no Python stack: the one-thread dump is then empty.
+    The method that was running is the first thing a crash report needs."""
+    import faulthandler
+
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor: keep Ray's setting
+        pass
 
 
 def _note_deferred(signum: int, frame) -> None:
