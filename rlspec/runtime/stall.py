@@ -19,6 +19,7 @@ The backend then lists its actors for the dump with a method `actors() -> [(labe
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import re
 import signal
@@ -116,16 +117,14 @@ def report_fatal_signals() -> None:
     """On SIGSEGV, SIGABRT, SIGFPE, SIGBUS or SIGILL, write the Python stack of every thread to stderr (which
     Ray forwards to the driver) before the process dies.
 
-    Ray's worker enables this for the crashing thread only. An actor's methods run on a pool thread (the
-    stacks concurrency group), and a crash inside a native library often happens on one of its own threads
-    (a collective's worker, an OpenMP thread), which has no Python stack: the one-thread dump is then empty.
-    The method that was running is the first thing a crash report needs."""
-    import faulthandler
-
+    Ray's worker enables this for the crashing thread only. An actor with concurrency groups (the stacks group
+    here) runs its methods on a pool thread, not the main one, and a crash inside a native library often happens
+    on one of the library's own threads (a collective's worker, an OpenMP thread), which has no Python stack: the
+    one-thread dump is then empty. The method that was running is the first thing a crash report needs."""
     try:
         faulthandler.enable(file=sys.stderr, all_threads=True)
-    except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor: keep Ray's setting
-        pass
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no stderr, or one without a file descriptor:
+        pass  # keep Ray's setting
 
 
 def _note_deferred(signum: int, frame) -> None:
