@@ -160,31 +160,6 @@ def test_the_step_outside_the_layers_samples_alike_compiled_or_eager_on_cuda():
     assert torch.equal(tokens[0], tokens[1])
 
 
-def test_dependent_launches_sample_what_serial_launches_sample():
-    """The decode kernels launched dependently (`pdl`, the default from compute capability 9.0: each kernel's
-    programs start, and prefetch their weights, while the kernel ahead runs) against one after the other: the same
-    tokens and log-probs, bit for bit, over refilled slots and a shrunk tail. A 24-layer tiny model makes some 200
-    kernels a step, so a read that did not wait for the kernel ahead would show as a different sample."""
-    from rlspec.models.factory import load_model
-    from rlspec.rollout import dependent_launch
-    from rlspec.rollout.static import GraphSampler
-    from rlspec.spec import ModelSpec
-
-    if not dependent_launch.supported(torch.device("cuda")):
-        pytest.skip("dependent launches need compute capability 9.0 or later")
-    model = load_model(ModelSpec(preset="qwen2_24l_tiny", eos_hazard=0.05), 0).cuda()
-    ids = torch.randint(4, 250, (64, 7), generator=torch.Generator().manual_seed(0)).cuda()
-    mask = torch.ones_like(ids)
-    runs = []
-    for pdl in (True, False):
-        sampler = GraphSampler(model, "cuda", pdl=pdl)
-        assert sampler.decoder.pdl is pdl and sampler.decoder.skinny and sampler.decoder.gated_mlp
-        runs.append(sampler.sample(ids, mask, seed=5, max_new_tokens=64, temperature=1.0, top_p=1.0,
-                                   eos=model.config.eos_token_id, slots=16))
-    assert torch.equal(runs[0][0], runs[1][0])
-    assert torch.equal(runs[0][1], runs[1][1])
-
-
 def test_a_rollout_keeps_the_allocators_cached_blocks():
     """Capturing the decode graphs must not empty the caching allocator: a colocated trainer's freed activation
     blocks stay cached through a rollout, so its next train phase allocates nothing from the driver."""

@@ -14,13 +14,6 @@ element-wise kernel inside the compiled decode layer).
 times instead the LM head and its sampling at the 0.5B shape (hidden 896, vocabulary 151,936, bf16) at 16, 64 and
 256 rows: the fused head and race (`sampled_head`) against `F.linear` then the compiled `exponential_race`, and
 each of those two alone, over `--heads` distinct head weights (272 MB each) per replay.
-
-    python -m rlspec.perf.bench_decode_kernels --chain
-
-times a decode layer's five Triton kernels in a row as the step runs them (split-K q/k/v, attention with RoPE and
-the cache writes, split-K output projection, gated MLP, split-K down projection; no norms between), over
-`--layers` layers at 4 and 64 rows, launched one after the other, dependently (`rlspec.rollout.dependent_launch`),
-and dependently without the weight prefetch.
 """
 
 from __future__ import annotations
@@ -210,56 +203,13 @@ def run_head(heads: int, temperature: float = 0.9) -> list[dict]:
     return rows
 
 
-def run_chain(layers: int) -> list[dict]:
-    """Microseconds a layer of the five decode kernels in a row, `pdl` on and off (module docstring)."""
-    torch.manual_seed(0)
-    dev, dtype, sms = torch.device("cuda"), torch.bfloat16, sm_count(0)
-    weights = [{name: torch.randn(n, k, device=dev, dtype=dtype) * 0.02 for name, (n, k) in PROJECTIONS.items()}
-               for _ in range(layers)]
-    rows = []
-    for m in (4, 64):
-        cache, live = 384, 200
-        keys = [torch.randn(m, 2, cache, 64, device=dev, dtype=dtype) for _ in range(layers)]
-        values = [torch.randn_like(c) for c in keys]
-        valid = (torch.arange(cache, device=dev)[None] < live).expand(m, -1).contiguous().view(torch.uint8)
-        lengths = torch.full((m,), live, device=dev)
-        write = lengths - 1
-        cos, sin = torch.ones(m, 64, device=dev, dtype=dtype), torch.zeros(m, 64, device=dev, dtype=dtype)
-        x = torch.randn(m, 896, device=dev, dtype=dtype)
-        splits = splits_for(m, 2, cache, sms)
-        configs = {name: config_for(m, n, k, sms) for name, (n, k) in PROJECTIONS.items()}
-
-        def layer_chain(pdl: bool, prefetch: bool = True) -> None:
-            for w, kc, vc in zip(weights, keys, values):
-                qkv = skinny_linear_eager(x, w["qkv"], **configs["qkv"], pdl=pdl, prefetch=prefetch)
-                out = live_attention_eager(qkv, kc, vc, valid, lengths, 0.125, splits, rope=(cos, sin, write),
-                                           heads=14, pdl=pdl)
-                skinny_linear_eager(out.view(m, -1), w["o"], **configs["o"], pdl=pdl, prefetch=prefetch)
-                gated = gated_mlp_eager(x, w["gate_up"], **gated_config_for(m), pdl=pdl, prefetch=prefetch)
-                skinny_linear_eager(gated, w["down"], **configs["down"], pdl=pdl, prefetch=prefetch)
-
-        serial = graph_us(lambda: layer_chain(False), layers)
-        dependent = graph_us(lambda: layer_chain(True), layers)
-        unfetched = graph_us(lambda: layer_chain(True, prefetch=False), layers)
-        rows.append({"chain": f"{m} rows, 5 kernels a layer", "serial_us": round(serial, 2),
-                     "dependent_us": round(dependent, 2), "dependent_no_prefetch_us": round(unfetched, 2),
-                     "ratio": round(serial / dependent, 3)})
-    return rows
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rlspec.perf.bench_decode_kernels",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24, help="distinct weights / caches per replay")
     parser.add_argument("--head", action="store_true", help="time the fused LM head and race instead")
     parser.add_argument("--heads", type=int, default=4, help="distinct head weights per replay (--head)")
-    parser.add_argument("--chain", action="store_true", help="time a layer's kernels in a row, dependent and serial")
     args = parser.parse_args(argv)
-    if args.chain:
-        for row in run_chain(args.layers):
-            print(json.dumps(row))
-        print(json.dumps({"device": torch.cuda.get_device_name(0), "layers": args.layers}))
-        return
     if args.head:
         for row in run_head(args.heads):
             print(json.dumps(row))

@@ -32,9 +32,7 @@ every projection and the head on cuBLAS),
 `fused_layers_sdpa_masked` (none: SDPA over the whole masked cache, cuBLAS), `fused_layers_sdpa_autotune`
 (Inductor times its own GEMM kernels against cuBLAS: mode max-autotune-no-cudagraphs); and two of continuous
 batching's tail: `fused_layers_sdpa_halving` (the tail moves to a smaller pool once half of it has ended, not
-three quarters: `shrink_ratio=2`), `fused_layers_sdpa_no_shrink` (it never does); and `fused_layers_sdpa_no_pdl`
-(the default with the decode kernels launched one after the other, not dependently: `dependent_launch`, on by default
-from Hopper on). `--timeline` splits each batch by
+three quarters: `shrink_ratio=2`), `fused_layers_sdpa_no_shrink` (it never does). `--timeline` splits each batch by
 pool size: steps, time and ms a step, and the captures; the `engine.generate` lines are always split so.
 On CUDA every variant that does not set `sdpa` uses SDPA, and with it the decode kernels (`gated_mlp` only where
 the weights are fused). Without top-p (the bench specs' setting) every variant that does not turn `sampled_head` off samples with
@@ -77,7 +75,6 @@ VARIANTS = {
                                           "rope_attention": False},
     "fused_layers_sdpa_halving": {**FUSED_LAYERS_SDPA, "shrink_ratio": 2},
     "fused_layers_sdpa_no_shrink": {**FUSED_LAYERS_SDPA, "shrink_tail": False},
-    "fused_layers_sdpa_no_pdl": {**FUSED_LAYERS_SDPA, "pdl": False},
 }
 
 

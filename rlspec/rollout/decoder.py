@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import dependent_launch
 from . import gated_mlp as gated
 from . import live_attention as live
 from . import sampled_head as head_kernel
@@ -62,7 +61,7 @@ class StaticDecoder:
     def __init__(self, model: torch.nn.Module, sdpa: bool = False, live_attention: bool | None = None,
                  skinny: bool | None = None, gated_mlp: bool | None = None,
                  sampled_head: bool | None = None, rope_attention: bool | None = None,
-                 skinny_qkv: bool | None = None, pdl: bool | None = None) -> None:
+                 skinny_qkv: bool | None = None) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
@@ -112,11 +111,6 @@ class StaticDecoder:
         if sampled_head and not head_kernel.available(device):
             raise ValueError("sampled_head needs Triton and a CUDA model")
         self.sampled_head = head_kernel.available(device) if sampled_head is None else sampled_head
-        # The decode step's Triton kernels launch dependently where the GPU allows it (Hopper or later): each one's
-        # programs are placed, and ask L2 for their weights, while the kernel ahead still runs (`dependent_launch`).
-        if pdl and not dependent_launch.supported(device):
-            raise ValueError("pdl needs Triton and a CUDA GPU of compute capability 9.0 or later")
-        self.pdl = dependent_launch.supported(device) if pdl is None else pdl
         self._compiled = None
         self.race = None  # the compiled `exponential_race` and `keyed_exponential`, with the compiled blocks
         self.noise = None
@@ -180,7 +174,7 @@ class StaticDecoder:
         the split-K parts of `skinny_linear` [splits, b, 1, out] in fp32, else F.linear's output as the one part,
         so that the sum fuses into the compiled kernel that reads it next."""
         if self.skinny and x.dim() == 3 and x.shape[1] == 1 and x.shape[0] <= SKINNY_ROWS:
-            return skinny_linear(x, weight, bias, pdl=self.pdl)
+            return skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)[None]
 
     @staticmethod
@@ -234,7 +228,7 @@ class StaticDecoder:
         """
         b, _, t, d = q.shape
         if isinstance(mask, tuple):
-            return live.live_attention(q, keys, values, *mask, self.scaling, pdl=self.pdl)
+            return live.live_attention(q, keys, values, *mask, self.scaling)
         if self.sdpa:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True)
         groups = self.num_heads // self.num_kv_heads
@@ -271,11 +265,11 @@ class StaticDecoder:
         b = x.shape[0]
         h = self._rms_norm(x, norm)
         if self.skinny_qkv and b <= SKINNY_ROWS:  # fp32 parts [P, b, N]; the kernel adds them and the bias
-            qkv, bias = skinny_linear(h, weights[0], pdl=self.pdl)[:, :, 0], weights[1]
+            qkv, bias = skinny_linear(h, weights[0])[:, :, 0], weights[1]
         else:
             qkv, bias = F.linear(h, *weights)[:, 0], None
         out = live.live_attention_rope(qkv, bias, cos.reshape(b, -1), sin.reshape(b, -1), keys, values, *mask,
-                                       slots[:, 0], self.scaling, self.num_heads, pdl=self.pdl)
+                                       slots[:, 0], self.scaling, self.num_heads)
         return self._attended(x, out, wo, bo)
 
     def _attended(self, x: Tensor, out: Tensor, wo: Tensor, bo: Tensor | None) -> Tensor:
@@ -288,7 +282,7 @@ class StaticDecoder:
         left to the caller). `weights`: (w_gate, w_up, w_down), or the fused (w_gate_up, w_down)."""
         h = self._rms_norm(x, norm)
         if len(weights) == 2 and self.gated_mlp and h.dim() == 3 and h.shape[1] == 1 and h.shape[0] <= GATED_MLP_ROWS:
-            return self._linear_parts(gated.gated_mlp(h, weights[0], pdl=self.pdl), weights[-1])
+            return self._linear_parts(gated.gated_mlp(h, weights[0]), weights[-1])
         if len(weights) == 2:
             gate, up = F.linear(h, weights[0]).chunk(2, dim=-1)
         else:
@@ -306,25 +300,15 @@ class StaticDecoder:
         # prompt widths pass Dynamo's default limit of 8, past which the layer would silently run uncompiled.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if layers:
-            layer = self.compile(self._layer, mode)
+            layer = torch.compile(self._layer, dynamic=False, mode=mode)
         else:
-            blocks = tuple(self.compile(f, mode) for f in self._blocks())
+            blocks = tuple(torch.compile(f, dynamic=False, mode=mode) for f in self._blocks())
             layer = lambda *args: self._layer(*args, blocks=blocks)  # noqa: E731
         # `ends`: with the work before the first layer (embedding, RoPE) and after the last (final norm) compiled too
-        self._compiled = ((layer, self.compile(self._start), self.compile(self._end))
+        self._compiled = ((layer, torch.compile(self._start, dynamic=False), torch.compile(self._end, dynamic=False))
                           if ends else (layer, self._start, self._end))
-        self.race = self.compile(exponential_race)
-        self.noise = self.compile(keyed_exponential)  # top-p < 1: one kernel, not ~30 over [B, V]
-
-    def compile(self, fn, mode: str | None = None):
-        """`torch.compile(fn)` for static shapes. With `pdl`, Inductor's own kernels (the norms, residual adds and
-        bookkeeping between the decode kernels) launch dependently too, so the step's whole chain of kernels does:
-        each waits for the kernel ahead before it lets the next one launch, as the decode kernels do
-        (`dependent_launch`)."""
-        if not self.pdl:
-            return torch.compile(fn, dynamic=False, mode=mode)
-        options = {**(torch._inductor.list_mode_options(mode) if mode else {}), "triton.enable_pdl": True}
-        return torch.compile(fn, dynamic=False, options=options)
+        self.race = torch.compile(exponential_race, dynamic=False)
+        self.noise = torch.compile(keyed_exponential, dynamic=False)  # top-p < 1: one kernel, not ~30 over [B, V]
 
     def uncompile_blocks(self) -> None:
         self._compiled = None

@@ -11,9 +11,6 @@ The epilogue follows what the layer computed before, to the rounding: gate and u
 (the cuBLAS GEMM's bf16 outputs), then y = g / (1 + exp(-g)) * u in fp32 (Inductor's SiLU, whose intermediate
 is not rounded) and y rounded to the model dtype once.
 
-With `pdl` (Hopper and later: `dependent_launch`) each program asks L2 for its gate and up rows before waiting for
-the kernel ahead, so that read overlaps the kernel ahead.
-
 Needs Triton and a CUDA device (`available`); the decoder keeps the cuBLAS path otherwise
 (`StaticDecoder._mlp_block`).
 """
@@ -23,31 +20,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .dependent_launch import launch_options, line_elements
 from .live_attention import triton
 from .live_attention import triton_runs_on as available  # whether this kernel runs on a device (callers ask here)
 
 if triton is not None:
     import triton.language as tl
 
-    from .dependent_launch import prefetch_l2, wait_for_inputs
-
     @triton.jit
     def _gated_mlp(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
-                   LINES: tl.constexpr):
+                   BLOCK_K: tl.constexpr):
         # M blocks on the fastest axis: programs sharing a weight block run side by side (its reread hits L2)
         m_block = tl.program_id(0)
         n_block = tl.program_id(1)
         rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
-        if PREFETCH:  # the gate and up rows [BLOCK_N, K] each, one address per L2 line (clamped inside W)
-            lines = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
-            gate_rows = w_ptr + tl.minimum(cols, N - 1)[:, None] * sw_n + lines[None, :]
-            prefetch_l2(gate_rows)
-            prefetch_l2(gate_rows + N * sw_n)
-        wait_for_inputs(PDL)
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for start in range(0, K, BLOCK_K):
@@ -76,43 +63,35 @@ def config_for(m: int) -> dict:
     return {"block_m": 16 if m <= 16 else 64, "block_n": 32, "block_k": 128, "warps": 4, "stages": 3}
 
 
-def _launch(x: Tensor, weight: Tensor, block_m: int, block_n: int, block_k: int, warps: int = 4, stages: int = 3,
-            pdl: bool = False, prefetch: bool = True) -> Tensor:
-    """`prefetch`: with `pdl`, ask L2 for the weights before waiting (False only to time what that brings)."""
+def _launch(launch, x: Tensor, weight: Tensor, block_m: int, block_n: int, block_k: int, warps: int = 4,
+            stages: int = 3) -> Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    line = line_elements(weight)
-    _gated_mlp[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+    launch(_gated_mlp)[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PDL=pdl, PREFETCH=pdl and prefetch, LINE=line,
-        LINES=triton.next_power_of_2(triton.cdiv(k, line)), num_warps=warps, num_stages=stages, **launch_options(pdl))
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
 
 def gated_mlp_eager(x: Tensor, weight: Tensor, **config) -> Tensor:
     """The kernel launched directly (tests, kernel timings): x [M, K] (K contiguous), weight [2F, K] -> [M, F]."""
-    return _launch(x, weight, **config)
+    return _launch(lambda kernel: kernel, x, weight, **config)
 
 
 if triton is not None:
-    # A custom op that launches the kernel itself (`skinny_linear` says why not a `triton_op`)
-    @torch.library.custom_op("rlspec::gated_mlp", mutates_args=())
+    @torch.library.triton_op("rlspec::gated_mlp", mutates_args=())
     def _gated_mlp_op(x: Tensor, weight: Tensor, block_m: int, block_n: int, block_k: int, warps: int,
-                      stages: int, pdl: bool) -> Tensor:
-        return _launch(x, weight, block_m, block_n, block_k, warps, stages, pdl)
-
-    @_gated_mlp_op.register_fake
-    def _(x: Tensor, weight: Tensor, block_m: int, block_n: int, block_k: int, warps: int, stages: int,
-          pdl: bool) -> Tensor:
-        return x.new_empty(x.shape[0], weight.shape[0] // 2)
+                      stages: int) -> Tensor:
+        from torch.library import wrap_triton
+        return _launch(wrap_triton, x, weight, block_m, block_n, block_k, warps, stages)
 
 
-def gated_mlp(x: Tensor, weight: Tensor, pdl: bool = False) -> Tensor:
+def gated_mlp(x: Tensor, weight: Tensor) -> Tensor:
     """`silu(g) * u` where `g, u = F.linear(x, weight).chunk(2, -1)`, for x [..., K] with few rows and the fused
-    gate/up weight [2F, K]: [..., F] in x's dtype. `pdl`: launch dependently (`dependent_launch`)."""
+    gate/up weight [2F, K]: [..., F] in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     config = config_for(flat.shape[0])
-    return torch.ops.rlspec.gated_mlp(flat, weight, **config, pdl=pdl).reshape(*x.shape[:-1], weight.shape[0] // 2)
+    return torch.ops.rlspec.gated_mlp(flat, weight, **config).reshape(*x.shape[:-1], weight.shape[0] // 2)

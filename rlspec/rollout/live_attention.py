@@ -17,9 +17,6 @@ takes the q/k/v projection's output (or that projection's split-K parts and bias
 q and the new k, and the program whose part of the cache holds the new position writes the new K/V there before
 its loop reads them; the compiled layer ran those as two element-wise kernels before the attention op.
 
-With `pdl` (Hopper and later) both kernels launch dependently (`dependent_launch`): each program is placed while
-the kernel ahead runs and waits for it before its first read.
-
 Needs Triton and a power-of-two head dim; `available` says whether this process can use it. The decode step
 falls back to SDPA otherwise (`StaticDecoder.attention_mask`).
 """
@@ -29,12 +26,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .dependent_launch import launch_options, triton
-
-if triton is not None:
+try:
+    import triton
     import triton.language as tl
-
-    from .dependent_launch import wait_for_inputs
+except ImportError:  # CPU-only torch builds ship without Triton
+    triton = None
 
 BLOCK_N = 128
 _MASKED = -1.0e30  # a masked score: exp2(_MASKED - m) is 0 for any real m, and finite when every score is masked
@@ -101,8 +97,7 @@ if triton is not None:
                               s_valid, s_rope, s_part, SCALE_LOG2: tl.constexpr, GROUP: tl.constexpr,
                               BLOCK_G: tl.constexpr, D: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr,
                               SPLITS: tl.constexpr, MASKED: tl.constexpr, ROPE: tl.constexpr,
-                              QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)  # every input but the cache's older positions comes from the kernels ahead
+                              QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
         b = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
@@ -165,8 +160,7 @@ if triton is not None:
 
     @triton.jit
     def _live_attention_merge(part_ptr, stat_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
-                              BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)
+                              BLOCK_S: tl.constexpr):
         head = tl.program_id(0)  # b * H + h
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, D)
@@ -179,10 +173,10 @@ if triton is not None:
         tl.store(out_ptr + head * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-def _launch(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Tensor, scale: float, splits: int,
-            block: int = BLOCK_N, warps: int = 4, stages: int = 2, rope: tuple[Tensor, Tensor, Tensor] | None = None,
-            heads: int = 0, bias: Tensor | None = None, pdl: bool = False) -> Tensor:
-    """The kernels' launches (`pdl`: dependently, `dependent_launch`). `rope`: q is the
+def _launch(launch, q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Tensor, scale: float,
+            splits: int, block: int = BLOCK_N, warps: int = 4, stages: int = 2,
+            rope: tuple[Tensor, Tensor, Tensor] | None = None, heads: int = 0, bias: Tensor | None = None) -> Tensor:
+    """The kernels' launches (`launch`: identity, or torch's `wrap_triton` inside the custom op). `rope`: q is the
     q/k/v projection, [B, (heads + 2 Hkv) D] in the model dtype or its split-K parts [P, B, (heads + 2 Hkv) D] in
     fp32 (with the projection's `bias`, if any), and (cos, sin, write) rotate it and place the new K/V (see
     `live_attention_rope`); else q is [B, H, 1, D]."""
@@ -203,62 +197,50 @@ def _launch(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Ten
     out = torch.empty(rows, 1, heads, dim, dtype=keys.dtype, device=q.device)
     part = torch.empty(rows * heads * splits * dim if splits > 1 else 1, dtype=torch.float32, device=q.device)
     stat = torch.empty(rows * heads * splits * 2 if splits > 1 else 1, dtype=torch.float32, device=q.device)
-    _live_attention_parts[(rows, kv_heads, splits)](
+    launch(_live_attention_parts)[(rows, kv_heads, splits)](
         q, keys, values, valid, lengths, out, part, stat, cos, sin, write, q if bias is None else bias, *q_strides,
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         valid.stride(0), s_rope, s_part, SCALE_LOG2=scale * _LOG2E, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, H=heads, BLOCK=block, SPLITS=splits, MASKED=_MASKED,
-        ROPE=rope is not None, QKV_PARTS=parts, HAS_BIAS=bias is not None, PDL=pdl, num_warps=warps,
-        num_stages=stages, **launch_options(pdl))
+        ROPE=rope is not None, QKV_PARTS=parts, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)
     if splits > 1:
-        _live_attention_merge[(rows * heads,)](part, stat, out, D=dim, SPLITS=splits,
-                                               BLOCK_S=triton.next_power_of_2(splits), PDL=pdl, **launch_options(pdl))
+        launch(_live_attention_merge)[(rows * heads,)](part, stat, out, D=dim, SPLITS=splits,
+                                                       BLOCK_S=triton.next_power_of_2(splits))
     return out
 
 
 def live_attention_eager(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Tensor, scale: float,
                          splits: int, **config) -> Tensor:
     """The kernels launched directly (tests under Triton's interpreter, kernel timings): [B, 1, H, D]."""
-    return _launch(q, keys, values, valid, lengths, scale, splits, **config)
+    return _launch(lambda kernel: kernel, q, keys, values, valid, lengths, scale, splits, **config)
 
 
 if triton is not None:
-    # Custom ops that launch the kernels themselves (`skinny_linear` says why not `triton_op`s)
-    @torch.library.custom_op("rlspec::live_attention", mutates_args=())
+    @torch.library.triton_op("rlspec::live_attention", mutates_args=())
     def _live_attention_op(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Tensor, scale: float,
-                           splits: int, pdl: bool) -> Tensor:
-        return _launch(q, keys, values, valid, lengths, scale, splits, pdl=pdl)
+                           splits: int) -> Tensor:
+        from torch.library import wrap_triton
+        return _launch(wrap_triton, q, keys, values, valid, lengths, scale, splits)
 
-    @_live_attention_op.register_fake
-    def _(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Tensor, scale: float, splits: int,
-          pdl: bool) -> Tensor:
-        return keys.new_empty(q.shape[0], 1, q.shape[1], keys.shape[3])
-
-    @torch.library.custom_op("rlspec::live_attention_rope", mutates_args=("keys", "values"))
+    @torch.library.triton_op("rlspec::live_attention_rope", mutates_args=("keys", "values"))
     def _live_attention_rope_op(qkv: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor,
                                 values: Tensor, valid: Tensor, lengths: Tensor, write: Tensor, scale: float, heads: int,
-                                splits: int, pdl: bool) -> Tensor:
-        return _launch(qkv, keys, values, valid, lengths, scale, splits, rope=(cos, sin, write), heads=heads,
-                       bias=bias, pdl=pdl)
-
-    @_live_attention_rope_op.register_fake
-    def _(qkv: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, valid: Tensor,
-          lengths: Tensor, write: Tensor, scale: float, heads: int, splits: int, pdl: bool) -> Tensor:
-        return keys.new_empty(qkv.shape[-2], 1, heads, keys.shape[3])
+                                splits: int) -> Tensor:
+        from torch.library import wrap_triton
+        return _launch(wrap_triton, qkv, keys, values, valid, lengths, scale, splits, rope=(cos, sin, write),
+                       heads=heads, bias=bias)
 
 
-def live_attention(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Tensor, scale: float,
-                   pdl: bool = False) -> Tensor:
+def live_attention(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Tensor, scale: float) -> Tensor:
     """q [B, H, 1, D] (any strides with D contiguous) against caches [B, Hkv, S, D]; `valid` [B, S] uint8 (1: a
     real token), `lengths` [B] (positions >= length are not read). Returns [B, H, 1, D] (a transposed view of a
     contiguous [B, 1, H, D], so the output projection's reshape copies nothing)."""
     splits = splits_for(q.shape[0], keys.shape[1], keys.shape[2], sm_count(q.device.index or 0))
-    return torch.ops.rlspec.live_attention(q, keys, values, valid, lengths, scale, splits, pdl).transpose(1, 2)
+    return torch.ops.rlspec.live_attention(q, keys, values, valid, lengths, scale, splits).transpose(1, 2)
 
 
 def live_attention_rope(qkv: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
-                        valid: Tensor, lengths: Tensor, write: Tensor, scale: float, heads: int,
-                        pdl: bool = False) -> Tensor:
+                        valid: Tensor, lengths: Tensor, write: Tensor, scale: float, heads: int) -> Tensor:
     """A decode step's attention from its q/k/v projection, in one kernel: `live_attention` of q rotated by RoPE,
     after the new token's rotated k and its v are written into the caches at position `write` (in place).
 
@@ -267,8 +249,8 @@ def live_attention_rope(qkv: Tensor, bias: Tensor | None, cos: Tensor, sin: Tens
     summed here with `bias` and rounded to the model dtype as the decoder sums parts. cos and sin [B, D] (the row's
     RoPE, attention scaling included), caches [B, Hkv, S, D], valid [B, S] uint8, lengths [B] and write [B] (the
     new token's cache position; attended where write < lengths). The rotations follow the compiled layer's (fp32,
-    one rounding to the cache dtype). Returns [B, heads, 1, D] as `live_attention`. `pdl`: launch dependently."""
+    one rounding to the cache dtype). Returns [B, heads, 1, D] as `live_attention`."""
     rows = qkv.shape[-2]
     splits = splits_for(rows, keys.shape[1], keys.shape[2], sm_count(qkv.device.index or 0))
     return torch.ops.rlspec.live_attention_rope(qkv, bias, cos, sin, keys, values, valid, lengths, write, scale,
-                                                heads, splits, pdl).transpose(1, 2)
+                                                heads, splits).transpose(1, 2)

@@ -31,8 +31,7 @@ products wrap; right shifts are masked to logical ones), so u_ij is bit for bit 
 scaled by 1/T, and on CUDA the outer log of log(-log u) comes from the hardware's approximate base-2 logarithm
 (`_ln`), so a score may differ from the compiled race's in its last bits (a near tie may go the other way).
 Deterministic: no atomics. Wrapped as the custom op `rlspec::sampled_head`, so it runs inside torch.compile and
-CUDA graph captures; with `pdl` (Hopper and later) both kernels launch dependently (`dependent_launch`; no weight
-prefetch: the head's weight is several times L2).
+CUDA graph captures.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .dependent_launch import launch_options
 from .live_attention import triton
 from .live_attention import triton_runs_on as available  # whether this kernel runs on a device (callers ask here)
 
@@ -57,8 +55,6 @@ def config_for(rows: int) -> dict:
 if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
-
-    from .dependent_launch import wait_for_inputs
 
     @triton.jit
     def _ln(x, FAST: tl.constexpr):
@@ -95,8 +91,7 @@ if triton is not None:
     def _head_race_tiles(x_ptr, w_ptr, keys_ptr, steps_ptr, best_ptr, column_ptr, picked_ptr, max_ptr, sum_ptr,
                          M, V, sx_m, sw_n, inv_temperature, K: tl.constexpr, TILES: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                         FAST: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)
+                         FAST: tl.constexpr):
         m_block = tl.program_id(0)  # fastest in launch order: a tile's row blocks run together
         tile = tl.program_id(1)
         rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -132,8 +127,7 @@ if triton is not None:
 
     @triton.jit
     def _combine_tiles(best_ptr, column_ptr, picked_ptr, max_ptr, sum_ptr, token_ptr, logp_ptr, TILES: tl.constexpr,
-                       BLOCK_T: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)
+                       BLOCK_T: tl.constexpr):
         row = tl.program_id(0)
         offsets = tl.arange(0, BLOCK_T)
         inside = offsets < TILES
@@ -149,52 +143,47 @@ if triton is not None:
         tl.store(logp_ptr + row, (picked - top) - tl.log(total))  # z - lse, no round trip through |top|
 
 
-def _launch(x: Tensor, weight: Tensor, keys: Tensor, steps: Tensor, temperature: float, block_m: int, block_n: int,
-            block_k: int, warps: int = 4, stages: int = 3, pdl: bool = False) -> tuple[Tensor, Tensor]:
-    """The two kernels' launches (`pdl`: dependently)."""
+def _launch(launch, x: Tensor, weight: Tensor, keys: Tensor, steps: Tensor, temperature: float, block_m: int,
+            block_n: int, block_k: int, warps: int = 4, stages: int = 3) -> tuple[Tensor, Tensor]:
+    """The two kernels' launches (`launch`: identity, or torch's `wrap_triton` inside the custom op)."""
     rows, hidden = x.shape
     vocab = weight.shape[0]
     tiles = triton.cdiv(vocab, block_n)
     best, picked, part_max, part_sum = (torch.empty(rows, tiles, dtype=torch.float32, device=x.device)
                                         for _ in range(4))
     column = torch.empty(rows, tiles, dtype=torch.int32, device=x.device)
-    _head_race_tiles[(triton.cdiv(rows, block_m), tiles)](
+    launch(_head_race_tiles)[(triton.cdiv(rows, block_m), tiles)](
         x, weight, keys, steps, best, column, picked, part_max, part_sum, rows, vocab, x.stride(0), weight.stride(0),
         1.0 / temperature, K=hidden, TILES=tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 weights: no TF32 rounding of the inputs
-        FAST=x.is_cuda, PDL=pdl, num_warps=warps, num_stages=stages, **launch_options(pdl))
+        FAST=x.is_cuda, num_warps=warps, num_stages=stages)
     token = torch.empty(rows, dtype=torch.int64, device=x.device)
     logp = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _combine_tiles[(rows,)](best, column, picked, part_max, part_sum, token, logp, TILES=tiles,
-                            BLOCK_T=max(16, triton.next_power_of_2(tiles)), PDL=pdl, num_warps=4, **launch_options(pdl))
+    launch(_combine_tiles)[(rows,)](best, column, picked, part_max, part_sum, token, logp, TILES=tiles,
+                                    BLOCK_T=max(16, triton.next_power_of_2(tiles)), num_warps=4)
     return token, logp
 
 
 def sampled_head_eager(x: Tensor, weight: Tensor, keys: Tensor, steps: Tensor, temperature: float,
                        **config) -> tuple[Tensor, Tensor]:
     """The kernels launched directly (tests under Triton's interpreter, kernel timings)."""
-    return _launch(x, weight, keys, steps, temperature, **config)
+    return _launch(lambda kernel: kernel, x, weight, keys, steps, temperature, **config)
 
 
 if triton is not None:
-    # A custom op that launches the kernels itself (`skinny_linear` says why not a `triton_op`)
-    @torch.library.custom_op("rlspec::sampled_head", mutates_args=())
+    @torch.library.triton_op("rlspec::sampled_head", mutates_args=())
     def _sampled_head_op(x: Tensor, weight: Tensor, keys: Tensor, steps: Tensor, temperature: float, block_m: int,
-                         block_n: int, block_k: int, warps: int, stages: int, pdl: bool) -> tuple[Tensor, Tensor]:
-        return _launch(x, weight, keys, steps, temperature, block_m, block_n, block_k, warps, stages, pdl)
-
-    @_sampled_head_op.register_fake
-    def _(x: Tensor, weight: Tensor, keys: Tensor, steps: Tensor, temperature: float, block_m: int, block_n: int,
-          block_k: int, warps: int, stages: int, pdl: bool) -> tuple[Tensor, Tensor]:
-        return x.new_empty(x.shape[0], dtype=torch.int64), x.new_empty(x.shape[0], dtype=torch.float32)
+                         block_n: int, block_k: int, warps: int, stages: int) -> tuple[Tensor, Tensor]:
+        from torch.library import wrap_triton
+        return _launch(wrap_triton, x, weight, keys, steps, temperature, block_m, block_n, block_k, warps, stages)
 
 
-def sampled_head(hidden: Tensor, weight: Tensor, keys: Tensor, steps: Tensor, temperature: float,
-                 pdl: bool = False) -> tuple[Tensor, Tensor]:
+def sampled_head(hidden: Tensor, weight: Tensor, keys: Tensor, steps: Tensor,
+                 temperature: float) -> tuple[Tensor, Tensor]:
     """The sampled token [M] (int64) and its log-probability [M] (fp32) for the final-normed `hidden` [M, H] and
     the head's `weight` [V, H] (the same dtype, H contiguous), row i's noise keyed by (`keys[i]`, `steps[i]`)
-    (int64 [M]); the module docstring gives the math. `pdl`: launch dependently (`dependent_launch`)."""
+    (int64 [M]); the module docstring gives the math."""
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     return torch.ops.rlspec.sampled_head(hidden, weight, keys.contiguous(), steps.contiguous(), temperature,
-                                         **config_for(hidden.shape[0]), pdl=pdl)
+                                         **config_for(hidden.shape[0]))

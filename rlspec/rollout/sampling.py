@@ -71,18 +71,16 @@ def sample_from_logits(logits: Tensor, temperature: float, top_p: float, keys: T
 
 
 def sample_from_hidden(hidden: Tensor, head_weight: Tensor, temperature: float, top_p: float, keys: Tensor,
-                       steps: Tensor, race=None, noise=None, fused: bool | None = None,
-                       pdl: bool = False) -> tuple[Tensor, Tensor]:
+                       steps: Tensor, race=None, noise=None, fused: bool | None = None) -> tuple[Tensor, Tensor]:
     """`sample_from_logits` on the head's logits `F.linear(hidden, head_weight)`, for the final-normed `hidden`
     [B, H]. Without top-p and with `fused` (None: wherever `sampled_head.available`), the head GEMM and the race
     run as one Triton pass over the head's weight (`rlspec.rollout.sampled_head`), which never writes the [B, V]
     logits: the race over the same logits up to the GEMM's accumulation order. Otherwise the logits are formed and
-    sampled as `sample_from_logits` samples them (`race`, `noise`: its compiled pieces). `pdl`: the fused kernels
-    launch dependently (`rlspec.rollout.dependent_launch`)."""
+    sampled as `sample_from_logits` samples them (`race`, `noise`: its compiled pieces)."""
     if fused is None:
         fused = sampled_head.available(hidden.device)
     if fused and top_p >= 1.0:
-        return sampled_head.sampled_head(hidden, head_weight, keys, steps, temperature, pdl=pdl)
+        return sampled_head.sampled_head(hidden, head_weight, keys, steps, temperature)
     return sample_from_logits(F.linear(hidden, head_weight), temperature, top_p, keys, steps, race, noise)
 
 

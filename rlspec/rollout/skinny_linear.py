@@ -8,8 +8,7 @@ partial sum; `skinny_linear` returns the [splits, M, N] partials, and the caller
 (`StaticDecoder._summed`), which torch.compile fuses into the element-wise kernel that reads the output next
 (the residual add, the next norm), so the split costs no extra kernel where such a kernel follows
 (`StaticDecoder._linear_parts` says where it is used).
-Deterministic: no atomics. With `pdl` (Hopper and later: `dependent_launch`) each program asks L2 for its weight
-slice before waiting for the kernel ahead, so that read overlaps the kernel ahead.
+Deterministic: no atomics.
 """
 
 from __future__ import annotations
@@ -17,28 +16,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .dependent_launch import launch_options, line_elements
 from .live_attention import sm_count, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from .dependent_launch import prefetch_l2, wait_for_inputs
-
     @triton.jit
     def _skinny_linear_parts(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, CHUNK: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         n_block = tl.program_id(0)
         split = tl.program_id(1)
         m_block = tl.program_id(2)
         rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
-        if PREFETCH:  # this program's weight slice, [BLOCK_N, CHUNK], one address per L2 line (clamped inside W)
-            lines = split * CHUNK + tl.minimum(tl.arange(0, LINES) * LINE, CHUNK - 1)
-            prefetch_l2(w_ptr + tl.minimum(cols, N - 1)[:, None] * sw_n + tl.minimum(lines, K - 1)[None, :])
-        wait_for_inputs(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for start in range(split * CHUNK, tl.minimum(split * CHUNK + CHUNK, K), BLOCK_K):
             k = start + ks
@@ -62,54 +53,40 @@ def config_for(m: int, n: int, k: int, sms: int) -> dict:
     return {"splits": splits, "block_m": block_m, "block_n": block_n, "block_k": block_k}
 
 
-def _chunk(k: int, splits: int, block_k: int) -> tuple[int, int]:
-    """(K values a part, parts): each part a whole number of K blocks, so `splits` may come out lower."""
-    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    return chunk, triton.cdiv(k, chunk)
-
-
-def _launch(x: Tensor, weight: Tensor, splits: int, block_m: int, block_n: int, block_k: int, warps: int = 4,
-            stages: int = 3, pdl: bool = False, prefetch: bool = True) -> Tensor:
-    """`prefetch`: with `pdl`, ask L2 for the weights before waiting (False only to time what that brings)."""
+def _launch(launch, x: Tensor, weight: Tensor, splits: int, block_m: int, block_n: int, block_k: int,
+            warps: int = 4, stages: int = 3) -> Tensor:
     m, k = x.shape
     n = weight.shape[0]
-    chunk, splits = _chunk(k, splits, block_k)
+    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # each part a whole number of K blocks
+    splits = triton.cdiv(k, chunk)
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    line = line_elements(weight)
-    _skinny_linear_parts[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
+    launch(_skinny_linear_parts)[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PDL=pdl, PREFETCH=pdl and prefetch, LINE=line,
-        LINES=triton.next_power_of_2(triton.cdiv(chunk, line)), num_warps=warps, num_stages=stages,
-        **launch_options(pdl))
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
 
 def skinny_linear_eager(x: Tensor, weight: Tensor, **config) -> Tensor:
     """The kernel launched directly (tests, kernel timings): [splits, M, N] fp32 partial sums."""
-    return _launch(x, weight, **config)
+    return _launch(lambda kernel: kernel, x, weight, **config)
 
 
 if triton is not None:
-    # A custom op whose body launches the kernel (not a `triton_op`, which Inductor would launch itself, without
-    # the dependent-launch attribute): torch.compile'd layers call it as it is, and CUDA graphs capture the launch.
-    @torch.library.custom_op("rlspec::skinny_linear", mutates_args=())
-    def _skinny_linear_op(x: Tensor, weight: Tensor, splits: int, block_m: int, block_n: int, block_k: int,
-                          pdl: bool) -> Tensor:
-        return _launch(x, weight, splits, block_m, block_n, block_k, pdl=pdl)
-
-    @_skinny_linear_op.register_fake
-    def _(x: Tensor, weight: Tensor, splits: int, block_m: int, block_n: int, block_k: int, pdl: bool) -> Tensor:
-        return x.new_empty(_chunk(x.shape[1], splits, block_k)[1], x.shape[0], weight.shape[0], dtype=torch.float32)
+    @torch.library.triton_op("rlspec::skinny_linear", mutates_args=())
+    def _skinny_linear_op(x: Tensor, weight: Tensor, splits: int, block_m: int, block_n: int,
+                          block_k: int) -> Tensor:
+        from torch.library import wrap_triton
+        return _launch(wrap_triton, x, weight, splits, block_m, block_n, block_k)
 
 
-def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, pdl: bool = False) -> Tensor:
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` for x [..., K] with few rows, as fp32 parts [splits, ..., N] for the caller to
-    add (the bias added to the first). `pdl`: launch dependently (`dependent_launch`; CUDA on Hopper or later)."""
+    add (the bias added to the first)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     config = config_for(flat.shape[0], weight.shape[0], weight.shape[1], sm_count(x.device.index or 0))
-    out = torch.ops.rlspec.skinny_linear(flat, weight, **config, pdl=pdl)
+    out = torch.ops.rlspec.skinny_linear(flat, weight, **config)
     if bias is not None:
         out = torch.cat([out[:1] + bias, out[1:]])
     return out.reshape(out.shape[0], *x.shape[:-1], weight.shape[0])

@@ -120,7 +120,7 @@ class GraphSampler:
                  live_attention: bool | None = None, skinny: bool | None = None,
                  gated_mlp: bool | None = None, sampled_head: bool | None = None,
                  rope_attention: bool | None = None, skinny_qkv: bool | None = None,
-                 compile_ends: bool = True, pdl: bool | None = None) -> None:
+                 compile_ends: bool = True) -> None:
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # The defaults on CUDA are the fastest measured (`python -m rlspec.perf.profile_engine`, H200, 0.5B shape, 64
@@ -131,7 +131,7 @@ class GraphSampler:
         self.decoder = StaticDecoder(model, sdpa=self.use_graphs if sdpa is None else sdpa,
                                      live_attention=live_attention, skinny=skinny, gated_mlp=gated_mlp,
                                      sampled_head=sampled_head, rope_attention=rope_attention,
-                                     skinny_qkv=skinny_qkv, pdl=pdl)
+                                     skinny_qkv=skinny_qkv)
         self.compiled = self.use_graphs if compile_blocks is None else compile_blocks
         self.fuse = self.use_graphs if fuse_weights is None else fuse_weights
         if self.compiled:
@@ -140,7 +140,7 @@ class GraphSampler:
         # `compile_ends`: the step's own element-wise work around the decoder (recording the sample, the counters)
         # compiled with it, as the decoder's work before its first layer and after its last: about 40 small
         # kernels a step otherwise, ten with them compiled.
-        self._bookkeeping = ((self.decoder.compile(_record), self.decoder.compile(_advance))
+        self._bookkeeping = ((torch.compile(_record, dynamic=False), torch.compile(_advance, dynamic=False))
                              if compile_ends else (_record, _advance))
         self.check_every = check_every
         self.share_prefill = share_prefill  # False: one prefill per row (the equivalence tests' reference)
@@ -397,7 +397,7 @@ class GraphSampler:
         slots ride along: their token is `eos`, their counters stay, their record goes to the spare column."""
         decoder = self.decoder
         token, logp = sample_from_hidden(state.hidden, decoder.head_weight, temperature, top_p, state.key, state.step,
-                                         decoder.race, decoder.noise, fused=decoder.sampled_head, pdl=decoder.pdl)
+                                         decoder.race, decoder.noise, fused=decoder.sampled_head)
         record, advance = self._bookkeeping if self.compiled else (_record, _advance)
         token, slot, lengths, live = record(token, logp, state.done, state.step, state.write, state.valid,
                                             state.out_tokens, state.out_logps, eos)

@@ -5,7 +5,7 @@
 # starlette, uvicorn, httpx and their pure-Python dependencies, opentelemetry-api and annotated-doc included,
 # downloaded as wheels with `pip download --no-deps` at the versions of `pip install -e ".[all]"`).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels decode_step pdl host split ab
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels decode_step host split ab
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 # The bench spec's token budget (algorithm.micro_batch_tokens) was 16k, then 32k, and is 64k now: a figure quoted at
@@ -194,18 +194,6 @@ for section in "$@"; do
         echo "ab $i $run exit $?" >> $OUT/results.txt; grep -E "train phase|segments" $OUT/ab_${i}_$run.txt >> $OUT/results.txt
       done
       cp $ROOT/$AB_FILE /tmp/site/$AB_FILE ;;
-    pdl)  # issue 19: dependent launches (rlspec.rollout.dependent_launch): a layer's five decode kernels in a row,
-      # one after the other, dependently, and dependently without the weight prefetch; then the fixed 64 x 256 decode
-      # step and a four-row one with and without dependent launches (the default from Hopper on: Inductor's kernels in
-      # the compiled layers too) in one process each
-      CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m rlspec.perf.bench_decode_kernels --chain > $OUT/chain.txt 2>&1
-      echo "chain exit $?" >> $OUT/results.txt; cat $OUT/chain.txt >> $OUT/results.txt
-      for extra in "" "rollout.prompts_per_step=1 algorithm.group_size=4 algorithm.micro_batch_size=4"; do
-        CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine \
-          $BENCH $extra --variants fused_layers_sdpa,fused_layers_sdpa_no_pdl --rows 0 > $OUT/pdl.txt 2>&1
-        echo "pdl exit $? (${extra:-64 rows})" >> $OUT/results.txt
-        tail -3 $OUT/pdl.txt >> $OUT/results.txt
-      done ;;
     decode_kernels)  # issue 19: the decode step's Triton kernels beside what they replace (split-K projections, with
       # a sweep of their tiles at 64 rows, and gate/up with its SiLU gate against cuBLAS, attention over live positions
       # against cuDNN's SDPA, the LM head with its sampling race against cuBLAS's head then the compiled race), then
