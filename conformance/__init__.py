@@ -12,11 +12,11 @@ from .cases import CASES, NUM_STEPS, Case, case_by_name, case_spec
 from .fixture import Fixture, build_fixture
 from .reference import CaseRun, StepRecord, SuiteError, run_backend, run_reference
 from .report import JSON_KEYS, Check, Report, Skipped
-from .suite import check_case, check_sync, measure_sync, resolve_backends, run_suite
+from .suite import check_case, check_sync, measure_sync, resolve_backends, run_suite, split_label
 from .tolerances import TOLERANCES, Tolerance
 
 __all__ = [
     "CASES", "JSON_KEYS", "NUM_STEPS", "TOLERANCES", "Case", "CaseRun", "Check", "Fixture", "Report", "Skipped",
     "StepRecord", "SuiteError", "Tolerance", "build_fixture", "case_by_name", "case_spec", "check_case", "check_sync",
-    "measure_sync", "resolve_backends", "run_backend", "run_reference", "run_suite",
+    "measure_sync", "resolve_backends", "run_backend", "run_reference", "run_suite", "split_label",
 ]

@@ -9,9 +9,9 @@ the reference's token-mean.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
-from ..spec import AlgorithmSpec, EnvSpec, HardwareSpec, LoraSpec, ModelSpec, RolloutSpec, Spec, SyncSpec
+from ..spec import AlgorithmSpec, EnvSpec, HardwareSpec, LoraSpec, ModelSpec, RolloutSpec, Spec, SyncSpec, with_overrides
 from .fixture import GROUP_SIZE, MAX_NEW_TOKENS, NUM_PROMPTS, SEED
 
 NUM_STEPS = 3
@@ -73,8 +73,9 @@ def case_by_name(name: str) -> Case:
 
 
 def case_spec(case: Case, backend: str, num_trainer_ranks: int, sync_method: str = "auto",
-              rollout_placement: str = "colocated") -> Spec:
-    """The full spec of `case` for `backend`: tiny_qwen2, float32, eager attention, CPU."""
+              rollout_placement: str = "colocated", overrides: Sequence[str] = ()) -> Spec:
+    """The full spec of `case` for `backend`: tiny_qwen2, float32, eager attention, CPU; then a backend variant's
+    `overrides` (`key.path=value`, see `suite.split_label`), which the reference never gets."""
     algorithm = AlgorithmSpec(**{**BASE_ALGORITHM, **case.algorithm, "steps": case.steps})
     lora = LoraSpec(r=case.lora_r, alpha=2 * case.lora_r or 16)
     if case.vla:
@@ -85,7 +86,7 @@ def case_spec(case: Case, backend: str, num_trainer_ranks: int, sync_method: str
         model = ModelSpec(preset="tiny_qwen2", dtype="float32", attn_implementation="eager", lora=lora)
         rollout = RolloutSpec(engine="hf", prompts_per_step=NUM_PROMPTS, max_new_tokens=MAX_NEW_TOKENS,
                               max_prompt_tokens=32, temperature=1.0)
-    return Spec(
+    spec = Spec(
         algorithm=algorithm,
         model=model,
         rollout=rollout,
@@ -94,3 +95,4 @@ def case_spec(case: Case, backend: str, num_trainer_ranks: int, sync_method: str
                               num_threads=NUM_THREADS),
         backend=backend,
     )
+    return with_overrides(spec, overrides, "--backends") if overrides else spec

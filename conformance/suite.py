@@ -2,6 +2,8 @@
 
 Backends are driven only through the `Backend` protocol, with a `RunPlan` from `compile_plan`. A
 backend that can run several trainer ranks (`caps.max_trainer_ranks >= 2`) runs every case on 2 ranks.
+A backend is named by a label: its name, or a variant with spec overrides, `NAME@KEY=VALUE[@KEY=VALUE...]`
+(`split_label`), as `rlspec bench --backends` names its runs.
 """
 
 from __future__ import annotations
@@ -31,17 +33,31 @@ GPU_ONLY_TRANSPORTS = ("cuda_ipc",)
 BackendsArg = Mapping[str, type] | Sequence[str] | str | None
 
 
+def split_label(label: str) -> tuple[str, list[str]]:
+    """A backend label -> (backend name, spec overrides): `deepspeed@hardware.deepspeed.zero_stage=2` runs every
+    case on `deepspeed` with that override (and compares it with the same reference). `@` separates several."""
+    name, *overrides = label.split("@")
+    return name, overrides
+
+
 def resolve_backends(backends: BackendsArg) -> dict[str, type]:
-    """Name -> backend class: classes as given, or names looked up in the `rlspec.backends` registry."""
+    """Label -> backend class: classes as given, or names looked up in the `rlspec.backends` registry. A label's
+    overrides are checked here, so a bad one is refused (`SpecError`) before any backend runs."""
     if isinstance(backends, Mapping):
-        return dict(backends)
-    if backends is None:
-        names = backend_names()
-    elif isinstance(backends, str):
-        names = [n.strip() for n in backends.split(",") if n.strip()]
+        classes = dict(backends)
     else:
-        names = list(backends)
-    return {name: backend_class(name) for name in names}
+        if backends is None:
+            labels = backend_names()
+        elif isinstance(backends, str):
+            labels = [n.strip() for n in backends.split(",") if n.strip()]
+        else:
+            labels = list(backends)
+        classes = {label: backend_class(split_label(label)[0]) for label in labels}
+    for label in classes:
+        name, overrides = split_label(label)
+        if overrides:
+            case_spec(CASES[0], name, 1, overrides=overrides)
+    return classes
 
 
 def num_trainer_ranks(caps: BackendCaps) -> int:
@@ -53,8 +69,8 @@ def run_suite(backends: BackendsArg = None, cases: Iterable[str | Case] | None =
               dump: str | Path | None = None, progress: Callable[[str], None] | None = None) -> Report:
     """Run the conformance cases (default: all) and, with `sync`, the weight-sync checks on each backend.
 
-    `backends`: a mapping name -> backend class (a third party's class needs no registration), a list
-    of registered names, a comma-separated string, or None for every registered backend.
+    `backends`: a mapping label -> backend class (a third party's class needs no registration), a list
+    of registered names or labels (`split_label`), a comma-separated string, or None for every registered backend.
     """
     start = time.perf_counter()
     classes = resolve_backends(backends)
@@ -109,9 +125,10 @@ def check_case(name: str, cls: type, case: Case, fixture: Fixture, references: d
     if case.vla and "vla" not in cls.caps.model_kinds:
         report.skipped.append(Skipped(name, None, case.name, "the backend does not support model.kind=vla (caps.model_kinds)"))
         return report
-    spec = case_spec(case, name, num_trainer_ranks(cls.caps))
+    backend, overrides = split_label(name)
+    spec = case_spec(case, backend, num_trainer_ranks(cls.caps), overrides=overrides)
     try:
-        run = run_backend(name, cls, spec, fixture)
+        run = run_backend(backend, cls, spec, fixture)
     except Exception as err:  # noqa: BLE001 - a backend failure is a failed check, reported with its message
         report.checks.append(error_check(name, case.name, "run", err))
         return report
@@ -187,10 +204,12 @@ def check_sync(name: str, cls: type, fixture: Fixture) -> Report:
         # A single-process backend's collective crosses processes only in its separate placement (a server).
         bridged = transport == "nccl" and caps.single_process and "separate" in caps.placements
         placement = "separate" if bridged else "colocated"
-        spec = case_spec(case, name, num_trainer_ranks(caps), sync_method=transport, rollout_placement=placement)
+        backend, overrides = split_label(name)
+        spec = case_spec(case, backend, num_trainer_ranks(caps), sync_method=transport, rollout_placement=placement,
+                         overrides=overrides)
         metric = "logprobs/max_abs_diff"
         try:
-            after, before = measure_sync(name, cls, spec, fixture)
+            after, before = measure_sync(backend, cls, spec, fixture)
         except Exception as err:  # noqa: BLE001 - a transport failure is a failed check
             report.checks.append(error_check(name, SYNC_CASE, metric, err, transport))
             continue

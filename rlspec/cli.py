@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="also run a reference trainer outside rlspec on the same spec: trl (needs rlspec[trl])")
 
     conf = sub.add_parser("conformance", help="check that backends compute the same GRPO step as the reference")
-    conf.add_argument("--backends", help="comma-separated backend names (default: all registered)")
+    conf.add_argument("--backends", help="comma-separated backend names (default: all registered); NAME@KEY=VALUE "
+                                         "runs a backend with spec overrides, e.g. deepspeed@hardware.deepspeed.zero_stage=2")
     conf.add_argument("--json", dest="json_path", help="write the checks as JSON to this file")
     conf.add_argument("--dump", help="write the fixture and each backend's steps/weights under this directory")
     return parser

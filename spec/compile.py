@@ -93,6 +93,7 @@ def compile_plan(spec: Spec, backends: Mapping[str, BackendCaps]) -> RunPlan:
             f"use one of: {', '.join(sorted(backends))} (or --backend NAME)")
     caps = backends[spec.backend]
     _check_support(spec, caps, backends)
+    _check_deepspeed(spec)
     _check_env(spec)
     batch = _batch_plan(spec)
     placement = _placement(spec)
@@ -151,6 +152,20 @@ def _check_support(spec: Spec, caps: BackendCaps, backends: Mapping[str, Backend
     require(not (hw.offload_params or hw.offload_optimizer) or hw.device == "cuda", "hardware.offload_params",
             "offloading to host memory only makes sense with hardware.device=cuda",
             "set hardware.offload_params=false and hardware.offload_optimizer=false on CPU")
+
+
+def _check_deepspeed(spec: Spec) -> None:
+    """`hardware.deepspeed` against the rest of `hardware`. Only the backend named deepspeed reads that section, so
+    another backend's plan is not refused for it."""
+    if spec.backend != "deepspeed":
+        return
+    hw = spec.hardware
+    stage = hw.deepspeed.zero_stage
+    require(not hw.offload_params or stage == 3, "hardware.offload_params",
+            f"hardware.offload_params=true with hardware.deepspeed.zero_stage={stage}: DeepSpeed offloads parameters "
+            "only under ZeRO-3 (ZeRO-2 keeps the full weights on every rank's device)",
+            "set hardware.deepspeed.zero_stage=3 to offload parameters, or hardware.offload_params=false "
+            "(hardware.offload_optimizer works with either stage)")
 
 
 def _check_env(spec: Spec) -> None:

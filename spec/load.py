@@ -51,6 +51,18 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), backend: str | No
         raise _from_omegaconf(err, str(path)) from None
 
 
+def with_overrides(spec: Spec, overrides: Sequence[str], source: str = "overrides") -> Spec:
+    """`spec` (built in code) with `key.path=value` overrides applied and every section validated again: the
+    command line's key syntax, without presets. `source` names where the overrides came from in an error."""
+    for override in overrides:
+        if "=" not in override:
+            raise SpecError(source, f"cannot parse override {override!r}", "write overrides as key.path=value")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(spec), OmegaConf.from_dotlist(list(overrides))))
+    except OmegaConfBaseException as err:
+        raise _from_omegaconf(err, source) from None
+
+
 def _check_yaml_file(path: Path) -> dict:
     """The file's top-level mapping; refuses a missing, unreadable, binary, malformed or empty file."""
     if not path.exists() and not path.is_dir():

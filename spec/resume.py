@@ -22,10 +22,10 @@ RESUMABLE_CHANGES = (
     "rollout.agent.timeout_s", "rollout.server_reconnect_s",
     # how a step is executed, not what it computes: the split into micro-batches (the loss normalisation is the
     # batch's, whatever the split), compiled layers, the engine's slot pool (a sample's tokens are keyed by seed,
-    # sample and position, not by its slot), DeepSpeed's buckets and FSDP2's resharding
+    # sample and position, not by its slot), DeepSpeed's ZeRO stage and buckets, FSDP2's resharding
     "algorithm.micro_batch_size", "algorithm.micro_batch_tokens", "model.compile_layers",
     "rollout.continuous_batching", "rollout.decode_slots",
-    "hardware.deepspeed.overlap_comm", "hardware.deepspeed.contiguous_gradients",
+    "hardware.deepspeed.zero_stage", "hardware.deepspeed.overlap_comm", "hardware.deepspeed.contiguous_gradients",
     "hardware.deepspeed.reduce_bucket_numel", "hardware.deepspeed.prefetch_bucket_numel",
     "hardware.deepspeed.param_persistence_numel", "hardware.deepspeed.max_live_numel",
     "hardware.deepspeed.module_granularity_numel", "hardware.deepspeed.memory_efficient_linear",

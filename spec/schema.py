@@ -165,9 +165,9 @@ class ModelSpec(Section):
     """Attention kernel (eager | sdpa | flash_attention_2); eager makes trainer and engine agree bit-for-bit on CPU."""
     compile_layers: bool = False
     """`torch.compile` each decoder layer for the train forward/backward (regional compilation, dynamic shapes so
-    packed lengths do not recompile; `rlspec.core.policy.CompiledBlocks`); causal_lm on every backend (deepspeed
-    then gathers each layer's parameters whole, as ZeRO-3 leaf modules). The first step pays the compile (tens
-    of seconds); off by default."""
+    packed lengths do not recompile; `rlspec.core.policy.CompiledBlocks`); causal_lm on every backend (deepspeed's
+    ZeRO-3 then gathers each layer's parameters whole, as leaf modules; ZeRO-2 has no module hooks to avoid). The
+    first step pays the compile (tens of seconds); off by default."""
     lora: LoraSpec = field(default_factory=LoraSpec)
     """LoRA settings."""
     eos_hazard: float = 0.0
@@ -293,14 +293,24 @@ class SyncSpec(Section):
         positive(self.timeout_s, f"{p}.timeout_s")
 
 
+ZERO_STAGES = (2, 3)
+
+
 @dataclass
 class DeepSpeedSpec(Section):
-    """ZeRO-3 communication knobs of the `deepspeed` backend (`backends/deepspeed/README.md` says what each trades).
+    """The ZeRO stage and the communication knobs of the `deepspeed` backend (`backends/deepspeed/README.md` says
+    what each trades and when to pick stage 2 or 3).
 
-    Sizes are element counts (parameters or gradient values), as DeepSpeed counts them, not bytes. Other backends
-    ignore this section.
+    Sizes are element counts (parameters or gradient values), as DeepSpeed counts them, not bytes. The `stage3_*`
+    knobs (`prefetch_bucket_numel`, `param_persistence_numel`, `max_live_numel`, `module_granularity_numel`,
+    `memory_efficient_linear`) act only with `zero_stage: 3`. Other backends ignore this section.
     """
 
+    zero_stage: int = 3
+    """ZeRO stage: 3 partitions weights, gradients and optimizer state over the trainer ranks (each weight gathered
+    by per-module hooks when it is used); 2 partitions gradients and optimizer state only, so every rank holds the
+    full 16-bit weights and no hooks run around the modules: for one rank, or a model whose weights fit on every
+    rank, where ZeRO-3's hooks leave the GPU idle. Parameter offload (`hardware.offload_params`) needs 3."""
     overlap_comm: bool = False
     """Overlap gradient reduce-scatter with the backward (DeepSpeed's `overlap_comm`); costs extra bucket memory."""
     contiguous_gradients: bool = True
@@ -329,6 +339,8 @@ class DeepSpeedSpec(Section):
 
     def __post_init__(self) -> None:
         p = "hardware.deepspeed"
+        require(self.zero_stage in ZERO_STAGES, f"{p}.zero_stage", f"{self.zero_stage!r} is not a ZeRO stage this backend runs",
+                f"set {p}.zero_stage to 3 (weights partitioned) or 2 (full weights on every rank)")
         positive(self.reduce_bucket_numel, f"{p}.reduce_bucket_numel")
         non_negative(self.prefetch_bucket_numel, f"{p}.prefetch_bucket_numel")
         if self.param_persistence_numel is not None:
@@ -367,7 +379,7 @@ class HardwareSpec(Section):
     rollout: str = "colocated"
     """colocated (engines share the trainer's devices) | separate (engines on their own devices)."""
     offload_params: bool = False
-    """Keep sharded parameters in host memory between uses (ZeRO-3 / FSDP CPU offload)."""
+    """Keep sharded parameters in host memory between uses (FSDP CPU offload; deepspeed: ZeRO-3 only)."""
     offload_optimizer: bool = False
     """Keep optimizer state in host memory."""
     ray_address: Optional[str] = None
@@ -385,7 +397,7 @@ class HardwareSpec(Section):
     run exits 143 without that checkpoint (the previous one stays the latest). Schedulers kill after their own
     grace (Slurm's KillWait, 30 s; Kubernetes' terminationGracePeriodSeconds): keep this below theirs."""
     deepspeed: DeepSpeedSpec = field(default_factory=DeepSpeedSpec)
-    """ZeRO-3 bucket, prefetch and overlap settings (the `deepspeed` backend only)."""
+    """ZeRO stage, bucket, prefetch and overlap settings (the `deepspeed` backend only)."""
     fsdp: FSDPSpec = field(default_factory=FSDPSpec)
     """FSDP2 settings (the `fsdp` backend only)."""
 

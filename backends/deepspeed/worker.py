@@ -1,9 +1,12 @@
-"""One DeepSpeed ZeRO-3 trainer rank, run as a Ray actor (the driver side is `backend.py`).
+"""One DeepSpeed ZeRO trainer rank (stage 3 or 2, `hardware.deepspeed.zero_stage`), run as a Ray actor (the driver
+side is `backend.py`).
 
 Every rank builds the same initial model (`rlspec.models.factory.load_model` with the plan's seed), wraps it with
 `deepspeed.initialize` and a torch optimizer from `rlspec.core.trainer.build_optimizer`, and runs the shared
-micro-batch loop `rlspec.core.policy.accumulate` on its shard. Anything that touches ZeRO-3 parameters
-(forward, gather, save) is collective: the driver always calls all ranks together.
+micro-batch loop `rlspec.core.policy.accumulate` on its shard. ZeRO-3 partitions the weights, so anything that
+touches them (forward, gather, save) is collective; ZeRO-2 keeps the full weights on every rank and partitions
+only gradients and optimizer state, whose reduction in the backward and gathers on save are collective too. The
+driver always calls all ranks together.
 """
 
 from __future__ import annotations
@@ -33,26 +36,23 @@ ZERO_TAG = "state"
 
 def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
     """The DeepSpeed config, every value that matters written from the plan (DeepSpeed's defaults are not
-    neutral: an omitted `gradient_clipping` clips at 1.0)."""
+    neutral: an omitted `gradient_clipping` clips at 1.0). ZeRO-2 gets the keys both stages read; the `stage3_*`
+    keys, parameter offload and ZeRO-3's linear only go with stage 3, which alone partitions parameters."""
     spec, batch = plan.spec, plan.batch
     dtype, knobs = spec.model.dtype, spec.hardware.deepspeed
-    offload_params = "cpu" if spec.hardware.offload_params else "none"
     offload_optimizer = "cpu" if spec.hardware.offload_optimizer else "none"
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
-        "gradient_accumulation_steps": batch.grad_accum_steps,
-        "train_batch_size": batch.micro_batch_size * batch.grad_accum_steps * batch.num_trainer_ranks,
-        "gradient_clipping": float(spec.algorithm.max_grad_norm),  # 0.0 = off
-        "prescale_gradients": False,
-        "gradient_predivide_factor": 1.0,
-        "zero_optimization": {
-            "stage": 3,
+    zero: dict[str, Any] = {
+        "stage": knobs.zero_stage,
+        "offload_optimizer": {"device": offload_optimizer, "pin_memory": offload_optimizer == "cpu"},
+        "overlap_comm": knobs.overlap_comm,
+        "contiguous_gradients": knobs.contiguous_gradients,
+        "reduce_scatter": True,
+        "reduce_bucket_size": knobs.reduce_bucket_numel,
+    }
+    if knobs.zero_stage == 3:
+        offload_params = "cpu" if spec.hardware.offload_params else "none"
+        zero |= {
             "offload_param": {"device": offload_params, "pin_memory": offload_params == "cpu"},
-            "offload_optimizer": {"device": offload_optimizer, "pin_memory": offload_optimizer == "cpu"},
-            "overlap_comm": knobs.overlap_comm,
-            "contiguous_gradients": knobs.contiguous_gradients,
-            "reduce_scatter": True,
-            "reduce_bucket_size": knobs.reduce_bucket_numel,
             "stage3_prefetch_bucket_size": knobs.prefetch_bucket_numel,
             "stage3_param_persistence_threshold": param_persistence_numel(spec, batch.num_trainer_ranks),
             "stage3_max_live_parameters": knobs.max_live_numel,
@@ -60,7 +60,17 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
             "stage3_module_granularity_threshold": knobs.module_granularity_numel,
             "memory_efficient_linear": memory_efficient_linear(spec),
             "stage3_gather_16bit_weights_on_model_save": False,
-        },
+        }
+    else:  # the updated weight partitions are all-gathered after each step, in buckets of this many values
+        zero |= {"allgather_partitions": True, "allgather_bucket_size": ALLGATHER_BUCKET_NUMEL}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
+        "gradient_accumulation_steps": batch.grad_accum_steps,
+        "train_batch_size": batch.micro_batch_size * batch.grad_accum_steps * batch.num_trainer_ranks,
+        "gradient_clipping": float(spec.algorithm.max_grad_norm),  # 0.0 = off
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0,
+        "zero_optimization": zero,
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16", "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                  "hysteresis": 2, "min_loss_scale": 1},
@@ -79,6 +89,8 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
     return config
 
 
+ALLGATHER_BUCKET_NUMEL = 500_000_000
+"""ZeRO-2's `allgather_bucket_size` (DeepSpeed's own default, written out): values per all-gather of updated weights."""
 PERSISTENCE_NUMEL = 100_000
 """`hardware.deepspeed.param_persistence_numel` where null does not mean every parameter."""
 
@@ -113,6 +125,7 @@ class DeepSpeedWorker(RankWorker):
 
     def __init__(self, plan: RunPlan, rank: int, world_size: int, fault: str | None = None) -> None:
         super().__init__(plan, rank, world_size, fault)
+        self.stage = plan.spec.hardware.deepspeed.zero_stage
         self.engine = None
         self.reference = None
         self.compiled = None
@@ -134,7 +147,7 @@ class DeepSpeedWorker(RankWorker):
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-        if spec.model.compile_layers:
+        if spec.model.compile_layers and self.stage == 3:  # ZeRO-2 puts no hooks on modules: nothing to gather
             gather_blocks_whole(model)
         optimizer = build_optimizer(model.parameters(), spec.algorithm)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
@@ -142,8 +155,15 @@ class DeepSpeedWorker(RankWorker):
         self.compiled = CompiledBlocks(self.engine.module, spec.model.compile_layers)
         if self.plan.needs_reference_model:
             reference = load_model(spec.model, spec.algorithm.seed).eval().requires_grad_(False)
-            self.reference, *_ = deepspeed.initialize(model=reference, config=ds_config(self.plan, train=False))
-            self.reference.eval()
+            if self.stage == 3:  # partitioned (and offloaded) like the policy
+                self.reference, *_ = deepspeed.initialize(model=reference, config=ds_config(self.plan, train=False))
+                self.reference.eval()
+            else:
+                # ZeRO-2 partitions only gradients and optimizer state, which a frozen model has none of: a stage-0
+                # engine would hold the same whole weights and only add a broadcast of them from rank 0 at start
+                # (every rank built them from the same seed already) and its wrapper around every forward. So a
+                # plain module on the device, as the standalone backend's reference.
+                self.reference = reference.to(self.device)
 
     def teardown(self) -> None:
         """Leave the process group through DeepSpeed, which also drops its own references to the group (a later
@@ -156,7 +176,8 @@ class DeepSpeedWorker(RankWorker):
     # --- the training step -------------------------------------------------------------------------
 
     def logprobs(self, part: TrainBatch, num_chunks: int, reference: bool) -> Tensor:
-        """Log-probs of this rank's part in exactly `num_chunks` forwards (ZeRO-3 gathers are collective)."""
+        """Log-probs of this rank's part in exactly `num_chunks` forwards (ZeRO-3 gathers are collective; ZeRO-2's
+        forwards are not, and the padding forwards then only cost time)."""
         model = self.reference if reference else self.engine
         if model is None:
             raise RuntimeError("no reference model: algorithm.kl_coef is 0")
@@ -195,7 +216,8 @@ class DeepSpeedWorker(RankWorker):
         """Full weights by the HF state-dict name (tied weights under each of their names), gathered a group
         of `sync.bucket_mb` at a time on every rank (one ZeRO-3 gather per group, not per tensor). Rank 0
         yields copies, after the group is released again, so the extra memory is one group; the other ranks
-        only take part and yield nothing."""
+        only take part and yield nothing. ZeRO-2 weights are whole on every rank (no `ds_id`: the gather
+        context does nothing) and rank 0 copies them as they are."""
         import deepspeed
 
         for group in gather_groups(self.engine.module.state_dict(keep_vars=True).items(),
@@ -216,8 +238,8 @@ class DeepSpeedWorker(RankWorker):
 
     def save(self, path: str, save_optimizer: bool) -> None:
         """HF safetensors directory (rank 0) + the portable optimizer state by parameter name
-        (`rlspec.runtime.checkpoints`), gathered from the ZeRO-3 partitions: any backend at any rank count
-        resumes it."""
+        (`rlspec.runtime.checkpoints`), gathered from the ZeRO partitions: any backend at any rank count and
+        either ZeRO stage resumes it."""
         self.run_sender(save_gathered, (self.engine.module, self.tokenizer, Path(path)))
         if save_optimizer:
             tensors, step = self._portable_state()
@@ -227,13 +249,19 @@ class DeepSpeedWorker(RankWorker):
     def _trained(self) -> list[tuple[str, Tensor]]:
         return [(name, p) for name, p in self.engine.module.named_parameters() if p.requires_grad]
 
+    def _master_flats(self) -> list[Tensor]:
+        """This rank's fp32 master partitions, one flat tensor per parameter group: what the inner torch optimizer
+        steps and keys its state by (ZeRO-3's and ZeRO-1/2's optimizers name them differently)."""
+        if self.stage == 3:
+            return self.optimizer.fp32_partitioned_groups_flat
+        return self.optimizer.single_partition_of_fp32_groups
+
     def _portable_state(self) -> tuple[dict[str, Tensor], int]:
         """Full AdamW moments (and fp32 masters below fp32 weights) by parameter name on rank 0; every rank
         joins each gather, parameter by parameter."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-        flats = self.optimizer.fp32_partitioned_groups_flat
-        first = self.optimizer.optimizer.state.get(flats[0], {})
+        first = self.optimizer.optimizer.state.get(self._master_flats()[0], {})
         step = int(first["step"]) if "step" in first else 0
         keys = [key for key in ADAM_KEYS if key in first]
         if self.plan.spec.model.dtype != "float32":
@@ -249,11 +277,14 @@ class DeepSpeedWorker(RankWorker):
     def load(self, path: str) -> None:
         """Resume from a checkpoint of any backend: the safetensors weights, then the fp32 masters and AdamW
         moments of the portable optimizer state where saved (each rank keeps its partition). A checkpoint of an
-        older rlspec with DeepSpeed's own `ZERO_DIR` loads that instead."""
+        older rlspec with DeepSpeed's own `ZERO_DIR` (ZeRO-3 partitions) loads that instead."""
         import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         zero = Path(path) / ZERO_DIR
+        if zero.is_dir() and self.stage != 3:
+            raise RuntimeError(f"{path} holds DeepSpeed's own ZeRO-3 checkpoint ({ZERO_DIR}, written by an older "
+                               "rlspec), which only ZeRO-3 reads: resume it with hardware.deepspeed.zero_stage=3")
         if zero.is_dir():  # weights (fp32 master partitions) and optimizer state, exactly as saved
             self.engine.load_checkpoint(str(zero), tag=ZERO_TAG, load_optimizer_states=True,
                                         load_lr_scheduler_states=False)
@@ -264,10 +295,12 @@ class DeepSpeedWorker(RankWorker):
             for name, tensor in module.state_dict(keep_vars=True).items():
                 if name not in weights:
                     continue
+                # ZeRO-3: rank 0 writes the gathered parameter and DeepSpeed partitions its copy again. A ZeRO-2
+                # parameter (no `ds_id`) is whole on every rank and the context does nothing: every rank writes.
                 with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
-                    if self.rank == 0:
+                    if self.rank == 0 or not hasattr(tensor, "ds_id"):
                         tensor.data.copy_(weights[name].to(tensor.dtype))
-        self.optimizer.refresh_fp32_params()
+        self.optimizer.refresh_fp32_params()  # each rank's fp32 master partition from the weights just written
         saved = read_optimizer_state(Path(path))
         if saved is None:
             return
@@ -279,11 +312,16 @@ class DeepSpeedWorker(RankWorker):
         if not any(f"{name}.{ADAM_KEYS[0]}" in tensors for name, _ in trained):
             return
         inner = self.optimizer.optimizer
-        for flat in self.optimizer.fp32_partitioned_groups_flat:  # torch creates AdamW state lazily: create it
+        for flat in self._master_flats():  # torch creates AdamW state lazily: create it
             entry = inner.state[flat]
             for key in ADAM_KEYS:
                 entry.setdefault(key, torch.zeros_like(flat))
             entry["step"] = torch.tensor(float(step))
+        if self.stage != 3:
+            # ZeRO-1/2 point each parameter's moment fragments into that state only after the first step (until
+            # then `safe_set_full_optimizer_state` has nowhere to write): point them now, at the state just made,
+            # which the first step then updates in place (a no-op once linked).
+            self.optimizer._lazy_init_hp_params_optimizer_state()
         for name, param in trained:
             for key in ADAM_KEYS:
                 safe_set_full_optimizer_state(param, tensors[f"{name}.{key}"], key)

@@ -22,8 +22,11 @@ COMMON = ["rollout.prompts_per_step=1", "algorithm.max_grad_norm=0", "algorithm.
                  id="deepspeed-partitioned"),
     # the tiny model's decoder layers gathered whole (granularity 3,093 values per module), torch's linear
     ("deepspeed", ["hardware.deepspeed.module_granularity_numel=3200", "hardware.deepspeed.memory_efficient_linear=false"]),
+    pytest.param("deepspeed", ["hardware.deepspeed.zero_stage=2"], id="deepspeed-zero2"),
     pytest.param("fsdp", ["model.compile_layers=true"], marks=pytest.mark.slow, id="fsdp-compiled"),
-    pytest.param("deepspeed", ["model.compile_layers=true"], marks=pytest.mark.slow, id="deepspeed-compiled")])
+    pytest.param("deepspeed", ["model.compile_layers=true"], marks=pytest.mark.slow, id="deepspeed-compiled"),
+    pytest.param("deepspeed", ["model.compile_layers=true", "hardware.deepspeed.zero_stage=2"], marks=pytest.mark.slow,
+                 id="deepspeed-zero2-compiled")])
 def test_in_process_rank_matches_single_process_trainer(backend_name, extra):
     pytest.importorskip("ray")
     if backend_name == "deepspeed":

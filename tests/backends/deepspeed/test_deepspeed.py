@@ -10,10 +10,12 @@ import time
 
 import pytest
 
+from rlspec.conformance.tolerances import TOLERANCES, weights_tolerance
 from rlspec.core.backend import all_caps, create_backend
 from rlspec.spec import compile_plan, load_spec
 from rlspec.sync import build_transport
-from tests.backends.ranks import TINY, kill_a_rank_mid_run, fixed_batch, reference_trainer, rlspec_run, run_steps
+from tests.backends.ranks import (TINY, kill_a_rank_mid_run, fixed_batch, max_weight_diff, reference_trainer, rlspec_run,
+                                  run_steps)
 
 pytestmark = pytest.mark.distributed
 
@@ -81,6 +83,49 @@ def test_matches_local_trainer_and_transports(ray_session, case):
     finally:
         backend.shutdown()
         backend.shutdown()  # idempotent
+
+
+def test_zero2_steps_like_the_reference_and_checkpoints_cross_backends(ray_session, tmp_path):
+    """`hardware.deepspeed.zero_stage=2` on 2 ranks (AdamW; clipping at 0.05, which binds; the k1 KL to the frozen
+    reference module; 2 micro-batches a rank). The single-process trainer's checkpoint after 2 steps loads before
+    ZeRO-2's first step (its moment fragments are not linked to optimizer state yet); 2 more steps then agree with
+    the trainer's within the conformance tolerances. ZeRO-2's own checkpoint, loaded into a single-process trainer,
+    takes the next step as the uninterrupted trainer does: moments, fp32 weights and AdamW's step count all made it
+    through both ways (without moments a step moves weights by ~lr = 1e-2)."""
+    plan = make_plan("rollout.prompts_per_step=1", "algorithm.optimizer=adamw", "algorithm.lr=1e-2",
+                     "algorithm.adam_eps=1e-6", "algorithm.micro_batch_size=2", "algorithm.kl_coef=0.1",
+                     "algorithm.kl_estimator=k1", "algorithm.max_grad_norm=0.05", "hardware.deepspeed.zero_stage=2")
+    batch = fixed_batch()
+    reference = reference_trainer(plan)
+    run_steps(reference, plan, batch, steps=2)
+    reference.save(tmp_path / "single", save_optimizer=True)
+    backend = create_backend("deepspeed")
+    try:
+        backend.setup(plan)
+        backend.load(tmp_path / "single")
+        got = run_steps(backend, plan, batch, steps=2)
+        backend.save(tmp_path / "zero2")
+        have = dict(backend.export_weights())
+    finally:
+        backend.shutdown()
+    expected = run_steps(reference, plan, batch, steps=2)
+    print(f"\nZeRO-2 (loss, grad norm, kl) per step {got}\n  reference {expected}")
+    assert all(g > 0.05 for _, g, _ in expected)  # the clipping binds
+    for (loss_ref, norm_ref, kl_ref), (loss, norm, kl) in zip(expected, got, strict=True):
+        assert abs(loss - loss_ref) <= TOLERANCES["loss"].bound(loss_ref)
+        assert abs(norm - norm_ref) <= TOLERANCES["grad_norm"].bound(norm_ref)
+        assert abs(kl - kl_ref) <= TOLERANCES["kl"].bound(kl_ref)
+    diff = max_weight_diff(have, dict(reference.export_weights()))
+    print(f"  max abs weight diff vs the reference after 4 steps: {diff:.3g}")
+    assert diff <= weights_tolerance("adamw").atol
+
+    resumed = reference_trainer(plan)
+    resumed.load(tmp_path / "zero2")
+    run_steps(resumed, plan, batch, steps=1)
+    run_steps(reference, plan, batch, steps=1)
+    diff = max_weight_diff(dict(resumed.export_weights()), dict(reference.export_weights()))
+    print(f"  resumed from ZeRO-2's checkpoint, one more step: max abs weight diff {diff:.3g}")
+    assert diff <= weights_tolerance("adamw").atol
 
 
 def test_cli_run_smoke_and_resume(tmp_path):

@@ -1,4 +1,4 @@
-"""The DeepSpeed config built from a plan carries the spec's ZeRO-3 knobs (no DeepSpeed world needed)."""
+"""The DeepSpeed config built from a plan carries the spec's ZeRO stage and knobs (no DeepSpeed world needed)."""
 
 from __future__ import annotations
 
@@ -63,3 +63,29 @@ def test_param_persistence_keeps_every_parameter_whole_on_one_rank_unless_set():
     assert chosen("hardware.device=cuda", "hardware.offload_params=true") == 100_000
     assert chosen("hardware.num_trainer_ranks=2") == 100_000
     assert chosen("hardware.deepspeed.param_persistence_numel=7") == 7
+
+
+SHARED = ("overlap_comm", "contiguous_gradients", "reduce_bucket_numel")
+"""The knobs ZeRO-2 reads too; the rest of `KNOBS` are ZeRO-3's."""
+
+
+def test_zero2_keeps_the_shared_keys_and_drops_zero3s():
+    """Stage 2: the shared knobs and every numerics key written as under stage 3 (clipping, bf16 with fp32 gradient
+    accumulation, optimizer offload); no `stage3_*` key, no parameter offload, no ZeRO-3 linear."""
+    overrides = [f"hardware.deepspeed.{key}={value}" for key, (value, _) in KNOBS.items()]
+    common = ["model.dtype=bfloat16", "algorithm.max_grad_norm=0.25", "hardware.device=cuda",
+              "hardware.offload_optimizer=true", *overrides]
+    three = ds_config(_plan(*common))
+    two = ds_config(_plan(*common, "hardware.deepspeed.zero_stage=2"))
+    zero = two["zero_optimization"]
+    assert zero["stage"] == 2 and three["zero_optimization"]["stage"] == 3
+    assert {KNOBS[key][1]: zero[KNOBS[key][1]] for key in SHARED} == {KNOBS[key][1]: KNOBS[key][0] for key in SHARED}
+    assert not [key for key in zero if key.startswith("stage3_")]
+    assert "offload_param" not in zero and "memory_efficient_linear" not in zero
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True} == three["zero_optimization"]["offload_optimizer"]
+    assert two["gradient_clipping"] == 0.25
+    assert two["bf16"] == {"enabled": True} and two["data_types"] == {"grad_accum_dtype": "fp32"}
+    # outside zero_optimization the two stages' configs are the same
+    assert {k: v for k, v in two.items() if k != "zero_optimization"} == {k: v for k, v in three.items() if k != "zero_optimization"}
+    shared = {key for key in zero if key not in ("stage", "allgather_partitions", "allgather_bucket_size")}
+    assert {key: zero[key] for key in shared} == {key: three["zero_optimization"][key] for key in shared}
