@@ -224,6 +224,7 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
       # deepspeed@hardware.deepspeed.param_persistence_numel=100000 to re-run them.
       # RUNS="standalone deepspeed deepspeed@hardware.deepspeed.reduce_bucket_numel=500000000,hardware.deepspeed.prefetch_bucket_numel=0"
       # (one gradient bucket and no prefetching on one rank: within noise of the defaults, H200)
+      # RUNS="standalone deepspeed@hardware.deepspeed.zero_stage=2 deepspeed" (ZeRO-2 against ZeRO-3 on one rank, H200)
       for run in ${RUNS:-standalone fsdp deepspeed}; do
         b=${run%%@*}; extra=""; [ "$run" != "$b" ] && extra=$(echo ${run#*@} | tr , ' ')
         name=$(echo $run | tr '@=,.' '____')
