@@ -309,8 +309,9 @@ class DeepSpeedSpec(Section):
     zero_stage: int = 3
     """ZeRO stage: 3 partitions weights, gradients and optimizer state over the trainer ranks (each weight gathered
     by per-module hooks when it is used); 2 partitions gradients and optimizer state only, so every rank holds the
-    full 16-bit weights and no hooks run around the modules: for one rank, or a model whose weights fit on every
-    rank, where ZeRO-3's hooks leave the GPU idle. Parameter offload (`hardware.offload_params`) needs 3."""
+    full 16-bit weights and no hooks run around the modules or gather weights in the forward and backward: for a
+    model whose weights fit on every rank. On one GPU it was measured no faster than 3 (its per-parameter gradient
+    hook remains; `backends/deepspeed/README.md`). Parameter offload (`hardware.offload_params`) needs 3."""
     overlap_comm: bool = False
     """Overlap gradient reduce-scatter with the backward (DeepSpeed's `overlap_comm`); costs extra bucket memory."""
     contiguous_gradients: bool = True
