@@ -75,7 +75,7 @@ def case_by_name(name: str) -> Case:
 def case_spec(case: Case, backend: str, num_trainer_ranks: int, sync_method: str = "auto",
               rollout_placement: str = "colocated", overrides: Sequence[str] = ()) -> Spec:
     """The full spec of `case` for `backend`: tiny_qwen2, float32, eager attention, CPU; then a backend variant's
-    `overrides` (`key.path=value`, see `suite.split_label`), which the reference never gets."""
+    `overrides` (`key.path=value`, see `rlspec.spec.split_label`), which the reference never gets."""
     algorithm = AlgorithmSpec(**{**BASE_ALGORITHM, **case.algorithm, "steps": case.steps})
     lora = LoraSpec(r=case.lora_r, alpha=2 * case.lora_r or 16)
     if case.vla:

@@ -18,7 +18,7 @@ import torch
 
 from ..core.backend import backend_class, backend_names
 from ..core.step import update
-from ..spec import BackendCaps, compile_plan
+from ..spec import BackendCaps, compile_plan, split_label
 from .cases import CASES, NUM_THREADS, Case, case_by_name, case_spec
 from .fixture import Fixture, build_fixture, dump_fixture, vla_fixture
 from .reference import CaseRun, run_backend, run_reference
@@ -31,13 +31,6 @@ GPU_ONLY_TRANSPORTS = ("cuda_ipc",)
 """Transports that cannot run without CUDA devices (the CPU `nccl` path runs over gloo and is checked)."""
 
 BackendsArg = Mapping[str, type] | Sequence[str] | str | None
-
-
-def split_label(label: str) -> tuple[str, list[str]]:
-    """A backend label -> (backend name, spec overrides): `deepspeed@hardware.deepspeed.zero_stage=2` runs every
-    case on `deepspeed` with that override (and compares it with the same reference). `@` separates several."""
-    name, *overrides = label.split("@")
-    return name, overrides
 
 
 def resolve_backends(backends: BackendsArg) -> dict[str, type]:

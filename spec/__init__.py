@@ -2,7 +2,7 @@
 
 from .compile import BackendCaps, BatchPlan, Placement, RunPlan, compile_plan
 from .errors import SpecError
-from .load import load_spec, preset_names, with_overrides
+from .load import load_spec, preset_names, split_label, with_overrides
 from .resume import RESUMABLE_CHANGES, resume_changes
 from .schema import (AlgorithmSpec, CheckpointSpec, DeepSpeedSpec, FSDPSpec, HardwareSpec, LoraSpec, ModelSpec,
                      RolloutSpec, Spec, SyncSpec)
@@ -12,5 +12,5 @@ __all__ = [
     "AgentSpec", "AlgorithmSpec", "BackendCaps", "BatchPlan", "CheckpointSpec", "DeepSpeedSpec", "EnvSpec", "FSDPSpec", "HardwareSpec", "JudgeSpec",
     "LoraSpec", "ModelSpec",
     "Placement", "RESUMABLE_CHANGES", "RolloutSpec", "RunPlan", "Spec", "SpecError", "SyncSpec", "TaskSpec", "compile_plan",
-    "load_spec", "preset_names", "resume_changes", "with_overrides",
+    "load_spec", "preset_names", "resume_changes", "split_label", "with_overrides",
 ]

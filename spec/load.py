@@ -63,6 +63,14 @@ def with_overrides(spec: Spec, overrides: Sequence[str], source: str = "override
         raise _from_omegaconf(err, source) from None
 
 
+def split_label(label: str) -> tuple[str, list[str]]:
+    """A backend label, as `rlspec bench --backends` and `rlspec conformance --backends` name a run -> (backend name,
+    spec overrides): `deepspeed@hardware.deepspeed.zero_stage=2` is `deepspeed` with that override; `@` separates
+    several."""
+    name, *overrides = label.split("@")
+    return name, overrides
+
+
 def _check_yaml_file(path: Path) -> dict:
     """The file's top-level mapping; refuses a missing, unreadable, binary, malformed or empty file."""
     if not path.exists() and not path.is_dir():

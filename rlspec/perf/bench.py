@@ -47,6 +47,7 @@ import torch
 from ..errors import RunError, SpecError
 from ..run import build_plan
 from ..runtime.metrics import read_metrics
+from ..spec import split_label
 
 REFERENCES = ("trl",)
 # Dense bf16 peak of known GPUs, TFLOP/s (the vendors' datasheet numbers without sparsity).
@@ -135,8 +136,8 @@ def _train_flops(plan) -> TrainFlops | None:
 def bench(spec_path: str, overrides: Sequence[str], backends: Sequence[str], out: Path, warmup_steps: int = 1,
           references: Sequence[str] = ()) -> dict:
     """Run `spec_path` on each backend (all plans are compiled first, so a bad spec fails before any run)."""
-    variants = {label: label.split("@") for label in backends}  # label -> [backend, extra overrides...]
-    plans = [build_plan(spec_path, [*overrides, *extra], name)[0] for name, *extra in variants.values()]
+    variants = {label: split_label(label) for label in backends}  # label -> (backend, extra overrides)
+    plans = [build_plan(spec_path, [*overrides, *extra], name)[0] for name, extra in variants.values()]
     for ref in references:
         if ref not in REFERENCES:
             raise SpecError("--reference", f"unknown reference {ref!r}", f"use one of: {', '.join(REFERENCES)}")
@@ -145,7 +146,7 @@ def bench(spec_path: str, overrides: Sequence[str], backends: Sequence[str], out
     flops = _train_flops(plans[0]) if plans else None
     commands = {label: [sys.executable, "-m", "rlspec.cli", "run", spec_path, *overrides, *extra, "--backend", name,
                         "--out", str(out / _dir_name(label)), "--no-progress"]
-                for label, (name, *extra) in variants.items()}
+                for label, (name, extra) in variants.items()}
     commands |= {ref: [sys.executable, "-m", f"rlspec.perf.bench_{ref}", spec_path, str(out / ref), *overrides]
                  for ref in references}
     results, failures = {}, {}
