@@ -163,9 +163,9 @@ def _check_deepspeed(spec: Spec) -> None:
     stage = hw.deepspeed.zero_stage
     require(not hw.offload_params or stage == 3, "hardware.offload_params",
             f"hardware.offload_params=true with hardware.deepspeed.zero_stage={stage}: DeepSpeed offloads parameters "
-            "only under ZeRO-3 (ZeRO-2 keeps the full weights on every rank's device)",
+            "only under ZeRO-3 (ZeRO-1 and ZeRO-2 keep the full weights on every rank's device)",
             "set hardware.deepspeed.zero_stage=3 to offload parameters, or hardware.offload_params=false "
-            "(hardware.offload_optimizer works with either stage)")
+            "(hardware.offload_optimizer works with every stage)")
 
 
 def _check_env(spec: Spec) -> None:

@@ -293,13 +293,13 @@ class SyncSpec(Section):
         positive(self.timeout_s, f"{p}.timeout_s")
 
 
-ZERO_STAGES = (2, 3)
+ZERO_STAGES = (1, 2, 3)
 
 
 @dataclass
 class DeepSpeedSpec(Section):
     """The ZeRO stage and the communication knobs of the `deepspeed` backend (`backends/deepspeed/README.md` says
-    what each trades and when to pick stage 2 or 3).
+    what each trades and when to pick stage 1, 2 or 3).
 
     Sizes are element counts (parameters or gradient values), as DeepSpeed counts them, not bytes. The `stage3_*`
     knobs (`prefetch_bucket_numel`, `param_persistence_numel`, `max_live_numel`, `module_granularity_numel`,
@@ -309,9 +309,12 @@ class DeepSpeedSpec(Section):
     zero_stage: int = 3
     """ZeRO stage: 3 partitions weights, gradients and optimizer state over the trainer ranks (each weight gathered
     by per-module hooks when it is used); 2 partitions gradients and optimizer state only, so every rank holds the
-    full 16-bit weights and no hooks run around the modules or gather weights in the forward and backward: for a
-    model whose weights fit on every rank. On one GPU it was measured no faster than 3 (its per-parameter gradient
-    hook remains; `backends/deepspeed/README.md`). Parameter offload (`hardware.offload_params`) needs 3."""
+    full 16-bit weights and no hooks run around the modules or gather weights in the forward and backward; 1
+    partitions only the optimizer state (fp32 masters and moments): every rank also holds full gradients, all-reduced
+    once a step, with no per-parameter hook in the backward in fp32 and one that adds each gradient into its fp32
+    accumulator in bf16. 1 and 2 are for a model whose weights (and, for 1, gradients) fit on every rank. On one GPU
+    1 was measured the fastest (`backends/deepspeed/README.md`). Parameter offload (`hardware.offload_params`)
+    needs 3."""
     overlap_comm: bool = False
     """Overlap gradient reduce-scatter with the backward (DeepSpeed's `overlap_comm`); costs extra bucket memory."""
     contiguous_gradients: bool = True
@@ -341,7 +344,8 @@ class DeepSpeedSpec(Section):
     def __post_init__(self) -> None:
         p = "hardware.deepspeed"
         require(self.zero_stage in ZERO_STAGES, f"{p}.zero_stage", f"{self.zero_stage!r} is not a ZeRO stage this backend runs",
-                f"set {p}.zero_stage to 3 (weights partitioned) or 2 (full weights on every rank)")
+                f"set {p}.zero_stage to 3 (weights partitioned), 2 (full weights on every rank) or 1 (full weights "
+                "and gradients on every rank)")
         positive(self.reduce_bucket_numel, f"{p}.reduce_bucket_numel")
         non_negative(self.prefetch_bucket_numel, f"{p}.prefetch_bucket_numel")
         if self.param_persistence_numel is not None:

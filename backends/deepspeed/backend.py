@@ -1,11 +1,11 @@
-"""`deepspeed`: DeepSpeed ZeRO-3 (or ZeRO-2, `hardware.deepspeed.zero_stage`) trainer ranks and `hf` rollout engines as
-Ray actors.
+"""`deepspeed`: DeepSpeed ZeRO-3 (or ZeRO-2 or ZeRO-1, `hardware.deepspeed.zero_stage`) trainer ranks and `hf` rollout
+engines as Ray actors.
 
 The driver (this class) starts one `DeepSpeedWorker` actor per trainer rank and one `EngineWorker` per
 rollout engine through the shared rank group (`rlspec.cluster.ray_group.RankGroup`: placement group, process-group
 rendezvous, the watchdog, the data-parallel split of each batch). Weights leave the trainer only through
 `weight_source()`, which runs a `sync` transport's sender half inside the ranks (all ranks join the
-ZeRO-3 gather, rank 0 sends; under ZeRO-2 rank 0 holds the full weights and sends them).
+ZeRO-3 gather, rank 0 sends; under ZeRO-1 and ZeRO-2 rank 0 holds the full weights and sends them).
 """
 
 from __future__ import annotations

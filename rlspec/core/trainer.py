@@ -27,15 +27,18 @@ OPTIMIZER_FILE = "optimizer.pt"
 ADAPTER_DIR = "adapter"
 
 
-def build_optimizer(params, algo: AlgorithmSpec) -> torch.optim.Optimizer:
-    """The policy optimizer, from the spec (shared by every backend that uses a torch optimizer)."""
+def build_optimizer(params, algo: AlgorithmSpec, fused: bool | None = None) -> torch.optim.Optimizer:
+    """The policy optimizer, from the spec (shared by every backend that uses a torch optimizer). `fused`: AdamW's
+    fused kernel; None: where every parameter is on CUDA now. A wrapper that hands the optimizer other tensors to
+    step (DeepSpeed's fp32 partitions, made on the rank's device from CPU parameters) says where they will live:
+    torch checks the device at the first step, not here."""
     params = [p for p in params if p.requires_grad]
     if algo.optimizer == "sgd":
         return torch.optim.SGD(params, lr=algo.lr, weight_decay=algo.weight_decay)
     # Fused kernels on CUDA (one launch per group of tensors, no per-step host work), where a loop over
     # tensors launches thousands of small kernels per step; the per-tensor loop on CPU, which the
     # conformance tolerances were measured with.
-    cuda = _on_cuda(params)
+    cuda = _on_cuda(params) if fused is None else fused
     return torch.optim.AdamW(params, lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2), eps=algo.adam_eps,
                              weight_decay=algo.weight_decay, foreach=False, fused=cuda or None)
 

@@ -23,6 +23,7 @@ COMMON = ["rollout.prompts_per_step=1", "algorithm.max_grad_norm=0", "algorithm.
     # the tiny model's decoder layers gathered whole (granularity 3,093 values per module), torch's linear
     ("deepspeed", ["hardware.deepspeed.module_granularity_numel=3200", "hardware.deepspeed.memory_efficient_linear=false"]),
     pytest.param("deepspeed", ["hardware.deepspeed.zero_stage=2"], id="deepspeed-zero2"),
+    pytest.param("deepspeed", ["hardware.deepspeed.zero_stage=1"], id="deepspeed-zero1"),
     pytest.param("fsdp", ["model.compile_layers=true"], marks=pytest.mark.slow, id="fsdp-compiled"),
     pytest.param("deepspeed", ["model.compile_layers=true"], marks=pytest.mark.slow, id="deepspeed-compiled"),
     pytest.param("deepspeed", ["model.compile_layers=true", "hardware.deepspeed.zero_stage=2"], marks=pytest.mark.slow,
@@ -90,3 +91,29 @@ def test_in_process_group_refuses_two_ranks():
     backend.group_class = InProcessGroup
     with pytest.raises(SpecError, match="hardware.num_trainer_ranks"):
         backend.setup(plan)
+
+
+@pytest.mark.parametrize("omp, num_threads, want", [(None, 0, 1), ("2", 0, 2), (None, 2, 2)])
+def test_in_process_rank_runs_with_an_actors_threads(monkeypatch, omp, num_threads, want):
+    """The rank's torch threads are a Ray actor's (1 for its half CPU, or OMP_NUM_THREADS, which the actor
+    inherits), or `hardware.num_threads`; this process gets its own count back at shutdown."""
+    pytest.importorskip("ray")
+    import torch
+
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    plan = compile_plan(load_spec(TINY, [*COMMON, f"hardware.num_threads={num_threads}"], "fsdp"), all_caps())
+    backend = create_backend("fsdp")
+    backend.group_class = InProcessGroup
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        backend.setup(plan)
+        assert torch.get_num_threads() == want
+        backend.shutdown()
+        assert torch.get_num_threads() == 3
+    finally:
+        backend.shutdown()
+        torch.set_num_threads(before)

@@ -10,9 +10,9 @@ from rlspec.conformance import CASES, Report, run_suite, split_label
 from rlspec.spec import SpecError
 
 CAPS = all_caps()
-VARIANTS = ("deepspeed@hardware.deepspeed.zero_stage=2",)
-"""Registered backends run with spec overrides: the whole suite each, so with -m slow (in CI a 2-rank ZeRO-2 test in
-tests/backends/deepspeed checks the same step against the single-process trainer)."""
+VARIANTS = ("deepspeed@hardware.deepspeed.zero_stage=2", "deepspeed@hardware.deepspeed.zero_stage=1")
+"""Registered backends run with spec overrides: the whole suite each, so with -m slow (in CI 2-rank ZeRO-2 and ZeRO-1
+tests in tests/backends/deepspeed check the same step against the single-process trainer)."""
 
 
 def _marks(label: str) -> list:
@@ -63,4 +63,4 @@ def test_a_variants_overrides_reach_the_backend_only():
     assert {c.backend for c in report.checks} == {"standalone@algorithm.lr=0.05"}
     assert any(c.metric == "weights/max_abs_diff" and not c.passed for c in report.checks)
     with pytest.raises(SpecError, match="hardware.deepspeed.zero_stage"):
-        run_suite(["standalone@hardware.deepspeed.zero_stage=1"], cases=["token_mean_sgd"], sync=False)
+        run_suite(["standalone@hardware.deepspeed.zero_stage=4"], cases=["token_mean_sgd"], sync=False)

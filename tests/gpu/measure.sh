@@ -5,7 +5,7 @@
 # starlette, uvicorn, httpx and their pure-Python dependencies, opentelemetry-api and annotated-doc included,
 # downloaded as wheels with `pip download --no-deps` at the versions of `pip install -e ".[all]"`).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers head headtrain decode_kernels decode_step host split ab
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers threads head headtrain decode_kernels decode_step host split ab
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 # The bench spec's token budget (algorithm.micro_batch_tokens) was 16k, then 32k, and is 64k now: a figure quoted at
@@ -66,7 +66,9 @@ for section in "$@"; do
       # for its layers eager);
       # EXTRA=<overrides> for all of them, e.g. EXTRA=rollout.prompts_per_step=32. Issue 18's deepspeed ratios
       # (backends/deepspeed/README.md): EXTRA="algorithm.steps=6 rollout.prompts_per_step=32", then EXTRA="algorithm.steps=6"
-      # with OUT set to another folder, both BACKENDS=standalone,deepspeed in one call; fsdp's (backends/fsdp/README.md,
+      # with OUT set to another folder, both BACKENDS=standalone,deepspeed in one call; ZeRO-1 beside them:
+      # BACKENDS="standalone,deepspeed@hardware.deepspeed.zero_stage=1,deepspeed" EXTRA="algorithm.steps=5", then with
+      # rollout.prompts_per_step=32 added, one call each; fsdp's (backends/fsdp/README.md,
       # one H200): BACKENDS=standalone,fsdp with the same two EXTRA values, one call each
       CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $BENCH algorithm.steps=3 ${EXTRA:-} \
         --backends ${BACKENDS:-standalone,deepspeed,fsdp} \
@@ -225,6 +227,10 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
       # RUNS="standalone deepspeed deepspeed@hardware.deepspeed.reduce_bucket_numel=500000000,hardware.deepspeed.prefetch_bucket_numel=0"
       # (one gradient bucket and no prefetching on one rank: within noise of the defaults, H200)
       # RUNS="standalone deepspeed@hardware.deepspeed.zero_stage=2 deepspeed" (ZeRO-2 against ZeRO-3 on one rank, H200)
+      # RUNS="standalone deepspeed@hardware.deepspeed.zero_stage=1 deepspeed" (ZeRO-1 against ZeRO-3 on one rank, at P=8 and
+      # P=32); RUNS="deepspeed@hardware.deepspeed.zero_stage=1,hardware.num_threads=1 deepspeed@hardware.deepspeed.zero_stage=1,model.compile_layers=false
+      # standalone@hardware.num_threads=1" (the in-process rank's thread count). These ran before InProcessGroup took a
+      # Ray actor's thread count (one): the default runs now measure what num_threads=1 measured then.
       for run in ${RUNS:-standalone fsdp deepspeed}; do
         b=${run%%@*}; extra=""; [ "$run" != "$b" ] && extra=$(echo ${run#*@} | tr , ' ')
         name=$(echo $run | tr '@=,.' '____')
@@ -234,6 +240,14 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
         [ -f /tmp/trainers.json ] && gzip -c /tmp/trainers.json > $OUT/trainers_${name}_${P:-8}.json.gz; rm -f /tmp/trainers.json
         cp $OUT/results.txt $FINAL/  # kept if the call is cut short (a run takes 1.5-2.5 min: three or four fit in one call)
       done ;;
+    threads)  # issue 18: the batch-packing CPU ops beside one in-process deepspeed rank (tests/gpu/probe_threads.py),
+      # per ZeRO stage (STAGES=, default "1 3"). The deepspeed README's 0.25 ms under both stages ran before
+      # InProcessGroup took a Ray actor's thread count (one); since then the ops after setup run on one thread.
+      for stage in ${STAGES:-1 3}; do
+        ROOT=$ROOT timeout 150 python3 $ROOT/tests/gpu/probe_threads.py $stage >> $OUT/threads.log 2>&1
+        echo "threads stage $stage exit $?" >> $OUT/results.txt
+      done
+      grep -E "^stage|^  " $OUT/threads.log >> $OUT/results.txt ;;
     servechat)  # issue 20: rlspec serve of the 0.5B-shaped preset answering 64 concurrent streaming chat requests
       python3 -m rlspec.cli serve $BENCH --port 8123 > $OUT/servechat_server.log 2>&1 & SERVER=$!
       for i in $(seq 1 120); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break; sleep 1; done

@@ -55,7 +55,7 @@ CASES = {
     "zero reduce bucket": (None, ["hardware.deepspeed.reduce_bucket_numel=0"], "hardware.deepspeed.reduce_bucket_numel"),
     "negative persistence threshold": (None, ["hardware.deepspeed.param_persistence_numel=-1"],
                                        "hardware.deepspeed.param_persistence_numel"),
-    "zero stage 1": (None, ["hardware.deepspeed.zero_stage=1"], "hardware.deepspeed.zero_stage"),
+    "zero stage 0": (None, ["hardware.deepspeed.zero_stage=0"], "hardware.deepspeed.zero_stage"),
     "impossible: parameter offload under zero 2": (None, ["backend=deepspeed", "hardware.device=cuda",
                                                           "hardware.offload_params=true", "hardware.deepspeed.zero_stage=2"],
                                                    "hardware.offload_params=true with hardware.deepspeed.zero_stage=2"),

@@ -122,11 +122,13 @@ def test_bridge_settings_are_checked():
         spec_with(backend="multi", rollout={"server_reconnect_s": -1})
 
 
-def test_parameter_offload_needs_zero3_on_deepspeed_only(monkeypatch):
-    """ZeRO-2 cannot offload parameters; the section is the deepspeed backend's, so fsdp's plan is not refused."""
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameter_offload_needs_zero3_on_deepspeed_only(monkeypatch, stage):
+    """ZeRO-1 and ZeRO-2 cannot offload parameters; the section is the deepspeed backend's, so fsdp's plan is not
+    refused."""
     monkeypatch.chdir(REPO)
-    offload = ["hardware.device=cuda", "hardware.offload_params=true", "hardware.deepspeed.zero_stage=2"]
-    with pytest.raises(SpecError, match="hardware.offload_params=true with hardware.deepspeed.zero_stage=2"):
+    offload = ["hardware.device=cuda", "hardware.offload_params=true", f"hardware.deepspeed.zero_stage={stage}"]
+    with pytest.raises(SpecError, match=f"hardware.offload_params=true with hardware.deepspeed.zero_stage={stage}"):
         build_plan("examples/tiny.yaml", offload, backend="deepspeed")
     assert build_plan("examples/tiny.yaml", offload, backend="fsdp")[0].spec.hardware.offload_params
     assert build_plan("examples/tiny.yaml", offload[:2], backend="deepspeed")[0].spec.hardware.deepspeed.zero_stage == 3

@@ -85,16 +85,18 @@ def test_matches_local_trainer_and_transports(ray_session, case):
         backend.shutdown()  # idempotent
 
 
-def test_zero2_steps_like_the_reference_and_checkpoints_cross_backends(ray_session, tmp_path):
-    """`hardware.deepspeed.zero_stage=2` on 2 ranks (AdamW; clipping at 0.05, which binds; the k1 KL to the frozen
-    reference module; 2 micro-batches a rank). The single-process trainer's checkpoint after 2 steps loads before
-    ZeRO-2's first step (its moment fragments are not linked to optimizer state yet); 2 more steps then agree with
-    the trainer's within the conformance tolerances. ZeRO-2's own checkpoint, loaded into a single-process trainer,
-    takes the next step as the uninterrupted trainer does: moments, fp32 weights and AdamW's step count all made it
-    through both ways (without moments a step moves weights by ~lr = 1e-2)."""
+@pytest.mark.parametrize("stage", [2, 1])
+def test_zero12_steps_like_the_reference_and_checkpoints_cross_backends(ray_session, tmp_path, stage):
+    """`hardware.deepspeed.zero_stage=2` (and 1) on 2 ranks (AdamW; clipping at 0.05, which binds; the k1 KL to the
+    frozen reference module; 2 micro-batches a rank). The single-process trainer's checkpoint after 2 steps loads
+    before ZeRO's first step (its moment fragments are not linked to optimizer state yet); 2 more steps then agree
+    with the trainer's within the conformance tolerances. ZeRO's own checkpoint, loaded into a single-process
+    trainer, takes the next step as the uninterrupted trainer does: moments, fp32 weights and AdamW's step count all
+    made it through both ways (without moments a step moves weights by ~lr = 1e-2)."""
     plan = make_plan("rollout.prompts_per_step=1", "algorithm.optimizer=adamw", "algorithm.lr=1e-2",
                      "algorithm.adam_eps=1e-6", "algorithm.micro_batch_size=2", "algorithm.kl_coef=0.1",
-                     "algorithm.kl_estimator=k1", "algorithm.max_grad_norm=0.05", "hardware.deepspeed.zero_stage=2")
+                     "algorithm.kl_estimator=k1", "algorithm.max_grad_norm=0.05",
+                     f"hardware.deepspeed.zero_stage={stage}")
     batch = fixed_batch()
     reference = reference_trainer(plan)
     run_steps(reference, plan, batch, steps=2)
@@ -104,12 +106,12 @@ def test_zero2_steps_like_the_reference_and_checkpoints_cross_backends(ray_sessi
         backend.setup(plan)
         backend.load(tmp_path / "single")
         got = run_steps(backend, plan, batch, steps=2)
-        backend.save(tmp_path / "zero2")
+        backend.save(tmp_path / "zero")
         have = dict(backend.export_weights())
     finally:
         backend.shutdown()
     expected = run_steps(reference, plan, batch, steps=2)
-    print(f"\nZeRO-2 (loss, grad norm, kl) per step {got}\n  reference {expected}")
+    print(f"\nZeRO-{stage} (loss, grad norm, kl) per step {got}\n  reference {expected}")
     assert all(g > 0.05 for _, g, _ in expected)  # the clipping binds
     for (loss_ref, norm_ref, kl_ref), (loss, norm, kl) in zip(expected, got, strict=True):
         assert abs(loss - loss_ref) <= TOLERANCES["loss"].bound(loss_ref)
@@ -120,12 +122,44 @@ def test_zero2_steps_like_the_reference_and_checkpoints_cross_backends(ray_sessi
     assert diff <= weights_tolerance("adamw").atol
 
     resumed = reference_trainer(plan)
-    resumed.load(tmp_path / "zero2")
+    resumed.load(tmp_path / "zero")
     run_steps(resumed, plan, batch, steps=1)
     run_steps(reference, plan, batch, steps=1)
     diff = max_weight_diff(dict(resumed.export_weights()), dict(reference.export_weights()))
-    print(f"  resumed from ZeRO-2's checkpoint, one more step: max abs weight diff {diff:.3g}")
+    print(f"  resumed from ZeRO-{stage}'s checkpoint, one more step: max abs weight diff {diff:.3g}")
     assert diff <= weights_tolerance("adamw").atol
+
+
+def test_zero1_steps_as_zero3_in_bf16_on_two_ranks(ray_session):
+    """bf16 on 2 ranks, where DeepSpeed runs ZeRO-1 as its BF16_Optimizer: each gradient added into the rank's fp32
+    accumulator by a hook during the backward, the accumulators all-reduced at the boundary (skipped only with one
+    rank). AdamW, clipping at 0.05 (it binds), 2 micro-batches a rank, 2 steps from the same weights: the first
+    step's loss and grad norm as ZeRO-3's (6.5e-5 apart relative: the two reduce gradients differently), and weights
+    after 2 steps far closer to ZeRO-3's than to where they started (1.9% of the distance). With the all-reduce
+    skipped each rank steps its partition on its own half of the batch: grad norm 4.97 against 3.26."""
+    runs = []
+    for stage in (3, 1):
+        plan = make_plan("rollout.prompts_per_step=1", "model.dtype=bfloat16", "algorithm.optimizer=adamw",
+                         "algorithm.lr=1e-2", "algorithm.micro_batch_size=2", "algorithm.max_grad_norm=0.05",
+                         f"hardware.deepspeed.zero_stage={stage}")
+        backend = create_backend("deepspeed")
+        try:
+            backend.setup(plan)
+            start = dict(backend.export_weights())
+            runs.append((run_steps(backend, plan, fixed_batch(), steps=2), dict(backend.export_weights()), start))
+        finally:
+            backend.shutdown()
+    (want, want_weights, start), (have, have_weights, _) = runs
+    def norm(a: dict, b: dict) -> float:  # L2 distance over all weights: AdamW moves a weight by about lr whatever
+        return sum(float((a[k].float() - b[k].float()).square().sum()) for k in a) ** 0.5  # its gradient's size
+
+    moved, diff = norm(want_weights, start), norm(have_weights, want_weights)
+    print(f"\nZeRO-1 (loss, grad norm, kl) per step {have}\n  ZeRO-3 {want}\n"
+          f"  L2 distance to ZeRO-3's weights {diff:.3g}, ZeRO-3's own move {moved:.3g}")
+    assert want[0][1] > 0.05
+    assert have[0][0] == pytest.approx(want[0][0], abs=1e-5)
+    assert have[0][1] == pytest.approx(want[0][1], rel=1e-3)
+    assert diff <= 0.1 * moved
 
 
 def test_cli_run_smoke_and_resume(tmp_path):

@@ -89,3 +89,18 @@ def test_zero2_keeps_the_shared_keys_and_drops_zero3s():
     assert {k: v for k, v in two.items() if k != "zero_optimization"} == {k: v for k, v in three.items() if k != "zero_optimization"}
     shared = {key for key in zero if key not in ("stage", "allgather_partitions", "allgather_bucket_size")}
     assert {key: zero[key] for key in shared} == {key: three["zero_optimization"][key] for key in shared}
+
+
+def test_zero1_accumulates_bf16_gradients_as_the_backward_makes_them():
+    """Stage 1 writes ZeRO-2's keys (no `stage3_*`, no parameter offload) and, in bf16, asks DeepSpeed's
+    BF16_Optimizer to add each gradient into its fp32 accumulator from a hook (`immediate_grad_update`); no other
+    stage's config carries that key."""
+    common = ["model.dtype=bfloat16", "algorithm.max_grad_norm=0.25", "hardware.device=cuda"]
+    one, two = (ds_config(_plan(*common, f"hardware.deepspeed.zero_stage={stage}")) for stage in (1, 2))
+    three = ds_config(_plan(*common))
+    assert one["zero_optimization"]["stage"] == 1
+    assert {k: v for k, v in one["zero_optimization"].items() if k != "stage"} == \
+        {k: v for k, v in two["zero_optimization"].items() if k != "stage"}
+    assert one["bf16"] == {"enabled": True, "immediate_grad_update": True}
+    assert two["bf16"] == three["bf16"] == {"enabled": True}
+    assert one["data_types"] == {"grad_accum_dtype": "fp32"} and one["gradient_clipping"] == 0.25

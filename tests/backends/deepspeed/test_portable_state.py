@@ -1,5 +1,6 @@
-"""The portable checkpoint between ZeRO stages, on one in-process rank each (`InProcessGroup`, no Ray): a bf16 run's
-checkpoint (weights, fp32 masters, AdamW moments and step) loads under the other stage and is saved back unchanged."""
+"""The ZeRO stages in bf16, on one in-process rank each (`InProcessGroup`, no Ray): a run's portable checkpoint
+(weights, fp32 masters, AdamW moments and step) loads under another stage and is saved back unchanged, and ZeRO-1
+(DeepSpeed's BF16_Optimizer, a different optimizer wrapper from ZeRO-2's and ZeRO-3's) steps as ZeRO-3 does."""
 
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ COMMON = ["rollout.prompts_per_step=1", "model.dtype=bfloat16", "algorithm.optim
           "algorithm.micro_batch_size=2", "algorithm.max_grad_norm=0"]
 
 
-def _backend(stage: int):
-    plan = compile_plan(load_spec(TINY, [*COMMON, f"hardware.deepspeed.zero_stage={stage}"], "deepspeed"), all_caps())
+def _backend(stage: int, *extra: str):
+    plan = compile_plan(load_spec(TINY, [*COMMON, f"hardware.deepspeed.zero_stage={stage}", *extra], "deepspeed"),
+                        all_caps())
     backend = create_backend("deepspeed")
     backend.group_class = InProcessGroup
     backend.setup(plan)
     return plan, backend
 
 
-@pytest.mark.parametrize("trained, resumed", [(2, 3), (3, 2)])
+@pytest.mark.parametrize("trained, resumed", [(2, 3), (3, 2), (1, 3), (3, 1)])
 def test_bf16_checkpoint_crosses_zero_stages_unchanged(trained, resumed, tmp_path):
     plan, backend = _backend(trained)
     try:
@@ -48,3 +50,48 @@ def test_bf16_checkpoint_crosses_zero_stages_unchanged(trained, resumed, tmp_pat
     assert all(torch.equal(have[k], want[k]) for k in want), [k for k in want if not torch.equal(have[k], want[k])][:3]
     weights = [read_safetensors_dir(tmp_path / d) for d in ("trained", "resumed")]
     assert all(torch.equal(weights[1][k], weights[0][k]) for k in weights[0])
+
+
+def test_zero1_steps_as_zero3_in_bf16_with_clipping():
+    """Four micro-batches a step, the gradient clipped (its norm is above 0.05), three steps: the same losses and
+    norms, and weights far closer to each other than to where they started (both keep fp32 masters and
+    accumulate in fp32; bf16 rounding of the weights is what may differ)."""
+    runs = []
+    for stage in (3, 1):
+        plan, backend = _backend(stage, "algorithm.max_grad_norm=0.05")
+        try:
+            start = {k: w.clone() for k, w in backend.export_weights()}
+            runs.append((run_steps(backend, plan, fixed_batch()), dict(backend.export_weights()), start))
+        finally:
+            backend.shutdown()
+    (want, want_weights, start), (have, have_weights, _) = runs
+    assert all(norm > 0.05 for _, norm, _ in want)
+    for (loss, norm, _), (want_loss, want_norm, _) in zip(have, want, strict=True):
+        assert loss == pytest.approx(want_loss, abs=1e-5)
+        assert norm == pytest.approx(want_norm, rel=1e-4)
+    moved = max(float((want_weights[k].float() - w.float()).abs().max()) for k, w in start.items())
+    diff = max(float((have_weights[k].float() - want_weights[k].float()).abs().max()) for k in want_weights)
+    assert diff <= 0.05 * moved, (diff, moved)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trained, resumed", [(1, 3), (3, 1)])
+def test_cuda_resume_steps_with_the_fused_optimizer(trained, resumed, tmp_path):
+    """On CUDA the inner AdamW is fused, which wants its step count on the device: a checkpoint resumed under
+    another stage takes its next step and counts on from the saved step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    plan, backend = _backend(trained, "hardware=gpu1")
+    try:
+        run_steps(backend, plan, fixed_batch(), steps=2)
+        backend.save(tmp_path / "trained")
+    finally:
+        backend.shutdown()
+    plan, backend = _backend(resumed, "hardware=gpu1")
+    try:
+        backend.load(tmp_path / "trained")
+        run_steps(backend, plan, fixed_batch(), steps=1)
+        backend.save(tmp_path / "resumed")
+    finally:
+        backend.shutdown()
+    assert read_optimizer_state(tmp_path / "resumed")[1] == 3
