@@ -95,3 +95,22 @@ def test_cuda_resume_steps_with_the_fused_optimizer(trained, resumed, tmp_path):
     finally:
         backend.shutdown()
     assert read_optimizer_state(tmp_path / "resumed")[1] == 3
+
+
+@pytest.mark.gpu
+def test_cuda_zero1_with_the_optimizer_offloaded_steps_as_without():
+    """`hardware.offload_optimizer` under ZeRO-1 on CUDA: DeepSpeed then runs its ZeRO-1/2 optimizer with the fp32
+    state on the host instead of the BF16_Optimizer (and rlspec's AdamW is not fused): the same steps as the
+    on-device ZeRO-1, to the rounding of the host's AdamW against the fused kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    runs = []
+    for extra in ([], ["hardware.offload_optimizer=true"]):
+        plan, backend = _backend(1, "hardware=gpu1", "algorithm.max_grad_norm=0.05", *extra)
+        try:
+            runs.append(run_steps(backend, plan, fixed_batch(), steps=3))
+        finally:
+            backend.shutdown()
+    for (loss, norm, _), (want_loss, want_norm, _) in zip(runs[1], runs[0], strict=True):
+        assert loss == pytest.approx(want_loss, abs=1e-4)
+        assert norm == pytest.approx(want_norm, rel=1e-2)
