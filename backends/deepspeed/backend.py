@@ -10,9 +10,11 @@ ZeRO-3 gather, rank 0 sends; under ZeRO-1 and ZeRO-2 rank 0 holds the full weigh
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ...cluster.ray_group import RankGroupBackend
 from ...errors import RunError
-from ...spec import BackendCaps, RunPlan
+from ...spec import BackendCaps, RunPlan, SpecError
 
 
 class DeepSpeedBackend(RankGroupBackend):
@@ -30,3 +32,17 @@ class DeepSpeedBackend(RankGroupBackend):
 
         # On CPU DeepSpeed must not pick its CUDA accelerator (transformers imports it before `setup` runs).
         self.start_group(plan, DeepSpeedWorker, {} if plan.placement.device == "cuda" else {"DS_ACCELERATOR": "cpu"})
+
+    def load(self, path) -> None:
+        """Resume from checkpoint `path` (any backend's; `worker.DeepSpeedWorker.load`). A checkpoint in DeepSpeed's
+        own ZeRO-3 layout, which an older rlspec wrote, is refused here under another stage, before any rank reads
+        it: bad input (exit 2), not a rank's failure."""
+        from .worker import ZERO_DIR
+
+        stage = self.plan.spec.hardware.deepspeed.zero_stage
+        if (Path(path) / ZERO_DIR).is_dir() and stage != 3:
+            raise SpecError("hardware.deepspeed.zero_stage",
+                            f"is {stage}, but {path} holds DeepSpeed's own ZeRO-3 checkpoint ({ZERO_DIR}, written by "
+                            "an older rlspec), which only ZeRO-3 reads",
+                            "resume with hardware.deepspeed.zero_stage=3")
+        super().load(path)

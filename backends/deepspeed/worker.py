@@ -298,10 +298,8 @@ class DeepSpeedWorker(RankWorker):
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         zero = Path(path) / ZERO_DIR
-        if zero.is_dir() and self.stage != 3:
-            raise RuntimeError(f"{path} holds DeepSpeed's own ZeRO-3 checkpoint ({ZERO_DIR}, written by an older "
-                               "rlspec), which only ZeRO-3 reads: resume it with hardware.deepspeed.zero_stage=3")
-        if zero.is_dir():  # weights (fp32 master partitions) and optimizer state, exactly as saved
+        if zero.is_dir():  # weights (fp32 master partitions) and optimizer state, exactly as saved; ZeRO-3 only
+            # (the driver's `DeepSpeedBackend.load` refuses another stage first)
             self.engine.load_checkpoint(str(zero), tag=ZERO_TAG, load_optimizer_states=True,
                                         load_lr_scheduler_states=False)
             return

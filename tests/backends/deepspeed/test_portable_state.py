@@ -114,3 +114,19 @@ def test_cuda_zero1_with_the_optimizer_offloaded_steps_as_without():
     for (loss, norm, _), (want_loss, want_norm, _) in zip(runs[1], runs[0], strict=True):
         assert loss == pytest.approx(want_loss, abs=1e-4)
         assert norm == pytest.approx(want_norm, rel=1e-2)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_old_zero3_checkpoint_under_another_stage_is_bad_input(stage, tmp_path):
+    """A checkpoint in DeepSpeed's own ZeRO-3 layout (`optimizer_zero3/`, an older rlspec's) resumed under stage 1 or 2
+    is refused by the driver before any rank reads it, with the key and the fix (exit 2 from the CLI)."""
+    from rlspec.spec import SpecError
+
+    (tmp_path / "optimizer_zero3").mkdir()
+    _, backend = _backend(stage)
+    try:
+        with pytest.raises(SpecError, match="hardware.deepspeed.zero_stage") as err:
+            backend.load(tmp_path)
+        assert "zero_stage=3" in str(err.value)
+    finally:
+        backend.shutdown()
