@@ -166,7 +166,7 @@ class ModelSpec(Section):
     compile_layers: bool = False
     """`torch.compile` each decoder layer for the train forward/backward (regional compilation, dynamic shapes so
     packed lengths do not recompile; `rlspec.core.policy.CompiledBlocks`); causal_lm on every backend (deepspeed's
-    ZeRO-3 then gathers each layer's parameters whole, as leaf modules; ZeRO-2 has no module hooks to avoid). The
+    ZeRO-3 then gathers each layer's parameters whole, as leaf modules; ZeRO-1/2 have no module hooks to avoid). The
     first step pays the compile (tens of seconds); off by default."""
     lora: LoraSpec = field(default_factory=LoraSpec)
     """LoRA settings."""

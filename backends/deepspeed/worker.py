@@ -253,7 +253,7 @@ class DeepSpeedWorker(RankWorker):
     def save(self, path: str, save_optimizer: bool) -> None:
         """HF safetensors directory (rank 0) + the portable optimizer state by parameter name
         (`rlspec.runtime.checkpoints`), gathered from the ZeRO partitions: any backend at any rank count and
-        either ZeRO stage resumes it."""
+        any ZeRO stage resumes it."""
         self.run_sender(save_gathered, (self.engine.module, self.tokenizer, Path(path)))
         if save_optimizer:
             tensors, step = self._portable_state()
@@ -326,12 +326,12 @@ class DeepSpeedWorker(RankWorker):
         if not any(f"{name}.{ADAM_KEYS[0]}" in tensors for name, _ in trained):
             return
         inner = self.optimizer.optimizer
+        # torch keeps the step count on the CPU, but on the tensor's device for the fused kernel
+        fused = any(group.get("fused") for group in inner.param_groups)
         for flat in self._master_flats():  # torch creates AdamW state lazily: create it
             entry = inner.state[flat]
             for key in ADAM_KEYS:
                 entry.setdefault(key, torch.zeros_like(flat))
-            # torch keeps the step count on the CPU, but on the tensor's device for the fused kernel
-            fused = any(group.get("fused") for group in inner.param_groups)
             entry["step"] = torch.tensor(float(step), device=flat.device if fused else "cpu")
         if self.stage != 3:
             # ZeRO-1/2 point each parameter's moment fragments into that state only after the first step (until

@@ -18,6 +18,8 @@
 # before (trl*, longtail, fsdp1's generation) re-runs as it was only from the commit it was taken at.
 # deepspeed's one-rank default became every parameter persistent at the same time: its earlier figures re-run with
 # hardware.deepspeed.param_persistence_numel=100000 (trainers: deepspeed@...; bench sections: in EXTRA or BACKENDS).
+# deepspeed's inner AdamW became torch's fused kernel on CUDA (every ZeRO stage) in the same change as ZeRO-1: its
+# earlier figures re-run as they were only from the commit they were taken at.
 # The in-process fsdp and deepspeed rank (trainers, profile sections with --backend) ran at a torch thread per core
 # until it took a Ray actor's thread count (one, as in rlspec bench): an earlier in-process figure of those backends
 # re-runs as it was with hardware.num_threads=<cores> in RUNS (the rank sets that count itself).
