@@ -160,29 +160,6 @@ def test_the_step_outside_the_layers_samples_alike_compiled_or_eager_on_cuda():
     assert torch.equal(tokens[0], tokens[1])
 
 
-def test_l2_prefetch_samples_what_the_step_without_it_samples():
-    """The decode step with its weights prefetched into L2 on a side stream (`prefetch_rows`; needs compute
-    capability 9.0) captures, and samples the same tokens and log-probs bit for bit as without: the prefetch is a
-    hint that changes no value, and the step joins the side stream before its end (fp32 tiny model, refilled slots,
-    a shrunk tail, so graphs of several pool sizes each fork and join the stream)."""
-    from rlspec.models.factory import load_model
-    from rlspec.rollout import l2_prefetch
-    from rlspec.rollout.static import GraphSampler
-    from rlspec.spec import ModelSpec
-
-    if not l2_prefetch.available(torch.device("cuda")):
-        pytest.skip("bulk L2 prefetches need compute capability 9.0")
-    model = load_model(ModelSpec(eos_hazard=0.12), 0).cuda()
-    ids = torch.randint(4, 250, (24, 5), generator=torch.Generator().manual_seed(0)).cuda()
-    mask = torch.ones_like(ids)
-    runs = [GraphSampler(model, "cuda", prefetch_rows=rows).sample(ids, mask, seed=3, max_new_tokens=40,
-                                                                  temperature=1.0, top_p=1.0,
-                                                                  eos=model.config.eos_token_id, slots=8)
-            for rows in (64, 0)]
-    assert torch.equal(runs[0][0], runs[1][0])
-    assert torch.equal(runs[0][1], runs[1][1])
-
-
 def test_a_rollout_keeps_the_allocators_cached_blocks():
     """Capturing the decode graphs must not empty the caching allocator: a colocated trainer's freed activation
     blocks stay cached through a rollout, so its next train phase allocates nothing from the driver."""

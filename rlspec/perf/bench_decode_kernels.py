@@ -158,36 +158,6 @@ def gated_mlp_rows(layers: int, hidden: int = 896, ffn: int = 4864) -> list[dict
     return out
 
 
-# (rows, block_m, block_n, block_k, warps, stages, splits): `gated_mlp` with K cut into parts (the tile's last
-# program adds them and applies the epilogue), beside its one-part default, at a few rows
-GATED_SPLIT_SWEEP = tuple((m, 16, bn, bk, w, st, sp) for m in (4, 16) for bn, bk, w, st, sp in (
-    (32, 128, 4, 3, 1), (32, 128, 4, 3, 2), (32, 128, 4, 3, 4), (32, 128, 4, 3, 7), (64, 128, 4, 3, 4),
-    (64, 128, 4, 3, 7), (16, 128, 4, 3, 2), (16, 128, 4, 3, 4), (32, 64, 4, 3, 7), (32, 128, 4, 2, 7))) + (
-    (64, 64, 32, 128, 4, 3, 1), (64, 64, 32, 128, 4, 3, 2), (64, 64, 32, 128, 4, 3, 4), (64, 64, 64, 128, 4, 3, 4))
-
-
-def gated_split_rows(layers: int, hidden: int = 896, ffn: int = 4864) -> list[dict]:
-    """`gated_mlp` over `layers` distinct weights (cold: each read from DRAM) and over one weight `layers` times
-    (hot: from L2), for each tile of `GATED_SPLIT_SWEEP`; `max_abs_diff` against the one-part kernel."""
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    weights = [torch.randn(2 * ffn, hidden, device=dev, dtype=dtype) * 0.03 for _ in range(layers)]
-    counters = torch.zeros(4096, dtype=torch.int32, device=dev)
-    out = []
-    for m, bm, bn, bk, w, st, sp in GATED_SPLIT_SWEEP:
-        config = {"block_m": bm, "block_n": bn, "block_k": bk, "warps": w, "stages": st, "splits": sp,
-                  "counters": counters}
-        x = torch.randn(m, hidden, device=dev, dtype=dtype)
-        cold = graph_us(lambda: [gated_mlp_eager(x, v, **config) for v in weights], layers)
-        hot = graph_us(lambda: [gated_mlp_eager(x, weights[0], **config) for _ in weights], layers)
-        one = gated_mlp_eager(x, weights[-1], **{**config, "splits": 1})
-        diff = (gated_mlp_eager(x, weights[-1], **config).float() - one.float()).abs().max().item()
-        out.append({"kernel": f"gated_mlp split {m}x{ffn}x{hidden}", "config": {k: v for k, v in config.items()
-                                                                                 if k != "counters"},
-                    "cold_us": round(cold, 2), "hot_us": round(hot, 2), "max_abs_diff_vs_one_part": round(diff, 4),
-                    "counters_zero": bool((counters == 0).all())})
-    return out
-
-
 HEAD = (151_936, 896)  # the 0.5B shape's vocabulary and hidden size (its tied head)
 # (block_m, block_n, block_k, warps, stages): `sampled_head` tiles timed at 64 rows besides `config_for`'s
 HEAD_SWEEP = ((64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4),
@@ -239,12 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=24, help="distinct weights / caches per replay")
     parser.add_argument("--head", action="store_true", help="time the fused LM head and race instead")
     parser.add_argument("--heads", type=int, default=4, help="distinct head weights per replay (--head)")
-    parser.add_argument("--gated-split", action="store_true", help="time gate/up with K cut into parts instead")
     args = parser.parse_args(argv)
-    if args.gated_split:
-        for row in gated_split_rows(args.layers):
-            print(json.dumps(row))
-        return
     if args.head:
         for row in run_head(args.heads):
             print(json.dumps(row))

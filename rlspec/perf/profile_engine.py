@@ -75,8 +75,6 @@ VARIANTS = {
                                           "rope_attention": False},
     "fused_layers_sdpa_halving": {**FUSED_LAYERS_SDPA, "shrink_ratio": 2},
     "fused_layers_sdpa_no_shrink": {**FUSED_LAYERS_SDPA, "shrink_tail": False},
-    "fused_layers_sdpa_prefetch": {**FUSED_LAYERS_SDPA, "prefetch_rows": 64},
-    "fused_layers_sdpa_prefetch_all": {**FUSED_LAYERS_SDPA, "prefetch_rows": 1024},
 }
 
 

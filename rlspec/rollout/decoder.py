@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import gated_mlp as gated
-from . import l2_prefetch
 from . import live_attention as live
 from . import sampled_head as head_kernel
 from .noise import keyed_exponential
@@ -62,7 +61,7 @@ class StaticDecoder:
     def __init__(self, model: torch.nn.Module, sdpa: bool = False, live_attention: bool | None = None,
                  skinny: bool | None = None, gated_mlp: bool | None = None,
                  sampled_head: bool | None = None, rope_attention: bool | None = None,
-                 skinny_qkv: bool | None = None, prefetch_rows: int | None = None) -> None:
+                 skinny_qkv: bool | None = None) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
@@ -112,13 +111,6 @@ class StaticDecoder:
         if sampled_head and not head_kernel.available(device):
             raise ValueError("sampled_head needs Triton and a CUDA model")
         self.sampled_head = head_kernel.available(device) if sampled_head is None else sampled_head
-        # Decode steps of up to `prefetch_rows` rows pull each layer's next weights into L2 on a side stream
-        # (`l2_prefetch`), where the fused weights are kept and the device has bulk prefetches; 0: never.
-        if prefetch_rows and not l2_prefetch.available(device):
-            raise ValueError("prefetch_rows needs Triton and a CUDA device of compute capability 9.0 or later")
-        self.prefetch_rows = 0 if prefetch_rows is None else prefetch_rows
-        self._prefetch: l2_prefetch.PrefetchTable | None = None
-        self._prefetch_stream = None
         self._compiled = None
         self.race = None  # the compiled `exponential_race` and `keyed_exponential`, with the compiled blocks
         self.noise = None
@@ -166,25 +158,10 @@ class StaticDecoder:
             if bqkv is not None:
                 torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=bqkv)
             torch.cat([ffn.gate_proj.weight, ffn.up_proj.weight], out=w_gate_up)
-        if self.prefetch_rows:
-            stretches = self._prefetch_stretches()
-            if self._prefetch is None or self._prefetch.pointers != l2_prefetch.pointers(stretches):
-                self._prefetch = l2_prefetch.PrefetchTable(stretches, self.head_weight.device)
-
-    def _prefetch_stretches(self) -> list[list[Tensor]]:
-        """What a decode step prefetches before layer 0 (its attention weights: q/k/v fused, output) and at the start
-        of each layer i (its MLP's fused gate/up and down, then layer i + 1's attention weights)."""
-        layers = self.model.model.layers
-        attention = [[w for w in (wqkv, bqkv, layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias)
-                      if w is not None] for layer, (wqkv, bqkv, _) in zip(layers, self._fused)]
-        mlp = [[w_gate_up, layer.mlp.down_proj.weight] for layer, (_, _, w_gate_up) in zip(layers, self._fused)]
-        return [attention[0]] + [mlp[i] + (attention[i + 1] if i + 1 < len(layers) else [])
-                                 for i in range(len(layers))]
 
     def unfuse_weights(self) -> None:
-        """Drop the fused copies (their memory goes back to the allocator) and the prefetch table of their addresses."""
+        """Drop the fused copies (their memory goes back to the allocator)."""
         self._fused = None
-        self._prefetch = None
 
     def new_cache(self, batch: int, length: int, device) -> tuple[list[Tensor], list[Tensor]]:
         shape = (batch, self.num_kv_heads, length, self.head_dim)
@@ -390,37 +367,11 @@ class StaticDecoder:
         if slots.dim() == 1:
             slots = slots.expand(ids.shape[0], -1)
         mask = self.attention_mask(allowed, lengths)
-        ahead = self._prefetcher(ids)
         x, delta, cos, sin = start(ids, positions)
         for index, (layer, k_cache, v_cache) in enumerate(zip(body.layers, keys, values)):
-            ahead(index + 1)
             x, delta = run(x, delta, self._layer_weights(index, layer), k_cache, v_cache, slots, mask, cos, sin)
-        ahead(None)
         x = end(x, delta, body.norm.weight)
         return F.linear(x, self.head_weight) if head else x
-
-    def _prefetcher(self, ids: Tensor):
-        """For a decode step of up to `prefetch_rows` rows with the weights fused: a function that, given stretch
-        s of the prefetch table, issues its L2 prefetches on a side stream forked from the current one here (None:
-        joins that stream back); it issues stretch 0 (layer 0's attention weights) at once. Otherwise a no-op."""
-        table = self._prefetch
-        if table is None or ids.shape[1] != 1 or ids.shape[0] > self.prefetch_rows:
-            return lambda stretch: None
-        main = torch.cuda.current_stream(ids.device)
-        if self._prefetch_stream is None:
-            self._prefetch_stream = torch.cuda.Stream(ids.device)
-        side = self._prefetch_stream
-
-        def ahead(stretch: int | None) -> None:
-            if stretch is None:
-                main.wait_stream(side)
-                return
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                table.prefetch(stretch)
-
-        ahead(0)
-        return ahead
 
     def _start(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The embedded tokens, a zero MLP delta for the first layer, and the RoPE cos/sin [b, 1, T, D]."""

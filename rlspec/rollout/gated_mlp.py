@@ -27,18 +27,17 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _gated_mlp(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, sx_m, sw_n, so_m, CHUNK: tl.constexpr,
-                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gated_mlp(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
         # M blocks on the fastest axis: programs sharing a weight block run side by side (its reread hits L2)
         m_block = tl.program_id(0)
         n_block = tl.program_id(1)
-        split = tl.program_id(2)
         rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for start in range(split * CHUNK, tl.minimum(split * CHUNK + CHUNK, K), BLOCK_K):
+        for start in range(0, K, BLOCK_K):
             k = start + ks
             x = tl.load(x_ptr + rows[:, None] * sx_m + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                         other=0.0)
@@ -47,32 +46,12 @@ if triton is not None:
             wu = tl.load(w_ptr + (N + cols[:, None]) * sw_n + k[None, :], mask=w_mask, other=0.0)
             gate += tl.dot(x, tl.trans(wg))
             up += tl.dot(x, tl.trans(wu))
-        tile = rows[:, None] * N + cols[None, :]
-        inside = (rows[:, None] < M) & (cols[None, :] < N)
-        last = True
-        if SPLITS > 1:
-            # K cut into parts: each program writes its fp32 gate and up parts; the tile's last program to finish
-            # (a counter per tile) adds them in part order, so the sum does not depend on which finished last,
-            # applies the epilogue and sets the counter back to zero for the next call.
-            tl.store(part_ptr + (2 * split) * M * N + tile, gate, mask=inside)
-            tl.store(part_ptr + (2 * split + 1) * M * N + tile, up, mask=inside)
-            counter = count_ptr + m_block * tl.num_programs(1) + n_block
-            tl.debug_barrier()  # every thread's stores before the counter's release
-            last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1
-            if last:
-                gate = tl.load(part_ptr + tile, mask=inside, other=0.0, cache_modifier=".cg")
-                up = tl.load(part_ptr + M * N + tile, mask=inside, other=0.0, cache_modifier=".cg")
-                for part in tl.static_range(1, SPLITS):
-                    gate += tl.load(part_ptr + (2 * part) * M * N + tile, mask=inside, other=0.0, cache_modifier=".cg")
-                    up += tl.load(part_ptr + (2 * part + 1) * M * N + tile, mask=inside, other=0.0,
-                                  cache_modifier=".cg")
-                tl.atomic_xchg(counter, 0)
-        if last:
-            dtype = out_ptr.dtype.element_ty
-            g = gate.to(dtype).to(tl.float32)
-            u = up.to(dtype).to(tl.float32)
-            y = g / (1.0 + tl.exp(-g)) * u
-            tl.store(out_ptr + rows[:, None] * so_m + cols[None, :], y.to(dtype), mask=inside)
+        dtype = out_ptr.dtype.element_ty
+        g = gate.to(dtype).to(tl.float32)
+        u = up.to(dtype).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * u
+        tl.store(out_ptr + rows[:, None] * so_m + cols[None, :], y.to(dtype),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 def config_for(m: int) -> dict:
@@ -85,22 +64,13 @@ def config_for(m: int) -> dict:
 
 
 def _launch(launch, x: Tensor, weight: Tensor, block_m: int, block_n: int, block_k: int, warps: int = 4,
-            stages: int = 3, splits: int = 1, counters: Tensor | None = None) -> Tensor:
+            stages: int = 3) -> Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2
-    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # each part a whole number of K blocks
-    splits = triton.cdiv(k, chunk)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    parts = out
-    if splits > 1:
-        if counters is None or counters.numel() < grid[0] * grid[1]:
-            raise ValueError(f"gated_mlp with {splits} parts needs zeroed counters for {grid[0] * grid[1]} tiles")
-        parts = torch.empty(2 * splits, m, n, dtype=torch.float32, device=x.device)
-    launch(_gated_mlp)[grid](
-        x, weight, out, parts, out if counters is None else counters, m, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), CHUNK=chunk, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages)
+    launch(_gated_mlp)[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
 

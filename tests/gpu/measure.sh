@@ -5,7 +5,7 @@
 # starlette, uvicorn, httpx and their pure-Python dependencies, opentelemetry-api and annotated-doc included,
 # downloaded as wheels with `pip download --no-deps` at the versions of `pip install -e ".[all]"`).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers threads head headtrain decode_kernels gated_split decode_step host split ab
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers threads head headtrain decode_kernels decode_step host split ab
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 # The bench spec's token budget (algorithm.micro_batch_tokens) was 16k, then 32k, and is 64k now: a figure quoted at
@@ -117,10 +117,6 @@ for section in "$@"; do
         ${REFERENCE---reference trl} \
         --out /tmp/b_longtail > $OUT/longtail.log 2>&1; echo "exit $?" >> $OUT/results.txt
       keep longtail /tmp/b_longtail; tail -20 $OUT/longtail.log >> $OUT/results.txt ;;
-    gated_split)  # issue 19: gate/up with K cut into parts (each tile's last program adds them), beside one part, at
-      # 4, 16 and 64 rows, over 24 distinct weights (cold) and one weight 24 times (hot: from L2)
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.bench_decode_kernels --gated-split > $OUT/gated_split.txt 2>&1
-      echo "gated_split exit $?" >> $OUT/results.txt; cat $OUT/gated_split.txt >> $OUT/results.txt ;;
     decode_step)  # issue 19: the fixed 64 x 256 batch's decode step alone, for the profile_engine variants VARIANTS=...
       # (default: the default step, and the same with the work outside the decoder layers run eagerly); EXTRA=
       # overrides (a few rows: EXTRA="rollout.prompts_per_step=1 algorithm.group_size=4 algorithm.micro_batch_size=4"),

@@ -117,19 +117,13 @@ def _check_gated(dtype, device, tolerance):
         x = torch.randn(m, k, dtype=dtype, device=device)
         weight = (torch.randn(2 * f, k, device=device) / k ** 0.5).to(dtype)
         expected = _gated_reference(x, weight).float()
-        counters = torch.zeros(64, dtype=torch.int32, device=device)
         configs = (gated_config_for(m),
                    {"block_m": 16, "block_n": 32, "block_k": 64, "warps": 4, "stages": 2},
-                   {"block_m": 64, "block_n": 16, "block_k": 128, "warps": 8, "stages": 3},
-                   # K cut into 2 and 3 parts (the last part shorter), added by each tile's last program
-                   {"block_m": 16, "block_n": 16, "block_k": 32, "warps": 4, "stages": 2, "splits": 2},
-                   {"block_m": 16, "block_n": 32, "block_k": 32, "warps": 4, "stages": 2, "splits": 3})
+                   {"block_m": 64, "block_n": 16, "block_k": 128, "warps": 8, "stages": 3})
         for config in configs:
-            for _ in range(2):  # twice: the counters are back at zero after a call
-                out = gated_mlp_eager(x, weight, counters=counters, **config)
-                assert out.shape == (m, f) and out.dtype == dtype
-                torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
-                assert not counters.any()
+            out = gated_mlp_eager(x, weight, **config)
+            assert out.shape == (m, f) and out.dtype == dtype
+            torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
 def _interpreted() -> None:
