@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra; under `.devicepkgs/extra` TRL 1.16
 # with datasets, dill, multiprocess for the TRL reference row, and the serve stack the server's tests need: fastapi,
 # starlette, uvicorn, httpx and their pure-Python dependencies, opentelemetry-api and annotated-doc included,
-# downloaded as wheels with `pip download --no-deps` at the versions of `pip install -e ".[all]"`).
+# downloaded as wheels by `bash tests/gpu/pack_extra.sh`).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
 # Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers threads head headtrain decode_kernels decode_step host split ab
 # scale7b weak15b sync7b engines2.
@@ -23,6 +23,9 @@
 # The in-process fsdp and deepspeed rank (trainers, profile sections with --backend) ran at a torch thread per core
 # until it took a Ray actor's thread count (one, as in rlspec bench): an earlier in-process figure of those backends
 # re-runs as it was with hardware.num_threads=<cores> in RUNS (the rank sets that count itself).
+# Two experiments on the few-row decode step were taken out again: the L2 prefetch (profile_engine's variants
+# fused_layers_sdpa_prefetch and _prefetch_all) and the split-K gate/up (section gated_split); their figures re-run
+# only from the commits that had them, 9c4b995 and aa19e34.
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}
