@@ -28,7 +28,7 @@
 # only from the commits that had them, 9c4b995 and aa19e34.
 set -u
 ROOT=$PWD
-FINAL=${OUT:?set OUT}
+FINAL=${OUT:?set OUT}; mkdir -p "$FINAL"  # a new subfolder of the device tool's $OUT is made here
 OUT=/tmp/measure; mkdir -p $OUT  # everything lands here; $FINAL gets results.txt and one all.tgz after each section
 source .devicepkgs/install.sh
 if [ ! -f /tmp/site/.extra ]; then  # a warm machine keeps these from the last call
