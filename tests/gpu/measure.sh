@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements quoted in the READMEs, as run on the GPU machine (no network) from the project root
-# with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra; under `.devicepkgs/extra` TRL 1.16
-# with datasets, dill, multiprocess for the TRL reference row, and the serve stack the server's tests need: fastapi,
-# starlette, uvicorn, httpx and their pure-Python dependencies, opentelemetry-api and annotated-doc included,
-# downloaded as wheels by `bash tests/gpu/pack_extra.sh`).
+# with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra; under `.devicepkgs/extra` the wheels
+# `bash tests/gpu/pack_extra.sh` downloads, whose header lists them: the serve stack, the openai client, TRL).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
 # Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers threads head headtrain decode_kernels decode_step host split ab
 # scale7b weak15b sync7b engines2.
