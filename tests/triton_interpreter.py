@@ -12,13 +12,14 @@ import pytest
 
 def allow_scalar_loop_bounds() -> None:
     """The interpreter (Triton 3.5) holds a scalar (a loaded value, a kernel argument in arithmetic) as a
-    1-element array, which a loop bound cannot take: give its tensors `__index__`."""
+    1-element array, which a loop bound cannot take: give its tensors `__index__` (Triton 3.6 passes a patch scope
+    as well, and sets one that NumPy 2 may refuse for a 1-element array of one dimension)."""
     import triton.runtime.interpreter as interpreter
 
     patch = interpreter._patch_lang_tensor
 
-    def patched(tensor):
-        patch(tensor)
+    def patched(tensor, *scope):
+        patch(tensor, *scope)
         tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
 
     interpreter._patch_lang_tensor = patched
