@@ -171,8 +171,7 @@ class StaticDecoder:
                 torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=bqkv)
             torch.cat([ffn.gate_proj.weight, ffn.up_proj.weight], out=w_gate_up)
         if self.persistent_layers != "off" and self._sync_counter is None:  # zero between launches: each resets it
-            self._sync_counter = torch.zeros(persistent.counter_size(persistent.MAX_ROWS, self.num_kv_heads),
-                                             dtype=torch.int32, device=self.head_weight.device)
+            self._sync_counter = torch.zeros(1, dtype=torch.int32, device=self.head_weight.device)
 
     def unfuse_weights(self) -> None:
         """Drop the fused copies (their memory goes back to the allocator)."""

@@ -13,12 +13,12 @@ the arithmetic is theirs:
    `StaticDecoder._summed`), and the first RMS norm: one program a row;
 1. the fused q/k/v projection split over K (`skinny_linear.skinny_tile`);
 2. attention with RoPE and the new K/V's cache writes, adding q/k/v's parts and bias
-   (`live_attention.attention_program`); where a row's positions are split, the last of a (row, K/V head)'s
-   parts to finish merges them (`live_attention.merge_program`, in split order): no phase of its own;
-3. the output projection split over K;
-4. the stream plus its parts, and the second RMS norm;
-5. gate/up with silu(gate) * up (`gated_mlp.gated_tile`);
-6. the down projection split over K: its fp32 parts go out as the compiled layer's MLP output does, for the
+   (`live_attention.attention_program`);
+3. where a row's positions are split, the merge of the parts (`live_attention.merge_program`);
+4. the output projection split over K;
+5. the stream plus its parts, and the second RMS norm;
+6. gate/up with silu(gate) * up (`gated_mlp.gated_tile`);
+7. the down projection split over K: its fp32 parts go out as the compiled layer's MLP output does, for the
    next layer's phase 0 (or the final norm) to add.
 Each split-K phase takes as many parts as keep its tiles within one round of the grid.
 
@@ -56,19 +56,6 @@ if triton is not None:
         while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < arrivals:
             pass
         tl.debug_barrier()
-
-    @triton.jit
-    def _merge_when_last(arrivals_ptr, first_head, part_ptr, stat_ptr, out_ptr, GROUP: tl.constexpr,
-                         D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-        """Count this program's attention part in; the last of the `SPLITS` to arrive merges the `GROUP` heads from
-        `first_head` (`merge_program`, parts in split order whoever arrives last) and sets the count back to zero.
-        A merge phase of its own would cost a grid-wide sync."""
-        tl.debug_barrier()
-        if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            tl.debug_barrier()
-            for g in range(GROUP):
-                merge_program(first_head + g, part_ptr, stat_ptr, out_ptr, D, SPLITS, BLOCK_S)
-            tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _residual_norm(x_ptr, parts_ptr, parts, s_part, w_ptr, stream_ptr, normed_ptr, row, eps,
@@ -122,19 +109,22 @@ if triton is not None:
             _sync(counter_ptr, syncs * programs)
         if SYNC or PHASE == 2:
             for task in range(pid, M * KV_HEADS * ATT_SPLITS, programs):
-                row = task // (KV_HEADS * ATT_SPLITS)
-                kv = (task // ATT_SPLITS) % KV_HEADS
-                attention_program(row, kv, task % ATT_SPLITS, qkv_ptr, k_ptr, v_ptr, valid_ptr, length_ptr, att_ptr,
-                                  att_part_ptr, att_stat_ptr, cos_ptr, sin_ptr, write_ptr, bqkv_ptr, QKV_N, D, sk_b,
-                                  sk_h, sk_s, sk_b, sk_h, sk_s, s_valid, s_rope, M * QKV_N, SCALE_LOG2, GROUP, BLOCK_G,
-                                  D, HEADS, ATT_BLOCK, ATT_SPLITS, MASKED, True, QKV_SPLITS, HAS_BIAS)
-                if ATT_SPLITS > 1:  # the last of this row's parts for this K/V head to finish merges them
-                    _merge_when_last(counter_ptr + 1 + row * KV_HEADS + kv, row * HEADS + kv * GROUP, att_part_ptr,
-                                     att_stat_ptr, att_ptr, GROUP, D, ATT_SPLITS, BLOCK_S)
+                attention_program(task // (KV_HEADS * ATT_SPLITS), (task // ATT_SPLITS) % KV_HEADS, task % ATT_SPLITS,
+                                  qkv_ptr, k_ptr, v_ptr, valid_ptr, length_ptr, att_ptr, att_part_ptr, att_stat_ptr,
+                                  cos_ptr, sin_ptr, write_ptr, bqkv_ptr, QKV_N, D, sk_b, sk_h, sk_s, sk_b, sk_h, sk_s,
+                                  s_valid, s_rope, M * QKV_N, SCALE_LOG2, GROUP, BLOCK_G, D, HEADS, ATT_BLOCK,
+                                  ATT_SPLITS, MASKED, True, QKV_SPLITS, HAS_BIAS)
+        if ATT_SPLITS > 1:
+            if SYNC:
+                syncs += 1
+                _sync(counter_ptr, syncs * programs)
+            if SYNC or PHASE == 3:
+                for head in range(pid, M * HEADS, programs):
+                    merge_program(head, att_part_ptr, att_stat_ptr, att_ptr, D, ATT_SPLITS, BLOCK_S)
         if SYNC:
             syncs += 1
             _sync(counter_ptr, syncs * programs)
-        if SYNC or PHASE == 3:
+        if SYNC or PHASE == 4:
             blocks = tl.cdiv(HID, BLOCK_N)
             for tile in range(pid, blocks * O_SPLITS, programs):
                 skinny_tile(att_ptr, wo_ptr, o_ptr, M, HID, HEADS * D, HEADS * D, HEADS * D, tile % blocks,
@@ -142,20 +132,20 @@ if triton is not None:
         if SYNC:
             syncs += 1
             _sync(counter_ptr, syncs * programs)
-        if SYNC or PHASE == 4:
+        if SYNC or PHASE == 5:
             for row in range(pid, M, programs):
                 _residual_norm(stream_ptr, o_ptr, O_SPLITS, M * HID, norm2_ptr, x_out_ptr, normed_ptr, row, eps, HID,
                                BLOCK_H)
         if SYNC:
             syncs += 1
             _sync(counter_ptr, syncs * programs)
-        if SYNC or PHASE == 5:
+        if SYNC or PHASE == 6:
             for tile in range(pid, tl.cdiv(FFN, BLOCK_N), programs):
                 gated_tile(normed_ptr, wgu_ptr, y_ptr, M, FFN, HID, HID, HID, FFN, 0, tile, BLOCK_M, BLOCK_N, BLOCK_K)
         if SYNC:
             syncs += 1
             _sync(counter_ptr, syncs * programs)
-        if SYNC or PHASE == 6:
+        if SYNC or PHASE == 7:
             blocks = tl.cdiv(HID, BLOCK_N)
             down_splits = tl.cdiv(FFN, DOWN_CHUNK)
             for tile in range(pid, blocks * down_splits, programs):
@@ -171,11 +161,6 @@ def _splits(n: int, k: int, block_n: int, block_k: int, programs: int) -> tuple[
     return skinny_linear.chunking(k, max(1, min(programs // -(-n // block_n), k // block_k)), block_k)
 
 
-def counter_size(rows: int, kv_heads: int) -> int:
-    """The int32 counters `decode_layer` takes: the grid's sync count, then one a (row, K/V head)."""
-    return 1 + rows * kv_heads
-
-
 def decode_layer(x: Tensor, delta: Tensor, norm1: Tensor, wqkv: Tensor, bqkv: Tensor | None, keys: Tensor,
                  values: Tensor, valid: Tensor, lengths: Tensor, write: Tensor, cos: Tensor, sin: Tensor,
                  wo: Tensor, norm2: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float, scale: float, heads: int,
@@ -186,8 +171,8 @@ def decode_layer(x: Tensor, delta: Tensor, norm1: Tensor, wqkv: Tensor, bqkv: Te
 
     wqkv [(heads + 2 Hkv) D, H] and bqkv (or None): the fused q/k/v projection; caches [B >= M, Hkv, S, D] with
     valid [B, S] uint8, lengths [B] and write [B] as `live_attention.live_attention_rope` takes them; cos and sin
-    [M, D]; wo [H, heads D] (no bias); w_gate_up [2F, H] fused; w_down [H, F]. `counter`: at least
-    `counter_size(M, Hkv)` int32 on the device, zero between launches (each launch sets them back). `phased`: one launch a phase, no syncs (see the module)."""
+    [M, D]; wo [H, heads D] (no bias); w_gate_up [2F, H] fused; w_down [H, F]. `counter`: one int32 on the device,
+    zero between launches (each launch sets it back). `phased`: one launch a phase, no syncs (see the module)."""
     rows, hidden = x.shape
     if rows > MAX_ROWS:
         raise ValueError(f"decode_layer takes at most {MAX_ROWS} rows, got {rows}")
@@ -226,10 +211,10 @@ def decode_layer(x: Tensor, delta: Tensor, norm1: Tensor, wqkv: Tensor, bqkv: Te
                      BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, HEADS=heads, KV_HEADS=kv_heads,
                      ATT_BLOCK=BLOCK_N, ATT_SPLITS=att_splits, BLOCK_S=triton.next_power_of_2(att_splits),
                      MASKED=_MASKED, HAS_BIAS=bqkv is not None, num_warps=4, num_stages=3)
-    if counter.numel() < counter_size(rows, kv_heads):
-        raise ValueError(f"decode_layer needs {counter_size(rows, kv_heads)} counters, got {counter.numel()}")
     if phased:
-        for phase in range(7):
+        for phase in range(8):
+            if phase == 3 and att_splits == 1:
+                continue
             _decode_layer[(programs,)](*args, PHASE=phase, SYNC=False, **constants)
     else:
         _decode_layer[(programs,)](*args, PHASE=-1, SYNC=True, launch_cooperative_grid=True, **constants)

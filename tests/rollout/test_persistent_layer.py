@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlspec.rollout.persistent_layer import counter_size, decode_layer
+from rlspec.rollout.persistent_layer import decode_layer
 from tests.rollout.test_decode_kernels import _decode_layers, _rotate
 from tests.triton_interpreter import allow_scalar_loop_bounds, run_interpreted
 
@@ -84,10 +84,10 @@ def _run(case, heads, eps, counter, **kwargs):
 
 
 def _check(dtype, device, tolerance, rows_cases=(5, 1), **kwargs):
-    """Stream, MLP output and caches against `_expected`, with a long cache (the rows' positions split: the last
-    part to finish merges) and a short one (not split)."""
+    """Stream, MLP output and caches against `_expected`, with a long cache (the rows' positions split: the merge
+    phase runs) and a short one (not split)."""
     eps = 1e-6
-    counter = torch.zeros(counter_size(max(rows_cases), 2), dtype=torch.int32, device=device)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
     for rows in rows_cases:
         for length in (520, 16):
             case, heads = _layer_case(dtype, device, rows, length=length)
@@ -122,7 +122,7 @@ def test_persistent_layers_step_matches_the_compiled_layers_on_cuda():
     compiled = _decode_layers({})
     for mode in ("synced", "phased"):
         fused = _decode_layers({"persistent_layers": mode})
-        torch.testing.assert_close(fused[0], compiled[0], atol=0.1, rtol=0.05)
+        torch.testing.assert_close(fused[0], compiled[0], atol=0.15, rtol=0.05)
         assert (fused[0].argmax(-1) == compiled[0].argmax(-1)).float().mean() > 0.95
         for ours, theirs in zip(fused[1] + fused[2], compiled[1] + compiled[2]):
             torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
@@ -140,7 +140,7 @@ def test_synced_layers_sample_in_captured_graphs_what_phased_layers_sample():
 
     model = load_model(ModelSpec(preset="qwen2_0p5b_shape", dtype="bfloat16", attn_implementation="sdpa"), 0).cuda()
     torch.manual_seed(3)
-    ids = torch.randint(0, 1000, (24, 12))
+    ids = torch.randint(0, 1000, (24, 12), device="cuda")
     mask = torch.ones_like(ids)
     mask[::3, :4] = 0
     out = {}
