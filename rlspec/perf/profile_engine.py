@@ -75,10 +75,6 @@ VARIANTS = {
                                           "rope_attention": False},
     "fused_layers_sdpa_halving": {**FUSED_LAYERS_SDPA, "shrink_ratio": 2},
     "fused_layers_sdpa_no_shrink": {**FUSED_LAYERS_SDPA, "shrink_tail": False},
-    "fused_layers_sdpa_persistent": {**FUSED_LAYERS_SDPA, "persistent_layers": "synced"},
-    "fused_layers_sdpa_persistent1": {**FUSED_LAYERS_SDPA, "persistent_layers": "synced", "programs_per_sm": 1},
-    "fused_layers_sdpa_persistent3": {**FUSED_LAYERS_SDPA, "persistent_layers": "synced", "programs_per_sm": 3},
-    "fused_layers_sdpa_phased": {**FUSED_LAYERS_SDPA, "persistent_layers": "phased"},
 }
 
 

@@ -27,7 +27,6 @@ from torch import Tensor
 
 from . import gated_mlp as gated
 from . import live_attention as live
-from . import persistent_layer as persistent
 from . import sampled_head as head_kernel
 from .noise import keyed_exponential
 from .sampling import exponential_race
@@ -62,8 +61,7 @@ class StaticDecoder:
     def __init__(self, model: torch.nn.Module, sdpa: bool = False, live_attention: bool | None = None,
                  skinny: bool | None = None, gated_mlp: bool | None = None,
                  sampled_head: bool | None = None, rope_attention: bool | None = None,
-                 skinny_qkv: bool | None = None, persistent_layers: str = "off",
-                 programs_per_sm: int = 2) -> None:
+                 skinny_qkv: bool | None = None) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
@@ -113,16 +111,6 @@ class StaticDecoder:
         if sampled_head and not head_kernel.available(device):
             raise ValueError("sampled_head needs Triton and a CUDA model")
         self.sampled_head = head_kernel.available(device) if sampled_head is None else sampled_head
-        # Decode steps of up to `persistent.MAX_ROWS` rows with fused weights may run each layer as one resident
-        # kernel (`persistent_layer`): "synced" (grid-wide syncs between its phases) or "phased" (the same phases, a
-        # launch each); "off" keeps the compiled layer.
-        if persistent_layers not in ("off", "synced", "phased"):
-            raise ValueError(f"persistent_layers must be 'off', 'synced' or 'phased', got {persistent_layers!r}")
-        if persistent_layers != "off" and not (self.rope_attention and self.skinny_qkv and self.gated_mlp):
-            raise ValueError("persistent_layers needs rope_attention, skinny_qkv and gated_mlp (Triton on CUDA)")
-        self.persistent_layers = persistent_layers
-        self.programs_per_sm = programs_per_sm
-        self._sync_counter: Tensor | None = None
         self._compiled = None
         self.race = None  # the compiled `exponential_race` and `keyed_exponential`, with the compiled blocks
         self.noise = None
@@ -170,8 +158,6 @@ class StaticDecoder:
             if bqkv is not None:
                 torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=bqkv)
             torch.cat([ffn.gate_proj.weight, ffn.up_proj.weight], out=w_gate_up)
-        if self.persistent_layers != "off" and self._sync_counter is None:  # zero between launches: each resets it
-            self._sync_counter = torch.zeros(1, dtype=torch.int32, device=self.head_weight.device)
 
     def unfuse_weights(self) -> None:
         """Drop the fused copies (their memory goes back to the allocator)."""
@@ -382,33 +368,10 @@ class StaticDecoder:
             slots = slots.expand(ids.shape[0], -1)
         mask = self.attention_mask(allowed, lengths)
         x, delta, cos, sin = start(ids, positions)
-        if self._runs_persistent(ids, mask):
-            x, delta = self._persistent_layers(x, delta, keys, values, slots, mask, cos, sin)
-        else:
-            for index, (layer, k_cache, v_cache) in enumerate(zip(body.layers, keys, values)):
-                x, delta = run(x, delta, self._layer_weights(index, layer), k_cache, v_cache, slots, mask, cos, sin)
+        for index, (layer, k_cache, v_cache) in enumerate(zip(body.layers, keys, values)):
+            x, delta = run(x, delta, self._layer_weights(index, layer), k_cache, v_cache, slots, mask, cos, sin)
         x = end(x, delta, body.norm.weight)
         return F.linear(x, self.head_weight) if head else x
-
-    def _runs_persistent(self, ids: Tensor, mask) -> bool:
-        """Whether this forward is a decode step the persistent layers run (`persistent_layers`)."""
-        return (self.persistent_layers != "off" and self._fused is not None and isinstance(mask, tuple)
-                and ids.shape[1] == 1 and ids.shape[0] <= persistent.MAX_ROWS
-                and all(layer.self_attn.o_proj.bias is None for layer in self.model.model.layers))
-
-    def _persistent_layers(self, x: Tensor, delta: Tensor, keys: list[Tensor], values: list[Tensor], slots: Tensor,
-                           mask: tuple[Tensor, Tensor], cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """The decoder layers of a decode step as `persistent_layer.decode_layer` kernels, one a layer: the stream
-        [b, 1, H] and the last MLP output as parts [P, b, 1, H], as the compiled layers return them."""
-        b = x.shape[0]
-        x, delta, cos, sin = x[:, 0], delta[:, :, 0], cos.reshape(b, -1), sin.reshape(b, -1)
-        for index, (layer, k_cache, v_cache) in enumerate(zip(self.model.model.layers, keys, values)):
-            norm1, (wqkv, bqkv), wo, _, norm2, (w_gate_up, w_down) = self._layer_weights(index, layer)
-            x, delta = persistent.decode_layer(x, delta, norm1, wqkv, bqkv, k_cache, v_cache, *mask, slots[:, 0], cos,
-                                               sin, wo, norm2, w_gate_up, w_down, self.eps, self.scaling,
-                                               self.num_heads, self._sync_counter, self.programs_per_sm,
-                                               phased=self.persistent_layers == "phased")
-        return x[:, None], delta[:, :, None]
 
     def _start(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The embedded tokens, a zero MLP delta for the first layer, and the RoPE cos/sin [b, 1, T, D]."""

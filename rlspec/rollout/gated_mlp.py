@@ -27,10 +27,11 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def gated_tile(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m, m_block, n_block, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One program's work: output tile (`m_block`, `n_block`). Also a phase of the persistent decode layer
-        (`persistent_layer`)."""
+    def _gated_mlp(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+        # M blocks on the fastest axis: programs sharing a weight block run side by side (its reread hits L2)
+        m_block = tl.program_id(0)
+        n_block = tl.program_id(1)
         rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
@@ -51,13 +52,6 @@ if triton is not None:
         y = g / (1.0 + tl.exp(-g)) * u
         tl.store(out_ptr + rows[:, None] * so_m + cols[None, :], y.to(dtype),
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
-
-    @triton.jit
-    def _gated_mlp(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-        # M blocks on the fastest axis: programs sharing a weight block run side by side (its reread hits L2)
-        gated_tile(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m, tl.program_id(0), tl.program_id(1), BLOCK_M,
-                   BLOCK_N, BLOCK_K)
 
 
 def config_for(m: int) -> dict:

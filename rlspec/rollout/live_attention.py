@@ -92,14 +92,15 @@ if triton is not None:
         return (x * cos + tl.where(d < D // 2, -partner, partner) * sin).to(dtype)
 
     @triton.jit
-    def attention_program(b, kv, split, q_ptr, k_ptr, v_ptr, valid_ptr, length_ptr, out_ptr, part_ptr, stat_ptr,
-                          cos_ptr, sin_ptr, write_ptr, bias_ptr, sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
-                          s_valid, s_rope, s_part, SCALE_LOG2: tl.constexpr, GROUP: tl.constexpr,
-                          BLOCK_G: tl.constexpr, D: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr,
-                          SPLITS: tl.constexpr, MASKED: tl.constexpr, ROPE: tl.constexpr,
-                          QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """Row `b`, K/V head `kv`, part `split` of the row's positions (see the module's docstring). Also a phase of
-        the persistent decode layer (`persistent_layer`)."""
+    def _live_attention_parts(q_ptr, k_ptr, v_ptr, valid_ptr, length_ptr, out_ptr, part_ptr, stat_ptr,
+                              cos_ptr, sin_ptr, write_ptr, bias_ptr, sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
+                              s_valid, s_rope, s_part, SCALE_LOG2: tl.constexpr, GROUP: tl.constexpr,
+                              BLOCK_G: tl.constexpr, D: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr,
+                              SPLITS: tl.constexpr, MASKED: tl.constexpr, ROPE: tl.constexpr,
+                              QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+        b = tl.program_id(0)
+        kv = tl.program_id(1)
+        split = tl.program_id(2)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, D)
         offsets = tl.arange(0, BLOCK)
@@ -158,21 +159,9 @@ if triton is not None:
             tl.store(stat_ptr + row * 2 + 1, total, mask=in_group)
 
     @triton.jit
-    def _live_attention_parts(q_ptr, k_ptr, v_ptr, valid_ptr, length_ptr, out_ptr, part_ptr, stat_ptr,
-                              cos_ptr, sin_ptr, write_ptr, bias_ptr, sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
-                              s_valid, s_rope, s_part, SCALE_LOG2: tl.constexpr, GROUP: tl.constexpr,
-                              BLOCK_G: tl.constexpr, D: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr,
-                              SPLITS: tl.constexpr, MASKED: tl.constexpr, ROPE: tl.constexpr,
-                              QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
-        attention_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr, valid_ptr,
-                          length_ptr, out_ptr, part_ptr, stat_ptr, cos_ptr, sin_ptr, write_ptr, bias_ptr, sq_b, sq_h,
-                          sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, s_valid, s_rope, s_part, SCALE_LOG2, GROUP, BLOCK_G, D,
-                          H, BLOCK, SPLITS, MASKED, ROPE, QKV_PARTS, HAS_BIAS)
-
-    @triton.jit
-    def merge_program(head, part_ptr, stat_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
-                      BLOCK_S: tl.constexpr):
-        """The parts of query head `head` (b * H + h) merged into its output."""
+    def _live_attention_merge(part_ptr, stat_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
+                              BLOCK_S: tl.constexpr):
+        head = tl.program_id(0)  # b * H + h
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, D)
         used = s < SPLITS
@@ -182,11 +171,6 @@ if triton is not None:
         weight = tl.exp2(m - tl.max(m, 0))
         out = tl.sum(acc * weight[:, None], 0) / tl.sum(total * weight, 0)
         tl.store(out_ptr + head * D + d, out.to(out_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _live_attention_merge(part_ptr, stat_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
-                              BLOCK_S: tl.constexpr):
-        merge_program(tl.program_id(0), part_ptr, stat_ptr, out_ptr, D, SPLITS, BLOCK_S)
 
 
 def _launch(launch, q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, lengths: Tensor, scale: float,

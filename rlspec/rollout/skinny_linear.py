@@ -22,10 +22,11 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def skinny_tile(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, n_block, split, m_block, CHUNK: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One program's work: part `split` of output tile (`m_block`, `n_block`), written to out[split] (fp32).
-        Also a phase of the persistent decode layer (`persistent_layer`)."""
+    def _skinny_linear_parts(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, CHUNK: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        n_block = tl.program_id(0)
+        split = tl.program_id(1)
+        m_block = tl.program_id(2)
         rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
@@ -40,12 +41,6 @@ if triton is not None:
         tl.store(out_ptr + (split * M + rows[:, None]) * N + cols[None, :], acc,
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
-    @triton.jit
-    def _skinny_linear_parts(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, CHUNK: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        skinny_tile(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                    CHUNK, BLOCK_M, BLOCK_N, BLOCK_K)
-
 
 def config_for(m: int, n: int, k: int, sms: int) -> dict:
     """Tiles of 16 or 64 rows by 32 columns, 128-deep K blocks, and K cut into parts until there are about two
@@ -58,18 +53,12 @@ def config_for(m: int, n: int, k: int, sms: int) -> dict:
     return {"splits": splits, "block_m": block_m, "block_n": block_n, "block_k": block_k}
 
 
-def chunking(k: int, splits: int, block_k: int) -> tuple[int, int]:
-    """(K columns a part, parts): `splits` parts at most, each a whole number of K blocks."""
-    per_part = -(-k // splits)
-    chunk = -(-per_part // block_k) * block_k
-    return chunk, -(-k // chunk)
-
-
 def _launch(launch, x: Tensor, weight: Tensor, splits: int, block_m: int, block_n: int, block_k: int,
             warps: int = 4, stages: int = 3) -> Tensor:
     m, k = x.shape
     n = weight.shape[0]
-    chunk, splits = chunking(k, splits, block_k)
+    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # each part a whole number of K blocks
+    splits = triton.cdiv(k, chunk)
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     launch(_skinny_linear_parts)[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=block_n,

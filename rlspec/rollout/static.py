@@ -120,7 +120,7 @@ class GraphSampler:
                  live_attention: bool | None = None, skinny: bool | None = None,
                  gated_mlp: bool | None = None, sampled_head: bool | None = None,
                  rope_attention: bool | None = None, skinny_qkv: bool | None = None,
-                 compile_ends: bool = True, persistent_layers: str = "off", programs_per_sm: int = 2) -> None:
+                 compile_ends: bool = True) -> None:
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # The defaults on CUDA are the fastest measured (`python -m rlspec.perf.profile_engine`, H200, 0.5B shape, 64
@@ -131,8 +131,7 @@ class GraphSampler:
         self.decoder = StaticDecoder(model, sdpa=self.use_graphs if sdpa is None else sdpa,
                                      live_attention=live_attention, skinny=skinny, gated_mlp=gated_mlp,
                                      sampled_head=sampled_head, rope_attention=rope_attention,
-                                     skinny_qkv=skinny_qkv, persistent_layers=persistent_layers,
-                                     programs_per_sm=programs_per_sm)
+                                     skinny_qkv=skinny_qkv)
         self.compiled = self.use_graphs if compile_blocks is None else compile_blocks
         self.fuse = self.use_graphs if fuse_weights is None else fuse_weights
         if self.compiled:

@@ -23,7 +23,8 @@
 # re-runs as it was with hardware.num_threads=<cores> in RUNS (the rank sets that count itself).
 # Two experiments on the few-row decode step were taken out again: the L2 prefetch (profile_engine's variants
 # fused_layers_sdpa_prefetch and _prefetch_all) and the split-K gate/up (section gated_split); their figures re-run
-# only from the commits that had them, 9c4b995 and aa19e34.
+# only from the commits that had them, 9c4b995 and aa19e34. So was the layer as one resident kernel (profile_engine's
+# variants fused_layers_sdpa_persistent, _persistent1, _persistent3 and _phased): its figures re-run from 6a1a001.
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}; mkdir -p "$FINAL"  # a new subfolder of the device tool's $OUT is made here
