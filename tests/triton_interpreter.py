@@ -13,7 +13,7 @@ import pytest
 def allow_scalar_loop_bounds() -> None:
     """The interpreter (Triton 3.5) holds a scalar (a loaded value, a kernel argument in arithmetic) as a
     1-element array, which a loop bound cannot take: give its tensors `__index__` (Triton 3.6 passes a patch scope
-    as well, and sets one that NumPy 2 may refuse for a 1-element array of one dimension)."""
+    as well, and its own `int(data)` fails under NumPy 2.4 for a 1-element array of one dimension)."""
     import triton.runtime.interpreter as interpreter
 
     patch = interpreter._patch_lang_tensor

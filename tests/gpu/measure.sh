@@ -21,10 +21,10 @@
 # The in-process fsdp and deepspeed rank (trainers, profile sections with --backend) ran at a torch thread per core
 # until it took a Ray actor's thread count (one, as in rlspec bench): an earlier in-process figure of those backends
 # re-runs as it was with hardware.num_threads=<cores> in RUNS (the rank sets that count itself).
-# Two experiments on the few-row decode step were taken out again: the L2 prefetch (profile_engine's variants
-# fused_layers_sdpa_prefetch and _prefetch_all) and the split-K gate/up (section gated_split); their figures re-run
-# only from the commits that had them, 9c4b995 and aa19e34. So was the layer as one resident kernel (profile_engine's
-# variants fused_layers_sdpa_persistent, _persistent1, _persistent3 and _phased): its figures re-run from 6a1a001.
+# Three experiments on the few-row decode step were taken out again; their figures re-run only from the commits that
+# had them: the L2 prefetch (profile_engine's variants fused_layers_sdpa_prefetch and _prefetch_all), 9c4b995; the
+# split-K gate/up (section gated_split), aa19e34; the layer as one resident kernel (variants
+# fused_layers_sdpa_persistent, _persistent1, _persistent3 and _phased), 6a1a001.
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}; mkdir -p "$FINAL"  # a new subfolder of the device tool's $OUT is made here
