@@ -9,6 +9,12 @@ caches (one per layer, as in a decode step, so a matrix is not still in L2 from 
 figure includes the sum of its parts (`.sum(0)` and the cast: a separate kernel here, fused into the next
 element-wise kernel inside the compiled decode layer).
 
+    python -m rlspec.perf.bench_decode_kernels --few-rows 4,16
+
+sweeps instead the tiles of `gated_mlp` and `skinny_linear` at a few rows (the long tail's pools) beside a plain read
+of each weight, live attention's parts (and block) over a long cache at those rows, and an empty kernel's floor (one
+program, and two per SM), each as `graph_us` times it.
+
     python -m rlspec.perf.bench_decode_kernels --head [--heads 4]
 
 times instead the LM head and its sampling at the 0.5B shape (hidden 896, vocabulary 151,936, bf16) at 16, 64 and
@@ -19,6 +25,7 @@ each of those two alone, over `--heads` distinct head weights (272 MB each) per 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -27,7 +34,8 @@ import torch.nn.functional as F
 
 from ..rollout.gated_mlp import config_for as gated_config_for
 from ..rollout.gated_mlp import gated_mlp_eager
-from ..rollout.live_attention import live_attention_eager, sm_count, splits_for
+from ..rollout.live_attention import BLOCK_N as ATTENTION_BLOCK
+from ..rollout.live_attention import live_attention_eager, sm_count, splits_for, triton
 from ..rollout.skinny_linear import config_for, skinny_linear_eager
 
 PROJECTIONS = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
@@ -203,13 +211,123 @@ def run_head(heads: int, temperature: float = 0.9) -> list[dict]:
     return rows
 
 
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _empty(out_ptr):
+        if tl.program_id(0) == 0:
+            tl.store(out_ptr, 1)
+
+    @triton.jit
+    def _read(x_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """Read a contiguous CHUNK of x per program (its sum, stored, keeps the loads)."""
+        start = tl.program_id(0) * CHUNK
+        offsets = tl.arange(0, BLOCK)
+        total = tl.zeros([BLOCK], tl.float32)
+        for block in range(start, start + CHUNK, BLOCK):
+            total += tl.load(x_ptr + block + offsets, mask=block + offsets < n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(total, 0))
+
+
+def read_floor_us(weights: list, layers: int, sms: int) -> tuple[float, int]:
+    """The fastest plain read of each of `weights` (one kernel a weight, 1 to 8 programs per SM): what a kernel that
+    only reads those bytes costs (microseconds), and its programs per SM."""
+    n = weights[0].numel()
+    out = torch.empty(8 * sms, device=weights[0].device)
+    best = (float("inf"), 0)
+    for per_sm in (1, 2, 4, 8):
+        block = 2048
+        chunk = -(-n // (per_sm * sms * block)) * block
+        grid = -(-n // chunk)
+        us = graph_us(lambda: [_read[(grid,)](w, out, n, CHUNK=chunk, BLOCK=block) for w in weights], layers)
+        best = min(best, (us, per_sm))
+    return best
+
+
+def _swept(kernel: str, config: dict, default: dict, fn, layers: int) -> list[dict]:
+    """One sweep row: `fn` timed as `graph_us` times it, or none where the tile does not fit the device."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        us = graph_us(fn, layers)
+    except OutOfResources:
+        return []
+    return [{"kernel": kernel, "config": config, "us": round(us, 2), "default": config == default}]
+
+
+def few_rows(layers: int, row_counts: tuple[int, ...]) -> list[dict]:
+    """The few-row sweep (`--few-rows`): what each decode kernel costs where the tail's pools run. Gate/up and
+    attention at each row count, the split-K projections at the first; beside each weight its plain read."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    sms = sm_count(0)
+    flag = torch.zeros(1, device=dev, dtype=torch.int32)
+    out = [{"kernel": f"empty, {grid} programs",
+            "us": round(graph_us(lambda: [_empty[(grid,)](flag) for _ in range(layers)], layers), 2)}
+           for grid in (1, 2 * sms)]
+
+    def read_row(name: str, weights: list) -> dict:
+        us, per_sm = read_floor_us(weights, layers, sms)
+        return {"kernel": f"read {name}'s weight", "us": round(us, 2), "programs_per_sm": per_sm,
+                "tb_per_s": round(weights[0].numel() * 2 / us / 1e6, 2)}
+
+    gate_up = [torch.randn(2 * 4864, 896, device=dev, dtype=dtype) * 0.03 for _ in range(layers)]
+    out.append(read_row("gate_up", gate_up))
+    for m in row_counts:
+        x = torch.randn(m, 896, device=dev, dtype=dtype)
+        # K blocks up to 1,024: the whole of K (896) in one block, every load issued at once
+        tiles = itertools.product((16, 32, 64), (128, 256, 512, 1024), (4, 8), (1, 2, 3))
+        for block_n, block_k, warps, stages in tiles:
+            config = {"block_m": 16 if m <= 16 else 64, "block_n": block_n, "block_k": block_k, "warps": warps,
+                      "stages": stages}
+            out += _swept(f"gated_mlp {m} rows", config, gated_config_for(m),
+                          lambda: [gated_mlp_eager(x, w, **config) for w in gate_up], layers)
+    del gate_up
+    m = row_counts[0]
+    for name in ("qkv", "o", "down"):
+        n, k = PROJECTIONS[name]
+        weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.02 for _ in range(layers)]
+        out.append(read_row(name, weights))
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        default = {**config_for(m, n, k, sms), "warps": 4, "stages": 3}
+        for block_k, block_n, warps, stages in itertools.product((64, 128, 256), (16, 32), (4, 8), (1, 2, 3)):
+            # one K block a part (every load issued at once), two, and the default's split
+            for splits in sorted({-(-k // block_k), -(-k // (2 * block_k)), default["splits"]}):
+                config = {"splits": splits, "block_m": default["block_m"], "block_n": block_n, "block_k": block_k,
+                          "warps": warps, "stages": stages}
+                out += _swept(f"{name} {m} rows", config, default,
+                              lambda: [skinny_linear_eager(x, w, **config) for w in weights], layers)
+        del weights
+    length, live = 1152, 800
+    for m in row_counts:
+        q = torch.randn(m, 1, 14, 64, device=dev, dtype=dtype).transpose(1, 2)
+        keys = [torch.randn(m, 2, length, 64, device=dev, dtype=dtype) for _ in range(layers)]
+        values = [torch.randn_like(c) for c in keys]
+        valid = torch.ones(m, length, device=dev, dtype=torch.uint8)
+        lengths = torch.full((m,), live, device=dev)
+        default = {"splits": splits_for(m, 2, length, sms), "block": ATTENTION_BLOCK}
+        for splits, block in itertools.product(sorted({1, 2, 4, 7, default["splits"], 13}), (32, 64, 128)):
+            config = {"splits": splits, "block": block}
+            out += _swept(f"attention {m} rows, cache {length}, {live} live", config, default,
+                          lambda: [live_attention_eager(q, kc, vc, valid, lengths, 0.125, splits, block=block)
+                                   for kc, vc in zip(keys, values)], layers)
+        del keys, values
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rlspec.perf.bench_decode_kernels",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24, help="distinct weights / caches per replay")
     parser.add_argument("--head", action="store_true", help="time the fused LM head and race instead")
     parser.add_argument("--heads", type=int, default=4, help="distinct head weights per replay (--head)")
+    parser.add_argument("--few-rows", default="", help="sweep the decode kernels' tiles at these row counts (4,16)")
     args = parser.parse_args(argv)
+    if args.few_rows:
+        for row in few_rows(args.layers, tuple(int(r) for r in args.few_rows.split(","))):
+            print(json.dumps(row), flush=True)
+        print(json.dumps({"device": torch.cuda.get_device_name(0), "layers": args.layers}))
+        return
     if args.head:
         for row in run_head(args.heads):
             print(json.dumps(row))

@@ -30,9 +30,12 @@ compiled variants compile it), `fused_layers_sdpa_cache_write` (the default less
 `fused_layers_sdpa_cublas_head_mlp` (the default less all three), `fused_layers_sdpa_live` (live attention,
 every projection and the head on cuBLAS),
 `fused_layers_sdpa_masked` (none: SDPA over the whole masked cache, cuBLAS), `fused_layers_sdpa_autotune`
-(Inductor times its own GEMM kernels against cuBLAS: mode max-autotune-no-cudagraphs); and two of continuous
-batching's tail: `fused_layers_sdpa_halving` (the tail moves to a smaller pool once half of it has ended, not
-three quarters: `shrink_ratio=2`), `fused_layers_sdpa_no_shrink` (it never does). `--timeline` splits each batch by
+(Inductor times its own GEMM kernels against cuBLAS: mode max-autotune-no-cudagraphs); and of continuous
+batching's tail: `fused_layers_sdpa_quarter` (the tail moves to a smaller pool once three quarters of it have
+ended, not half: `shrink_ratio=4`), `fused_layers_sdpa_floor1` (down to a pool of one slot, not
+`static.SHRINK_FLOOR`), `fused_layers_sdpa_no_ahead` (each pool captured when the tail moves into it, not while the
+GPU runs the pool before), `fused_layers_sdpa_quarter_floor1_no_ahead` (all three: the default before them), and
+`fused_layers_sdpa_no_shrink` (it never moves). `--timeline` splits each batch by
 pool size: steps, time and ms a step, and the captures; the `engine.generate` lines are always split so.
 On CUDA every variant that does not set `sdpa` uses SDPA, and with it the decode kernels (`gated_mlp` only where
 the weights are fused). Without top-p (the bench specs' setting) every variant that does not turn `sampled_head` off samples with
@@ -73,21 +76,27 @@ VARIANTS = {
     "fused_layers_sdpa_cache_write": {**FUSED_LAYERS_SDPA, "rope_attention": False},
     "fused_layers_sdpa_cublas_head_mlp": {**FUSED_LAYERS_SDPA, "gated_mlp": False, "sampled_head": False,
                                           "rope_attention": False},
-    "fused_layers_sdpa_halving": {**FUSED_LAYERS_SDPA, "shrink_ratio": 2},
+    "fused_layers_sdpa_quarter": {**FUSED_LAYERS_SDPA, "shrink_ratio": 4},
+    "fused_layers_sdpa_floor1": {**FUSED_LAYERS_SDPA, "shrink_floor": 1},
+    "fused_layers_sdpa_no_ahead": {**FUSED_LAYERS_SDPA, "capture_ahead": False},
+    "fused_layers_sdpa_quarter_floor1_no_ahead": {**FUSED_LAYERS_SDPA, "shrink_ratio": 4, "shrink_floor": 1,
+                                                  "capture_ahead": False},
     "fused_layers_sdpa_no_shrink": {**FUSED_LAYERS_SDPA, "shrink_tail": False},
 }
 
 
 def timeline_summary(timeline: list[tuple]) -> str:
     """A `GraphSampler.timeline` as one line per pool size: decode steps, their seconds and ms a step (host checks,
-    refills and copies out included), then the graph captures."""
+    refills and copies out included, and the host's captures ahead beside them), then the graph captures."""
     lines, captures = [], [t for t in timeline if t[0] == "capture"]
     for slots in sorted({t[1] for t in timeline if t[0] == "decode"}, reverse=True):
         parts = [t for t in timeline if t[0] == "decode" and t[1] == slots]
         steps, seconds = sum(t[2] for t in parts), sum(t[3] for t in parts)
         lines.append(f"  {slots:5d} slots: {steps:5d} steps, {seconds:.3f} s, {seconds / steps * 1e3:.3f} ms a step")
+    ahead = [t for t in captures if t[3]]
     lines.append(f"  captures: {len(captures)} ({', '.join(str(t[1]) for t in captures)} slots), "
-                 f"{sum(t[2] for t in captures) * 1e3:.1f} ms")
+                 f"{sum(t[2] for t in captures) * 1e3:.1f} ms, of which {len(ahead)} ahead "
+                 f"({sum(t[2] for t in ahead) * 1e3:.1f} ms of host time beside the decode steps)")
     return "\n".join(lines)
 
 
@@ -208,9 +217,13 @@ def main(argv: list[str] | None = None) -> None:
             mode = f"continuous, {spec.decode_slots} slots" if view.spec.continuous_batching else "static batch"
             sampler = view._fast_sampler()
             sampler.timeline = []
+            began = time.perf_counter()
             lengths = _lengths(view.generate(prompts, group, seed=1))
+            whole = time.perf_counter() - began
+            batch = sum(t[1] for t in sampler.timeline if t[0] == "batch")
             print(f"engine.generate ({mode}): median {statistics.median(gen):.3f} s "
-                  f"({', '.join(f'{t:.3f}' for t in gen)}); {lengths}")
+                  f"({', '.join(f'{t:.3f}' for t in gen)}); {lengths}; in the split call {whole:.3f} s, of which "
+                  f"{batch:.3f} s the sampler's batch")
             print(timeline_summary(sampler.timeline))
             sampler.timeline = None
 

@@ -41,15 +41,22 @@ from .sampling import sample_from_hidden
 BATCH_BUCKETS = tuple(2 ** i for i in range(11))  # 1 .. 1024 rows per graph
 CACHE_STEP = 128
 PREFILL_ROWS = 64
+SHRINK_FLOOR = 16
+"""The smallest pool the long tail moves into (`GraphSampler(shrink_floor=...)`)."""
 CAPTURE_HEADROOM = 2 << 30
 """Free device bytes below which a capture first hands the allocator's cached blocks back to the driver."""
+
+
+def bucket_for(rows: int) -> int:
+    """The graph bucket (slots) that `rows` rows run in."""
+    return next(b for b in BATCH_BUCKETS if b >= rows)
 
 
 def graph_key(shape: tuple[int, int], max_new_tokens: int, temperature: float, top_p: float, eos: int) -> tuple:
     """The (slot bucket, cache length, sampling settings) a pool of `rows` slots with prompts `width` wide is
     captured under, for `shape` = (rows, width)."""
     rows, width = shape
-    bucket = next(b for b in BATCH_BUCKETS if b >= rows)
+    bucket = bucket_for(rows)
     length = math.ceil((width + max_new_tokens) / CACHE_STEP) * CACHE_STEP
     return bucket, length, max_new_tokens, temperature, top_p, eos
 
@@ -92,9 +99,12 @@ class GraphSampler:
     bucket while samples remain); every `check_every` steps the host reads which slots have ended, copies their
     samples' tokens out, and starts the next pending samples in them — it copies the prompt's K/V (prefilled once
     per distinct prompt: the G completions of a GRPO group share one prefill) into the slot, so a refill runs no
-    forward pass. Once no sample is pending and at most 1 / `shrink_ratio` of the pool is live (a quarter by
-    default), the live slots move into the smallest pool that holds them (`shrink_tail`; its own graph), so the
-    long tail does not pay for a full pool's step (each bucket's decode layer is compiled once per process).
+    forward pass. Once no sample is pending and at most 1 / `shrink_ratio` of the pool is live (half by default),
+    the live slots move into the smallest pool that holds them and `shrink_floor` slots (`shrink_tail`; its own
+    graph), so the long tail does not pay for a full pool's step (each bucket's decode layer is compiled once per
+    process). With graphs, the pool a tail will move into next is captured while the GPU runs the current pool's
+    first steps (the host is otherwise idle then), so a move costs the copy of the live slots, not a capture; both
+    pools are held until the batch ends, as they were when the capture came at the move.
     Without `slots`, the pool holds all rows (up to 1,024; more run in waves, each started when the whole pool has
     ended): the static batch.
 
@@ -116,7 +126,8 @@ class GraphSampler:
     def __init__(self, model: torch.nn.Module, device: torch.device, use_graphs: bool | None = None,
                  compile_blocks: bool | None = None, check_every: int = 8, keep_graphs: bool = False,
                  fuse_weights: bool | None = None, sdpa: bool | None = None, compile_layers: bool | None = None,
-                 share_prefill: bool = True, shrink_tail: bool = True, shrink_ratio: int = 4, autotune: bool = False,
+                 share_prefill: bool = True, shrink_tail: bool = True, shrink_ratio: int = 2,
+                 shrink_floor: int = SHRINK_FLOOR, capture_ahead: bool = True, autotune: bool = False,
                  live_attention: bool | None = None, skinny: bool | None = None,
                  gated_mlp: bool | None = None, sampled_head: bool | None = None,
                  rope_attention: bool | None = None, skinny_qkv: bool | None = None,
@@ -146,13 +157,22 @@ class GraphSampler:
         self.share_prefill = share_prefill  # False: one prefill per row (the equivalence tests' reference)
         self.shrink_tail = shrink_tail
         # The tail moves into a smaller pool once at most 1 / `shrink_ratio` of the pool is live: 2 wastes at most
-        # half a pool's rows on ended slots for more captures (one per halving), 4 wastes up to three quarters.
+        # half a pool's rows on ended slots for more captures (one per halving, made while the GPU decodes), 4
+        # wastes up to three quarters.
         if shrink_ratio < 2:
             raise ValueError(f"shrink_ratio must be at least 2, got {shrink_ratio}")
         self.shrink_ratio = shrink_ratio
+        # ... but never into a pool of fewer than `shrink_floor` slots: below it a step costs about the same (a few
+        # rows' step is the same ~170 kernels, each short of the bandwidth), so a smaller pool only adds a capture.
+        if shrink_floor < 1:
+            raise ValueError(f"shrink_floor must be at least 1, got {shrink_floor}")
+        self.shrink_floor = shrink_floor
+        self.capture_ahead = capture_ahead  # False: each pool is captured when the tail moves into it
         self.timeline: list[tuple] | None = None
-        """A list to record into (profiling): ("capture", slots, s) per graph captured, ("decode", slots, steps, s)
-        per stretch of decode steps between two host checks (their refills and copies out included)."""
+        """A list to record into (profiling): ("capture", slots, s, ahead) per graph captured (`ahead`: beside queued
+        decode steps, s the host's time), ("decode", slots, steps, s) per stretch of decode steps between two host
+        checks (their refills and copies out, and a capture ahead, included), ("batch", s) per batch sampled (its
+        tokens and log-probs on the host)."""
         # Dropping the graphs (their KV cache and memory pool) after each batch gives that memory back to a
         # colocated trainer; a later capture of a seen shape skips warm-up and costs a few milliseconds.
         self.keep_graphs = keep_graphs
@@ -174,10 +194,15 @@ class GraphSampler:
         server on cuda:1, called from a worker thread whose current device is cuda:0) would run uncaptured.
         """
         args = (input_ids, attention_mask, seed, max_new_tokens, temperature, top_p, eos, slots, first_sample)
+        began = time.perf_counter()
         if self.device.type != "cuda":
-            return self._sample(*args)
-        with torch.cuda.device(self.device):
-            return self._sample(*args)
+            out = self._sample(*args)
+        else:
+            with torch.cuda.device(self.device):
+                out = self._sample(*args)
+        if self.timeline is not None:
+            self.timeline.append(("batch", time.perf_counter() - began))
+        return out
 
     def _sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int, max_new_tokens: int,
                 temperature: float, top_p: float, eos: int, slots: int | None,
@@ -199,7 +224,7 @@ class GraphSampler:
         the pool takes all of it while there are rows to fill it."""
         rows, width = shape
         wanted = min(rows, slots or BATCH_BUCKETS[-1], BATCH_BUCKETS[-1])
-        bucket = next(b for b in BATCH_BUCKETS if b >= wanted)
+        bucket = bucket_for(wanted)
         return min(bucket, rows), width
 
     def _decode(self, state: _State, prompts: _Prompts, seed: int, max_new_tokens: int, temperature: float,
@@ -227,7 +252,8 @@ class GraphSampler:
             live = [b for b in range(bucket) if occupant[b] >= 0]
             if not live:
                 break
-            if self.shrink_tail and not waves and next_sample == rows and len(live) * self.shrink_ratio <= bucket:
+            if (self.shrink_tail and not waves and next_sample == rows and len(live) * self.shrink_ratio <= bucket
+                    and bucket_for(max(len(live), self.shrink_floor)) < bucket):
                 state = self._shrink(state, live, temperature, top_p, eos)
                 occupant, started = [occupant[b] for b in live], [started[b] for b in live]
                 bucket = state.done.shape[0]
@@ -242,6 +268,8 @@ class GraphSampler:
                 else:
                     self._step(state, temperature, top_p, eos)
             clock += chunk
+            if state.graph is not None and self.capture_ahead and self.shrink_tail and not waves:
+                self._capture_ahead(state, temperature, top_p, eos)  # while the GPU runs the steps just queued
             done = state.done.tolist()  # the loop's only host sync
             ended = [b for b in live if done[b]]
             if ended:
@@ -255,9 +283,9 @@ class GraphSampler:
 
     def _shrink(self, state: _State, live: list[int], temperature: float, top_p: float, eos: int) -> _State:
         """The pool's tail: its `live` slots moved into the first slots of a pool of the smallest bucket that holds
-        them (its own graph), so the last long samples stop paying for a full pool's decode step."""
-        length, n = state.valid.shape[1], state.out_tokens.shape[1] - 1
-        small = self._state(graph_key((len(live), length - n), n, temperature, top_p, eos))  # the same cache length
+        them and `shrink_floor` slots (its own graph), so the last long samples stop paying for a full pool's decode
+        step."""
+        small = self._state(self._tail_key(state, len(live), temperature, top_p, eos))
         moved = torch.tensor(live, device=self.device)
         into = slice(0, len(live))
         for name in ("keys", "values"):
@@ -267,6 +295,20 @@ class GraphSampler:
             getattr(small, name)[into] = getattr(state, name)[moved]
         small.done[len(live):] = True
         return small
+
+    def _tail_key(self, state: _State, live: int, temperature: float, top_p: float, eos: int) -> tuple:
+        """The graph key of the pool that `live` of `state`'s slots move into: the same cache length."""
+        length, n = state.valid.shape[1], state.out_tokens.shape[1] - 1
+        return graph_key((max(live, self.shrink_floor), length - n), n, temperature, top_p, eos)
+
+    def _capture_ahead(self, state: _State, temperature: float, top_p: float, eos: int) -> None:
+        """Capture the pool `state`'s tail moves into next when it shrinks as the ratio says (a pool 1 / `shrink_ratio`
+        the size, or `shrink_floor` slots), if it is smaller and not captured yet. Called with the GPU busy: the
+        capture only records, and nothing here waits for the device."""
+        bucket = state.done.shape[0]
+        key = self._tail_key(state, bucket // self.shrink_ratio, temperature, top_p, eos)
+        if key[0] < bucket and key not in self._states:
+            self._state(key, ahead=True)
 
     def _start(self, state: _State, prompts: _Prompts, keys: Tensor, slots: list[int], first: int) -> None:
         """Start samples first, first + 1, ... in `slots`: their prompt's K/V and last hidden, fresh counters."""
@@ -322,7 +364,9 @@ class GraphSampler:
                                                 [k[part] for k in keys], [v[part] for v in values], head=False)
         return _Prompts(keys, values, hidden, valid, positions[:, -1] + 1, index.to(self.device))
 
-    def _state(self, key: tuple) -> _State:
+    def _state(self, key: tuple, ahead: bool = False) -> _State:
+        """The pool of graph `key`, made and captured if it is new. `ahead`: the GPU may still be running queued
+        steps (`_capture_ahead`): nothing waits for it, and the timeline records the capture's host time."""
         pointers = self.decoder.weight_pointers()
         if pointers != self._pointers:  # a weight was re-allocated: captured graphs read stale memory
             self._states.clear()
@@ -343,17 +387,19 @@ class GraphSampler:
                        out_logps=rows(torch.float32, (max_new_tokens + 1,)))
         if self.use_graphs:
             began = time.perf_counter()
-            state.graph = self._capture(state, temperature, top_p, eos, warm_up=key not in self._warmed)
+            state.graph = self._capture(state, temperature, top_p, eos, warm_up=key not in self._warmed,
+                                        wait=not ahead)
             self._warmed.add(key)
             if self.timeline is not None:
-                torch.cuda.synchronize(self.device)
-                self.timeline.append(("capture", bucket, time.perf_counter() - began))
+                if not ahead:
+                    torch.cuda.synchronize(self.device)
+                self.timeline.append(("capture", bucket, time.perf_counter() - began, ahead))
         self._states[key] = state
         return state
 
-    def _capture(self, state: _State, temperature: float, top_p: float, eos: int, warm_up: bool):
+    def _capture(self, state: _State, temperature: float, top_p: float, eos: int, warm_up: bool, wait: bool = True):
         """Capture one decode step; the first time for a shape, warm up on a side stream before (compilation,
-        cuBLAS workspaces)."""
+        cuBLAS workspaces). `wait`: for the device's queued work first (else the capture goes on beside it)."""
         if warm_up:
             self._warm_up(state, temperature, top_p, eos)
         graph = torch.cuda.CUDAGraph()
@@ -364,7 +410,8 @@ class GraphSampler:
         # (226 cudaMalloc calls a 32 x 8 phase, most of them in its first forward, where the host sets the pace).
         # The cache is emptied here only when the device is short of memory; the step's own intermediates come
         # from the graph's private pool either way.
-        torch.cuda.synchronize(self.device)
+        if wait:
+            torch.cuda.synchronize(self.device)
         if torch.cuda.mem_get_info(self.device)[0] < CAPTURE_HEADROOM:
             torch.cuda.empty_cache()
         with torch.cuda.stream(self._capture_stream):

@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra; under `.devicepkgs/extra` the wheels
 # `bash tests/gpu/pack_extra.sh` downloads, whose header lists them: the serve stack, the openai client, TRL).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers threads head headtrain decode_kernels decode_step host split ab
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
 # scale7b weak15b sync7b engines2.
 # Each writes its log and metrics under $OUT.
 # The bench spec's token budget (algorithm.micro_batch_tokens) was 16k, then 32k, and is 64k now: a figure quoted at
@@ -25,6 +25,10 @@
 # had them: the L2 prefetch (profile_engine's variants fused_layers_sdpa_prefetch and _prefetch_all), 9c4b995; the
 # split-K gate/up (section gated_split), aa19e34; the layer as one resident kernel (variants
 # fused_layers_sdpa_persistent, _persistent1, _persistent3 and _phased), 6a1a001.
+# The long tail's pools now halve (not quarter) down to 16 slots (not one), each captured while the pool before runs:
+# the default before that is profile_engine's variant fused_layers_sdpa_quarter_floor1_no_ahead (tail, engine_longtail
+# take it through VARIANTS=); the earlier halving variant (fused_layers_sdpa_halving: to one slot, captured at the
+# move) re-runs from fe76e68.
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}; mkdir -p "$FINAL"  # a new subfolder of the device tool's $OUT is made here
@@ -139,10 +143,11 @@ for section in "$@"; do
       echo "engine fixed exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_fixed.txt | head -12 >> $OUT/results.txt ;;
     tail)  # issue 19: continuous batching's long tail, the engine alone on the long-tailed 32 x 8 batch: generate with and
       # without continuous batching, each split by pool size (steps, ms a step, captures), then each variant's batch
-      # time, split too (default: the tail moving to a smaller pool at a quarter live, at half, and never);
+      # time, split too (default: the default, the default before the tail's pools halved down to 16 slots, each
+      # captured ahead, and the tail never moving);
       # EXTRA=rollout.prompts_per_step=64: 64 x 8, twice the default pool, so continuous batching refills slots
-      CUDA_VISIBLE_DEVICES=0 timeout 280 python3 -m rlspec.perf.profile_engine $ROOT/examples/bench_longtail.yaml ${EXTRA:-} \
-        --variants ${VARIANTS:-fused_layers_sdpa,fused_layers_sdpa_halving,fused_layers_sdpa_no_shrink} --rows 0 \
+      CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-280} python3 -m rlspec.perf.profile_engine $ROOT/examples/bench_longtail.yaml ${EXTRA:-} \
+        --variants ${VARIANTS:-fused_layers_sdpa,fused_layers_sdpa_quarter_floor1_no_ahead,fused_layers_sdpa_no_shrink} --rows 0 \
         --timeline > $OUT/tail.txt 2>&1
       echo "tail exit $?" >> $OUT/results.txt; cat $OUT/tail.txt >> $OUT/results.txt ;;
     train_ab)  # issue 18: the train phase alone, padded vs packed vs token budgets, uniform and spread lengths
@@ -203,6 +208,11 @@ for section in "$@"; do
         echo "ab $i $run exit $?" >> $OUT/results.txt; grep -E "train phase|segments" $OUT/ab_${i}_$run.txt >> $OUT/results.txt
       done
       cp $ROOT/$AB_FILE /tmp/site/$AB_FILE ;;
+    few_kernels)  # issue 19: the decode kernels' tiles swept at the tail's few rows (ROWS=4,16), live attention's
+      # parts over a 1,152-token cache there, and an empty kernel's floor; one JSON line each
+      CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-420} python3 -m rlspec.perf.bench_decode_kernels --few-rows ${ROWS:-4,16} \
+        > $OUT/few_kernels.txt 2>&1
+      echo "few_kernels exit $?" >> $OUT/results.txt; cat $OUT/few_kernels.txt >> $OUT/results.txt ;;
     decode_kernels)  # issue 19: the decode step's Triton kernels beside what they replace (split-K projections, with
       # a sweep of their tiles at 64 rows, and gate/up with its SiLU gate against cuBLAS, attention over live positions
       # against cuDNN's SDPA, the LM head with its sampling race against cuBLAS's head then the compiled race), then

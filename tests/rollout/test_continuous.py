@@ -48,15 +48,15 @@ def test_eos_hazard_sets_the_end_tokens_probability_at_every_step(model):
         ModelSpec(eos_hazard=1.0)
 
 
-@pytest.mark.parametrize("slots, ratio", [(2, 4), (5, 4), (5, 2)])
-def test_refilled_slots_sample_what_the_static_batch_samples(model, slots, ratio):
+@pytest.mark.parametrize("slots, ratio, floor", [(2, 4, 1), (5, 4, 1), (5, 2, 1), (5, 2, 4)])
+def test_refilled_slots_sample_what_the_static_batch_samples(model, slots, ratio, floor):
     """12 samples through 2 (or 8: 5 rounded up to the bucket) slots, refilled as samples end (the 8-slot pool's
-    tail moved into a smaller pool once a quarter, or half, of it is live), against the static batch of 12 rows:
-    the same tokens per sample, log-probs within fp32 rounding, equal to the trainer's."""
+    tail moved into a smaller pool, of at least `floor` slots, once a quarter, or half, of it is live), against the
+    static batch of 12 rows: the same tokens per sample, log-probs within fp32 rounding, equal to the trainer's."""
     check = 3
     static_engine, static = _generate(model, GraphSampler(model, "cpu", use_graphs=False, check_every=check),
                                       continuous_batching=False)
-    sampler = GraphSampler(model, "cpu", use_graphs=False, check_every=check, shrink_ratio=ratio)
+    sampler = GraphSampler(model, "cpu", use_graphs=False, check_every=check, shrink_ratio=ratio, shrink_floor=floor)
     shrunk = []
     shrink = sampler._shrink
     sampler._shrink = lambda state, live, *a: shrunk.append(len(live)) or shrink(state, live, *a)
@@ -65,10 +65,12 @@ def test_refilled_slots_sample_what_the_static_batch_samples(model, slots, ratio
     stretches = [t for t in sampler.timeline if t[0] == "decode"]
     assert sum(t[2] for t in stretches) >= max(len(c) for c in rolled.completion_ids)  # every step is on record
     assert [t[1] for t in stretches] == sorted((t[1] for t in stretches), reverse=True)  # pools only ever shrink
-    pools = {next(b for b in BATCH_BUCKETS if b >= live) for live in shrunk}
+    pools = {next(b for b in BATCH_BUCKETS if b >= max(live, floor)) for live in shrunk}
     assert {t[1] for t in stretches} == {8 if slots == 5 else 2, *pools}
     assert bool(shrunk) == (slots == 5), shrunk
-    assert all(live * ratio <= 8 for live in shrunk) and (ratio == 4 or len(shrunk) >= 2), shrunk
+    assert all(live * ratio <= 8 for live in shrunk) and (ratio == 4 or floor > 2 or len(shrunk) >= 2), shrunk
+    assert min(t[1] for t in stretches) >= min(floor, 2 if slots == 2 else 8), "no pool below the floor"
+    assert floor == 1 or len(shrunk) == 1, shrunk  # 8 -> 4, and no further
     lengths = [len(c) for c in rolled.completion_ids]
     assert min(lengths) < 24 // 2 and len(set(lengths)) > 3, f"the workload must end samples early: {lengths}"
     assert rolled.completion_ids == static.completion_ids
