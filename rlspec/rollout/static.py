@@ -103,8 +103,9 @@ class GraphSampler:
     the live slots move into the smallest pool that holds them and `shrink_floor` slots (`shrink_tail`; its own
     graph), so the long tail does not pay for a full pool's step (each bucket's decode layer is compiled once per
     process). With graphs, the pool a tail will move into next is captured while the GPU runs the current pool's
-    first steps (the host is otherwise idle then), so a move costs the copy of the live slots, not a capture; both
-    pools are held until the batch ends, as they were when the capture came at the move.
+    first steps (the host is otherwise idle then), so a move costs the copy of the live slots, not a capture. A pool
+    the tail has left is dropped at the move (`keep_graphs=False`), so at most two pools are held at a time: with
+    halving, K/V for 1.5x the first pool's slots.
     Without `slots`, the pool holds all rows (up to 1,024; more run in waves, each started when the whole pool has
     ended): the static batch.
 
@@ -253,7 +254,7 @@ class GraphSampler:
             if not live:
                 break
             if (self.shrink_tail and not waves and next_sample == rows and len(live) * self.shrink_ratio <= bucket
-                    and bucket_for(max(len(live), self.shrink_floor)) < bucket):
+                    and self._tail_key(state, len(live), temperature, top_p, eos)[0] < bucket):
                 state = self._shrink(state, live, temperature, top_p, eos)
                 occupant, started = [occupant[b] for b in live], [started[b] for b in live]
                 bucket = state.done.shape[0]
@@ -294,6 +295,8 @@ class GraphSampler:
         for name in ("hidden", "position", "write", "step", "key", "valid", "done", "out_tokens", "out_logps"):
             getattr(small, name)[into] = getattr(state, name)[moved]
         small.done[len(live):] = True
+        if not self.keep_graphs:  # the pool left behind: its graph and K/V go back (its ended samples are copied out)
+            self._states = {key: kept for key, kept in self._states.items() if kept is not state}
         return small
 
     def _tail_key(self, state: _State, live: int, temperature: float, top_p: float, eos: int) -> tuple:

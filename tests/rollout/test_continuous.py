@@ -57,9 +57,15 @@ def test_refilled_slots_sample_what_the_static_batch_samples(model, slots, ratio
     static_engine, static = _generate(model, GraphSampler(model, "cpu", use_graphs=False, check_every=check),
                                       continuous_batching=False)
     sampler = GraphSampler(model, "cpu", use_graphs=False, check_every=check, shrink_ratio=ratio, shrink_floor=floor)
-    shrunk = []
-    shrink = sampler._shrink
-    sampler._shrink = lambda state, live, *a: shrunk.append(len(live)) or shrink(state, live, *a)
+    shrunk, held = [], []
+
+    def shrink(state, live, *args, move=sampler._shrink):
+        shrunk.append(len(live))
+        small = move(state, live, *args)
+        held.append(len(sampler._states))
+        return small
+
+    sampler._shrink = shrink
     sampler.timeline = []
     engine, rolled = _generate(model, sampler, decode_slots=slots)
     stretches = [t for t in sampler.timeline if t[0] == "decode"]
@@ -71,6 +77,7 @@ def test_refilled_slots_sample_what_the_static_batch_samples(model, slots, ratio
     assert all(live * ratio <= 8 for live in shrunk) and (ratio == 4 or floor > 2 or len(shrunk) >= 2), shrunk
     assert min(t[1] for t in stretches) >= min(floor, 2 if slots == 2 else 8), "no pool below the floor"
     assert floor == 1 or len(shrunk) == 1, shrunk  # 8 -> 4, and no further
+    assert held == [1] * len(shrunk), held  # the pool the tail left is dropped at the move
     lengths = [len(c) for c in rolled.completion_ids]
     assert min(lengths) < 24 // 2 and len(set(lengths)) > 3, f"the workload must end samples early: {lengths}"
     assert rolled.completion_ids == static.completion_ids
