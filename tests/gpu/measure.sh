@@ -32,7 +32,8 @@
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}; mkdir -p "$FINAL"  # a new subfolder of the device tool's $OUT is made here
-OUT=/tmp/measure; mkdir -p $OUT  # everything lands here; $FINAL gets results.txt and one all.tgz after each section
+# everything lands here, emptied first (a warm machine keeps the last call's); $FINAL gets results.txt and all.tgz
+OUT=/tmp/measure; rm -rf $OUT; mkdir -p $OUT
 source .devicepkgs/install.sh
 if [ ! -f /tmp/site/.extra ]; then  # a warm machine keeps these from the last call
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicepkgs/extra/*.whl > $OUT/install.log 2>&1
