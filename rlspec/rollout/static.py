@@ -295,8 +295,9 @@ class GraphSampler:
         for name in ("hidden", "position", "write", "step", "key", "valid", "done", "out_tokens", "out_logps"):
             getattr(small, name)[into] = getattr(state, name)[moved]
         small.done[len(live):] = True
-        if not self.keep_graphs:  # the pool left behind: its graph and K/V go back (its ended samples are copied out)
-            self._states = {key: kept for key, kept in self._states.items() if kept is not state}
+        if not self.keep_graphs:  # the pool left behind (its ended samples are copied out), and a pool captured ahead
+            # for a move that went further, give their graphs and K/V back
+            self._states = {key: kept for key, kept in self._states.items() if kept is small}
         return small
 
     def _tail_key(self, state: _State, live: int, temperature: float, top_p: float, eos: int) -> tuple:
