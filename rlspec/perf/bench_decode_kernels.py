@@ -233,11 +233,10 @@ if triton is not None:
 def read_floor_us(weights: list, layers: int, sms: int) -> tuple[float, int]:
     """The fastest plain read of each of `weights` (one kernel a weight, 1 to 8 programs per SM): what a kernel that
     only reads those bytes costs (microseconds), and its programs per SM."""
-    n = weights[0].numel()
+    n, block = weights[0].numel(), 2048
     out = torch.empty(8 * sms, device=weights[0].device)
     best = (float("inf"), 0)
     for per_sm in (1, 2, 4, 8):
-        block = 2048
         chunk = -(-n // (per_sm * sms * block)) * block
         grid = -(-n // chunk)
         us = graph_us(lambda: [_read[(grid,)](w, out, n, CHUNK=chunk, BLOCK=block) for w in weights], layers)

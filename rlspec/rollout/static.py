@@ -240,6 +240,7 @@ class GraphSampler:
         state.done.fill_(True)
         occupant, started = [-1] * bucket, [0] * bucket  # sample in each slot (-1: empty), decode step it began at
         next_sample, clock = 0, 0
+        moves = self.shrink_tail and not waves  # the tail moves into smaller pools
         while True:
             free = [b for b in range(bucket) if occupant[b] < 0]
             if waves and len(free) < bucket:
@@ -253,7 +254,7 @@ class GraphSampler:
             live = [b for b in range(bucket) if occupant[b] >= 0]
             if not live:
                 break
-            if (self.shrink_tail and not waves and next_sample == rows and len(live) * self.shrink_ratio <= bucket
+            if (moves and next_sample == rows and len(live) * self.shrink_ratio <= bucket
                     and self._tail_key(state, len(live), temperature, top_p, eos)[0] < bucket):
                 state = self._shrink(state, live, temperature, top_p, eos)
                 occupant, started = [occupant[b] for b in live], [started[b] for b in live]
@@ -269,7 +270,7 @@ class GraphSampler:
                 else:
                     self._step(state, temperature, top_p, eos)
             clock += chunk
-            if state.graph is not None and self.capture_ahead and self.shrink_tail and not waves:
+            if moves and self.capture_ahead and state.graph is not None:
                 self._capture_ahead(state, temperature, top_p, eos)  # while the GPU runs the steps just queued
             done = state.done.tolist()  # the loop's only host sync
             ended = [b for b in live if done[b]]

@@ -28,7 +28,8 @@
 # The long tail's pools now halve (not quarter) down to 16 slots (not one), each captured while the pool before runs:
 # the default before that is profile_engine's variant fused_layers_sdpa_quarter_floor1_no_ahead (tail, engine_longtail
 # take it through VARIANTS=); the earlier halving variant (fused_layers_sdpa_halving: to one slot, captured at the
-# move) re-runs from fe76e68.
+# move) re-runs from fe76e68, and so do the engine's own figures taken before (the engine.generate lines of tail and
+# engine_longtail, the longtail bench): no spec key switches the tail's schedule.
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}; mkdir -p "$FINAL"  # a new subfolder of the device tool's $OUT is made here

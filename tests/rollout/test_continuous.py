@@ -13,7 +13,7 @@ from rlspec.models.base import byte_tokenizer
 from rlspec.models.factory import load_model
 from rlspec.rollout.base import collate, engine_logprobs_tensor
 from rlspec.rollout.hf import HFEngine
-from rlspec.rollout.static import BATCH_BUCKETS, GraphSampler
+from rlspec.rollout.static import GraphSampler, bucket_for
 from rlspec.spec import ModelSpec, RolloutSpec
 
 PROMPTS = ["a=", "bcd=", "hello="]
@@ -71,7 +71,7 @@ def test_refilled_slots_sample_what_the_static_batch_samples(model, slots, ratio
     stretches = [t for t in sampler.timeline if t[0] == "decode"]
     assert sum(t[2] for t in stretches) >= max(len(c) for c in rolled.completion_ids)  # every step is on record
     assert [t[1] for t in stretches] == sorted((t[1] for t in stretches), reverse=True)  # pools only ever shrink
-    pools = {next(b for b in BATCH_BUCKETS if b >= max(live, floor)) for live in shrunk}
+    pools = {bucket_for(max(live, floor)) for live in shrunk}
     assert {t[1] for t in stretches} == {8 if slots == 5 else 2, *pools}
     assert bool(shrunk) == (slots == 5), shrunk
     assert all(live * ratio <= 8 for live in shrunk) and (ratio == 4 or floor > 2 or len(shrunk) >= 2), shrunk
