@@ -255,8 +255,8 @@ class GraphSampler:
             if not live:
                 break
             if (moves and next_sample == rows and len(live) * self.shrink_ratio <= bucket
-                    and self._tail_key(state, len(live), temperature, top_p, eos)[0] < bucket):
-                state = self._shrink(state, live, temperature, top_p, eos)
+                    and (key := self._tail_key(state, len(live), temperature, top_p, eos))[0] < bucket):
+                state = self._shrink(state, live, key)
                 occupant, started = [occupant[b] for b in live], [started[b] for b in live]
                 bucket = state.done.shape[0]
                 occupant += [-1] * (bucket - len(live))
@@ -283,11 +283,11 @@ class GraphSampler:
         width = max(int(lengths.max()), 1)
         return tokens[:, :width].cpu(), logps[:, :width].cpu()
 
-    def _shrink(self, state: _State, live: list[int], temperature: float, top_p: float, eos: int) -> _State:
-        """The pool's tail: its `live` slots moved into the first slots of a pool of the smallest bucket that holds
-        them and `shrink_floor` slots (its own graph), so the last long samples stop paying for a full pool's decode
-        step."""
-        small = self._state(self._tail_key(state, len(live), temperature, top_p, eos))
+    def _shrink(self, state: _State, live: list[int], key: tuple) -> _State:
+        """The pool's tail: its `live` slots moved into the first slots of the pool of graph `key` (`_tail_key`: the
+        smallest bucket that holds them and `shrink_floor` slots, its own graph), so the last long samples stop paying
+        for a full pool's decode step."""
+        small = self._state(key)
         moved = torch.tensor(live, device=self.device)
         into = slice(0, len(live))
         for name in ("keys", "values"):
