@@ -6,7 +6,7 @@ from typing import Callable
 
 from .base import (Bucket, LocalWeights, SyncError, Transport, WeightSource, as_source, buckets, check_mapping,
                    checksums, collect_cpu, compare_checksums, compare_fingerprints, fingerprint, is_adapter,
-                   verify_written, write_weights)
+                   receive_beside, send_beside, verify_written, write_weights)
 
 _REGISTRY: dict[str, Callable[..., Transport]] = {}
 _MODULES = {"shared": ".shared", "checkpoint": ".checkpoint", "ray": ".ray_store", "nccl": ".collective",
@@ -39,5 +39,5 @@ def build_transport(name: str, sync_spec, **options) -> Transport:
 
 __all__ = ["Bucket", "LocalWeights", "SyncError", "Transport", "WeightSource", "as_source", "buckets",
            "build_transport", "check_mapping", "checksums", "collect_cpu", "compare_checksums",
-           "compare_fingerprints", "fingerprint", "is_adapter", "register", "transport_class", "verify_written",
+           "compare_fingerprints", "fingerprint", "is_adapter", "receive_beside", "register", "send_beside", "transport_class", "verify_written",
            "write_weights"]

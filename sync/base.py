@@ -5,6 +5,9 @@ the trainer's full weights: `push` calls `source.run_sender(fn, payload)`, and t
 `fn(named_tensors, payload)` in-process (standalone) or inside the trainer ranks (all ranks join the
 gather of the sharded weights; rank 0 runs `fn`). The receiver half runs where the engine's weights
 live: `engine.receive(fn, payload)` runs `fn(engine, payload)` in-process or in the engine's process.
+Transports that copy from beside the engine (`cuda_ipc`, `ray`) use `send_beside` / `receive_beside`
+instead: in a colocated layout each trainer rank runs the sender half for the engine on its own GPU, and
+each engine takes its own rank's payload, so no weight byte crosses GPUs.
 So engines know no transport, and backends know none either: they only yield weights.
 """
 
@@ -18,7 +21,8 @@ from typing import Callable, ClassVar, Iterator, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from ..core.weights import LocalWeights, NamedTensors, SenderFn, WeightSource, as_source, collect_cpu  # noqa: F401
+from ..core.weights import (LocalWeights, NamedTensors, SenderFn, WeightSource, as_source, collect_cpu,  # noqa: F401
+                            receive_beside, send_beside)
 from ..errors import RunError
 
 class SyncError(RunError):

@@ -1,6 +1,7 @@
 """`cuda_ipc`: trainer and engine processes on one GPU; the engine copies straight out of the trainer's memory.
 
-The sender half (next to the full weights: the standalone trainer, or trainer rank 0) keeps a `Staging`:
+The sender half (next to the full weights: the standalone trainer, or each trainer rank that has an engine on
+its GPU: `sync.base.send_beside`) keeps a `Staging`:
 flat GPU buckets of at most `sync.bucket_mb`, one per dtype run, laid out once and kept across pushes. Each
 push copies the weights into them (one fused multi-tensor copy per bucket) and synchronises; the CUDA IPC
 handles of the buckets are exported once per layout, not per push (and not per tensor, which costs a
@@ -34,7 +35,7 @@ import torch
 from torch import Tensor
 
 from . import register
-from .base import SyncError, as_source
+from .base import SyncError, as_source, receive_beside, send_beside
 from .staging import Phases, Receiver, Staging, layout_key, push_report
 
 _STAGED: dict[str, Staging] = {}
@@ -62,15 +63,17 @@ class CudaIpcTransport:
         pass  # the buckets are laid out and exported on the first push
 
     def push(self, weights, engine) -> int:
+        """Each engine copies from the sender half beside it: with several colocated trainer ranks every rank
+        stages its own gathered copy on its GPU and the engine on that GPU opens it (`send_beside`)."""
         self.source, self.engine = as_source(weights), engine
         start = time.perf_counter()
-        sent = self.source.run_sender(CudaIpcTransport.send, {"id": self.channel_id, "bucket_mb": self.spec.bucket_mb,
-                                                               "verify": self.spec.verify})
+        sent = send_beside(self.source, CudaIpcTransport.send,
+                           {"id": self.channel_id, "bucket_mb": self.spec.bucket_mb, "verify": self.spec.verify})
         sent_at = time.perf_counter()
-        received = engine.receive(CudaIpcTransport.receive, sent)
+        received = receive_beside(engine, CudaIpcTransport.receive, sent)
         done = time.perf_counter()
         self.last_push = push_report(done - start, {"sender": (sent_at - start, sent), "engine": (done - sent_at, received)})
-        return sent["bytes"]
+        return sum(part["bytes"] for part in sent)
 
     @staticmethod
     def send(named, payload) -> dict:
@@ -154,7 +157,7 @@ class CudaIpcTransport:
             pass
         try:
             if source is not None:
-                source.run_sender(CudaIpcTransport.release, self.channel_id, gather=False)
+                send_beside(source, CudaIpcTransport.release, self.channel_id, gather=False)
         except Exception:  # noqa: BLE001
             pass
 

@@ -1,6 +1,7 @@
 """`ray`: weights travel through the Ray object store; the engines pull them.
 
-The sender half runs next to the weights (trainer rank 0 for a sharded trainer) and puts one flat
+The sender half runs next to the weights (trainer rank 0 for a sharded trainer; in a colocated layout each
+rank with an engine beside it, into its own node's store: `sync.base.send_beside`) and puts one flat
 bucket of at most `sync.bucket_mb` per object; only the object references travel through the driver.
 Every engine pulls the buckets (bounded by `sync.timeout_s`) and copies them in by name. No
 communicator is involved, so nothing can hang on a rendezvous (the failure the seed system hit).
@@ -9,7 +10,8 @@ communicator is involved, so nothing can hang on a rendezvous (the failure the s
 from __future__ import annotations
 
 from . import register
-from .base import Bucket, SyncError, as_source, buckets, fingerprint, verify_written, write_weights
+from .base import (Bucket, SyncError, as_source, buckets, fingerprint, receive_beside, send_beside, verify_written,
+                   write_weights)
 
 
 @register("ray")
@@ -24,10 +26,10 @@ class RayStoreTransport:
             raise SyncError("sync.method=ray needs Ray to be running in this process (the backend starts it)")
 
     def push(self, weights, engine) -> int:
-        sent = as_source(weights).run_sender(
-            RayStoreTransport.send, {"bucket_mb": self.spec.bucket_mb, "verify": self.spec.verify})
-        engine.receive(RayStoreTransport.receive, {**sent, "timeout_s": self.spec.timeout_s})
-        return sent["bytes"]
+        sent = send_beside(as_source(weights), RayStoreTransport.send,
+                           {"bucket_mb": self.spec.bucket_mb, "verify": self.spec.verify})
+        receive_beside(engine, RayStoreTransport.receive, [{**part, "timeout_s": self.spec.timeout_s} for part in sent])
+        return sum(part["bytes"] for part in sent)
 
     @staticmethod
     def send(named, payload) -> dict:

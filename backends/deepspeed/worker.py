@@ -226,29 +226,21 @@ class DeepSpeedWorker(RankWorker):
 
     # --- weights -------------------------------------------------------------------------------------
 
-    def _full_weights(self) -> Iterator[tuple[str, Tensor]]:
+    def full_weights(self, keep: bool) -> Iterator[tuple[str, Tensor]]:
         """Full weights by the HF state-dict name (tied weights under each of their names), gathered a group
-        of `sync.bucket_mb` at a time on every rank (one ZeRO-3 gather per group, not per tensor). Rank 0
-        yields copies, after the group is released again, so the extra memory is one group; the other ranks
-        only take part and yield nothing. ZeRO-1/2 weights are whole on every rank (no `ds_id`: the gather
-        context does nothing) and rank 0 copies them as they are."""
+        of `sync.bucket_mb` at a time on every rank (one ZeRO-3 gather per group, not per tensor). A rank that
+        `keep`s (rank 0, or a colocated rank feeding the engine beside it) yields copies, after the group is
+        released again, so the extra memory is one group; the other ranks only take part and yield nothing.
+        ZeRO-1/2 weights are whole on every rank (no `ds_id`: the gather context does nothing) and are copied
+        as they are."""
         import deepspeed
 
         for group in gather_groups(self.engine.module.state_dict(keep_vars=True).items(),
                                    self.plan.spec.sync.bucket_mb << 20, _full_nbytes):
             sharded = list({id(t): t for _, t in group if hasattr(t, "ds_id")}.values())  # tied: gathered once
             with deepspeed.zero.GatheredParameters(sharded, modifier_rank=None):
-                copies = [(name, t.data.detach().clone()) for name, t in group] if self.rank == 0 else []
+                copies = [(name, t.data.detach().clone()) for name, t in group] if keep else []
             yield from copies
-
-    def run_sender(self, fn, payload, gather: bool = True) -> Any:
-        """A transport's sender half (see `rlspec.core.weights.WeightSource`): rank 0 runs it, all ranks gather."""
-        if self.rank == 0:
-            return fn(self._full_weights() if gather else None, payload)
-        if gather:
-            for _ in self._full_weights():
-                pass
-        return None
 
     def save(self, path: str, save_optimizer: bool) -> None:
         """HF safetensors directory (rank 0) + the portable optimizer state by parameter name

@@ -176,11 +176,12 @@ class FSDPWorker(RankWorker):
 
     # --- weights -------------------------------------------------------------------------------------
 
-    def _full_weights(self) -> Iterator[tuple[str, Tensor]]:
+    def full_weights(self, keep: bool) -> Iterator[tuple[str, Tensor]]:
         """Full weights by HF state-dict name (LoRA merged, tied weights under each name) in `model.dtype`.
 
         Gathered one bucket (`sync.bucket_mb`, or one larger tensor) at a time on every rank, so the extra
-        memory is one bucket, not the model; rank 0 yields the tensors, other ranks only take part.
+        memory is one bucket, not the model. An all-gather leaves the full tensors on every rank: each rank
+        yields them (a colocated rank feeds the engine beside it from its own copy); `keep` changes nothing.
         """
         self._sharded()
         for group in gather_groups(merged_weights(self.model), self.plan.spec.sync.bucket_mb << 20,
@@ -198,22 +199,13 @@ class FSDPWorker(RankWorker):
         while full:  # drop each tensor from this frame once it is handed over
             yield full.pop()
 
-    def run_sender(self, fn, payload, gather: bool = True) -> Any:
-        """A transport's sender half (see `rlspec.core.weights.WeightSource`): rank 0 runs it, all ranks gather."""
-        if self.rank == 0:
-            return fn(self._full_weights() if gather else None, payload)
-        if gather:
-            for _ in self._full_weights():
-                pass
-        return None
-
     def save(self, path: str, save_optimizer: bool) -> None:
         """HF safetensors directory (rank 0) + the portable optimizer state by parameter name
         (`rlspec.runtime.checkpoints`), which any backend at any rank count resumes. With LoRA, the sharded
         parameters and optimizer state instead (`torch.distributed.checkpoint`, one file per rank: fsdp alone
         resumes it)."""
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        self.run_sender(save_gathered, (base, self.tokenizer, Path(path)))  # only rank 0 holds the full weights
+        self.run_sender(save_gathered, (base, self.tokenizer, Path(path)))  # rank 0 writes the full weights
         if not save_optimizer:
             return
         if hasattr(self.model, "peft_config"):

@@ -10,15 +10,16 @@ waiting on ranks blocked in a collective with it. The data-parallel split of a b
 
 Driver side, `RankGroupBackend` is the `Backend` protocol over a `RankGroup`. Worker side, a backend's worker
 class subclasses `RankWorker` (its place in the group, the `FaultInjector` test hook, `pid`,
-`master_address`, stack dumps) and implements `setup(master)`, `logprobs(part, num_chunks, reference)`,
-`forward_backward(shard, norm, sizes)`, `optimizer_step`, `run_sender`, `save`, `load`, and may override
-`prepare_update`; `sharded_logprobs` helps.
+`master_address`, its `seat`, the sender half `run_sender`, stack dumps) and implements `setup(master)`,
+`logprobs(part, num_chunks, reference)`, `forward_backward(shard, norm, sizes)`, `optimizer_step`,
+`full_weights(keep)`, `save`, `load`, and may override `prepare_update`; `sharded_logprobs` helps.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any
 
 import torch
@@ -30,9 +31,8 @@ from ..core.policy import add_stats, batch_logprobs
 from ..errors import RunError
 from ..runtime.stall import StackReporter
 from ..spec import RunPlan, SpecError
+from .placement import CPUS_PER_ACTOR, Seat, describe_layout, plan_layout, route_engines, uses_gpus, verify_route
 
-CPUS_PER_ACTOR = 0.5
-"""Fractional CPUs per actor on CPU: whole CPUs per actor deadlock a 2-core node (PLATFORM.md)."""
 FAULT_ENV = "RLSPEC_FAULT_INJECT"
 """Test hook, `rank=R,step=S,mode=raise|exit|hang`: rank R fails in its S-th forward_backward (0-based);
 `hang` first lets a side thread die with an exception (the kind Ray only writes to the worker's log), then blocks."""
@@ -47,15 +47,22 @@ class RankGroup:
         self.labels: list[str] = []
         self.engines = None
         self.placement_group = None
+        self.rank_seats: list[Seat] = []
+        self.engine_seats: list[Seat] = []
+        self.feeders: list[int] | None = None
+        """Engine i is fed by trainer rank `feeders[i]`; None: rank 0 sends to every engine at once."""
         self.preparing: list = []
         """Futures of `prepare_update` on the ranks, waited on before the next call."""
 
     def start(self, worker_cls: type, env_vars: dict[str, str] | None = None) -> None:
-        """Place and start the ranks (`worker_cls` actors) and the engines; `env_vars` go to the ranks."""
+        """Place and start the ranks (`worker_cls` actors) and the engines; `env_vars` go to the ranks.
+
+        Every actor first reports its seat (`rlspec.cluster.placement`); the engines' feeders are decided from
+        those (or the layout refused, exit 2) before any model is built."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from ..rollout.remote import start_engines
+        from ..rollout.remote import create_engines
         from ..runtime.stall import remote_class
         from .ray_utils import check_cluster_fits, start_ray, wait_all
 
@@ -66,39 +73,40 @@ class RankGroup:
                             "and engine 0 on one GPU, which one communicator cannot hold",
                             "use sync.method=ray (or auto), or hardware.rollout=separate")
         start_ray(hw.ray_address)
-        world, num_engines = hw.num_trainer_ranks, hw.num_rollout_engines
-        tp = plan.spec.rollout.tensor_parallel_size
-        # One bundle per trainer rank (with its GPU on CUDA). Colocated engines on CUDA share a rank's
-        # bundle and GPU (fractional GPU); otherwise (CPU, or separate) each engine gets its own bundle.
-        share_gpus = cuda and plan.placement.rollout == "colocated"
-        bundles = [{"CPU": CPUS_PER_ACTOR} | ({"GPU": 1} if cuda else {}) for _ in range(world)]
-        if share_gpus:
-            for i in range(num_engines):
-                bundles[i % world]["CPU"] += CPUS_PER_ACTOR
-        else:
-            bundles += [{"CPU": CPUS_PER_ACTOR} | ({"GPU": tp} if cuda else {}) for _ in range(num_engines)]
-        check_cluster_fits(bundles, hw.ray_address)
-        self.placement_group = placement_group(bundles, strategy=hw.placement_strategy)
+        world = hw.num_trainer_ranks
+        layout = plan_layout(plan)
+        check_cluster_fits(layout.bundles, hw.ray_address)
+        self.placement_group = placement_group(layout.bundles, strategy=hw.placement_strategy)
         try:
             wait_all([self.placement_group.ready()], ["placement group"], timeout_s=120)
         except RunError as err:
-            raise RunError(f"could not reserve {bundles} on the Ray cluster: {err}") from None
-        # On CPU hide GPUs from the ranks: a library that finds one would move the model there.
-        env = ({} if cuda else {"CUDA_VISIBLE_DEVICES": ""}) | (env_vars or {})
-        gpu_share = (0.5 if share_gpus else 1.0) if cuda else 0
+            raise RunError(f"could not reserve {layout.bundles} on the Ray cluster: {err}") from None
+        # On CPU hide GPUs from the ranks: a library that finds one would move the model there. (Not under the
+        # logical-GPU test hook: Ray would then report the ranks' GPUs as none.)
+        env = ({} if uses_gpus(plan) else {"CUDA_VISIBLE_DEVICES": ""}) | (env_vars or {})
         remote_cls = remote_class(worker_cls)  # worker classes inherit `rlspec.runtime.stall.StackReporter`
         fault = os.environ.get(FAULT_ENV)
         self.labels = [f"trainer rank {r}" for r in range(world)]
         self.ranks = [
-            remote_cls.options(num_cpus=CPUS_PER_ACTOR, num_gpus=gpu_share, runtime_env={"env_vars": env} if env else {},
+            remote_cls.options(num_cpus=CPUS_PER_ACTOR, num_gpus=layout.rank_gpus,
+                               runtime_env={"env_vars": env} if env else {},
                                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
-                                                                                    placement_group_bundle_index=r))
+                                                                                    placement_group_bundle_index=b))
             .remote(plan, r, world, fault)
-            for r in range(world)]
+            for r, b in enumerate(layout.rank_bundles)]
+        self.engines = create_engines(plan, [(self.placement_group, b) for b in layout.engine_bundles], CPUS_PER_ACTOR,
+                                      layout.engine_gpus)
+        engine_actors = self.engines.actors
+        seats = wait_all([a.seat.remote() for a in self.ranks + engine_actors], self.labels + self.engines.labels)
+        self.rank_seats, self.engine_seats = seats[:world], seats[world:]
+        self.feeders = route_engines(plan, self.rank_seats, self.engine_seats)
+        print(f"rlspec: placement\n{describe_layout(self.rank_seats, self.engine_seats, self.feeders)}",
+              file=sys.stderr, flush=True)
+        if self.feeders is not None:  # the push's own fan-out, once, before any model is built
+            verify_route(self.weight_source(), self.engines)
         master = wait_all([self.ranks[0].master_address.remote()], self.labels[:1])[0]
         self.call_all("setup", master)
-        engine_bundles = [(self.placement_group, i % world if share_gpus else world + i) for i in range(num_engines)]
-        self.engines = start_engines(plan, engine_bundles, CPUS_PER_ACTOR, (0.5 if share_gpus else tp) if cuda else 0)
+        self.engines.build()
 
     def shutdown(self) -> None:
         """Kill the actors and remove the placement group (idempotent)."""
@@ -173,10 +181,11 @@ class RankGroup:
         return total
 
     def weight_source(self):
-        """The ranks as a `rlspec.core.weights.WeightSource` (every rank gathers, rank 0 runs the sender)."""
+        """The ranks as a `rlspec.core.weights.WeightSource`: every rank gathers; rank 0 runs the sender half, or
+        in a colocated layout every rank with an engine beside it runs it for that engine (`feeders`)."""
         from .ray_utils import ActorWeightSource
 
-        return ActorWeightSource(self.ranks, self.labels)
+        return ActorWeightSource(self.ranks, self.labels, self.feeders)
 
     def actors(self) -> list[tuple[str, Any]]:
         """(label, handle) of every actor, for the stall detector's stack dump."""
@@ -339,6 +348,28 @@ class RankWorker(StackReporter):
 
     def pid(self) -> int:
         return os.getpid()
+
+    def seat(self):
+        """Where this rank runs (`rlspec.cluster.placement.Seat`), asked before any model is built."""
+        from .placement import this_seat
+
+        return this_seat()
+
+    def run_sender(self, fn, payload, gather: bool = True, senders: tuple[int, ...] = (0,)) -> Any:
+        """A transport's sender half (see `rlspec.core.weights.WeightSource`): every rank joins the gathers; the
+        ranks in `senders` (rank 0, or in a colocated layout each rank with an engine beside it) run `fn` on
+        their own full copy, the others drain the gathers."""
+        if self.rank in senders:
+            return fn(self.full_weights(keep=True) if gather else None, payload)
+        if gather:
+            for _ in self.full_weights(keep=False):
+                pass
+        return None
+
+    def full_weights(self, keep: bool):
+        """Every rank iterates this together (each step may be a collective gather): the full weights by HF
+        state-dict name, one `sync.bucket_mb` group at a time; with `keep=False` the rank only takes part."""
+        raise NotImplementedError
 
     def prepare_update(self) -> None:
         """Work for the next update that can run while the engines sample (the rank is idle then). None here."""

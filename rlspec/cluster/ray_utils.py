@@ -175,15 +175,25 @@ def kill_all(actors: Sequence[Any]) -> None:
 
 
 class ActorWeightSource:
-    """A `rlspec.core.weights.WeightSource` over trainer-rank actors: the sender half runs inside every rank.
+    """A `rlspec.core.weights.WeightSource` over trainer-rank actors: the sender half runs inside the ranks.
 
-    Each rank actor implements `run_sender(fn, payload, gather)`: all ranks join the collective gather of
-    the full weights, rank 0 passes them to `fn`, and rank 0's result comes back.
+    Each rank actor implements `run_sender(fn, payload, gather, senders)`: all ranks join the collective gather
+    of the full weights and the ranks in `senders` pass their copy to `fn`. `run_sender` has rank 0 send and
+    returns its result. `run_senders` gives one result per engine: with `feeders` (a colocated layout, engine i
+    beside trainer rank `feeders[i]`, `rlspec.cluster.placement`) each feeding rank sends for its own engine;
+    without, rank 0's one result serves every engine.
     """
 
-    def __init__(self, actors: Sequence[Any], labels: Sequence[str]) -> None:
+    def __init__(self, actors: Sequence[Any], labels: Sequence[str], feeders: Sequence[int] | None = None) -> None:
         self.actors = list(actors)
         self.labels = list(labels)
+        self.feeders = None if feeders is None else list(feeders)
 
     def run_sender(self, fn, payload, gather: bool = True):
-        return call_all(self.actors, self.labels, "run_sender", fn, payload, gather)[0]
+        return call_all(self.actors, self.labels, "run_sender", fn, payload, gather, (0,))[0]
+
+    def run_senders(self, fn, payload, gather: bool = True) -> list:
+        if self.feeders is None:
+            return [self.run_sender(fn, payload, gather)]
+        results = call_all(self.actors, self.labels, "run_sender", fn, payload, gather, tuple(sorted(set(self.feeders))))
+        return [results[rank] for rank in self.feeders]

@@ -55,6 +55,24 @@ def as_source(weights: "WeightSource | Callable[[], NamedTensors]") -> WeightSou
     return weights if hasattr(weights, "run_sender") else LocalWeights(weights)  # type: ignore[arg-type]
 
 
+def send_beside(source, fn, payload, gather: bool = True) -> list:
+    """Run a transport's sender half; one result per engine where the source sends from beside each engine (a
+    colocated layout: each trainer rank feeds the engine on its own GPU, `run_senders`), else `[result]` for every
+    engine (trainer rank 0, or a single-process trainer)."""
+    if hasattr(source, "run_senders"):
+        return source.run_senders(fn, payload, gather)
+    return [source.run_sender(fn, payload, gather)]
+
+
+def receive_beside(engine, fn, payloads: list) -> list:
+    """Run a transport's engine half on the payloads of `send_beside`: engine i gets `payloads[i]` (one payload:
+    every engine gets it). One result per engine (one for an in-process engine)."""
+    if len(payloads) == 1:
+        got = engine.receive(fn, payloads[0])
+        return got if isinstance(got, list) else [got]
+    return engine.receive_each(fn, payloads)
+
+
 def collect_cpu(named: NamedTensors, _payload: Any = None) -> list[tuple[str, Tensor]]:
     """Sender function that brings the full weights back as CPU copies (e.g. to the driver)."""
     return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named]

@@ -22,22 +22,33 @@ from .base import Rollout
 
 
 class EngineWorker(StackReporter):
-    """One rollout engine in a Ray actor; starts from the same weights as the trainer (same seed)."""
+    """One rollout engine in a Ray actor; starts from the same weights as the trainer (same seed).
+
+    Made in two steps: the actor first reports its `seat` (so the layout is checked before any model is
+    built, `rlspec.cluster.placement`), then `build` loads the model."""
 
     def __init__(self, plan: RunPlan, index: int) -> None:
-        from .hf import HFEngine
-
-        spec = plan.spec
-        if spec.hardware.num_threads:
-            torch.set_num_threads(spec.hardware.num_threads)
-        device = "cuda" if plan.placement.device == "cuda" else "cpu"  # Ray exposes this actor's GPU as cuda:0
-        model = load_model(spec.model, spec.algorithm.seed).to(device).eval().requires_grad_(False)
-        self.engine = HFEngine(model, load_tokenizer(spec.model), spec.rollout, device, spec.algorithm.micro_batch_size)
-        self.engine.engine_index = index
-        self.engine.num_engines = spec.hardware.num_rollout_engines
         self.plan = plan
         self.index = index
+        self.engine = None
         self.episodes = None
+
+    def seat(self):
+        from ..cluster.placement import this_seat
+
+        return this_seat()
+
+    def build(self) -> None:
+        from .hf import HFEngine
+
+        spec = self.plan.spec
+        if spec.hardware.num_threads:
+            torch.set_num_threads(spec.hardware.num_threads)
+        device = "cuda" if self.plan.placement.device == "cuda" else "cpu"  # Ray exposes this actor's GPU as cuda:0
+        model = load_model(spec.model, spec.algorithm.seed).to(device).eval().requires_grad_(False)
+        self.engine = HFEngine(model, load_tokenizer(spec.model), spec.rollout, device, spec.algorithm.micro_batch_size)
+        self.engine.engine_index = self.index
+        self.engine.num_engines = spec.hardware.num_rollout_engines
 
     def _episode_runner(self):
         """This engine's environments (`model.kind: vla`): every `num_engines`-th group of a step, made once."""
@@ -131,6 +142,17 @@ class RemoteEngines:
     def receive(self, fn, payload) -> list:
         return self._all("receive", fn, payload)
 
+    def receive_each(self, fn, payloads: Sequence[Any]) -> list:
+        """Engine i runs `fn(engine, payloads[i])` (each its own sender's payload: `sync.base.push_beside`)."""
+        from ..cluster.ray_utils import wait_all
+
+        assert len(payloads) == len(self.actors), (len(payloads), len(self.actors))
+        return wait_all([a.receive.remote(fn, p) for a, p in zip(self.actors, payloads)], self.labels)
+
+    def build(self) -> None:
+        """Load every engine's model (after the layout was checked); a failed constructor surfaces here."""
+        self._all("build")
+
     def named_weights(self) -> list[tuple[str, Tensor]]:
         return self._first("named_weights")
 
@@ -138,17 +160,15 @@ class RemoteEngines:
         return self._all("pid")
 
 
-def start_engines(plan: RunPlan, bundles: Sequence[tuple[Any, int]], num_cpus: float, num_gpus: float) -> RemoteEngines:
-    """One `EngineWorker` per (placement group, bundle index) in `bundles`."""
+def create_engines(plan: RunPlan, bundles: Sequence[tuple[Any, int]], num_cpus: float, num_gpus: float) -> RemoteEngines:
+    """One `EngineWorker` actor per (placement group, bundle index) in `bundles`, not yet built
+    (`RemoteEngines.build`)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from ..cluster.ray_utils import wait_all
     from ..runtime.stall import remote_class
 
     remote_cls = remote_class(EngineWorker)
     actors = [remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b))
               .remote(plan, i) for i, (pg, b) in enumerate(bundles)]
-    engines = RemoteEngines(actors, load_tokenizer(plan.spec.model))
-    wait_all([a.pid.remote() for a in actors], engines.labels)  # surfaces a failed constructor now
-    return engines
+    return RemoteEngines(actors, load_tokenizer(plan.spec.model))
