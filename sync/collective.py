@@ -508,8 +508,8 @@ class CollectiveTransport:
 
     @staticmethod
     def raw_receive(_engine, payload) -> None:
-        """Engine half of `raw_send`."""
-        channel = _CHANNELS[(payload["id"], 1)]
+        """Engine half of `raw_send` (in every engine of the group)."""
+        channel = _CHANNELS[(payload["id"], 1 + getattr(_engine, "engine_index", 0))]
         buffer = torch.empty(payload["numel"], dtype=torch.bfloat16, device=channel.device)
         for _ in range(payload["repeats"] + 1):
             channel.broadcast(buffer)

@@ -149,7 +149,7 @@ class DeepSpeedWorker(RankWorker):
                                    timeout=timedelta(minutes=30), rank=self.rank, world_size=self.world_size)
         self.loss_cfg = LossConfig.from_algorithm(spec.algorithm)
         self.tokenizer = load_tokenizer(spec.model) if self.rank == 0 else None
-        model = load_model(spec.model, spec.algorithm.seed)
+        model = load_model(spec.model, spec.algorithm.seed, self.device)
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -168,7 +168,7 @@ class DeepSpeedWorker(RankWorker):
             self.engine.enable_backward_allreduce = False
         self.compiled = CompiledBlocks(self.engine.module, spec.model.compile_layers)
         if self.plan.needs_reference_model:
-            reference = load_model(spec.model, spec.algorithm.seed).eval().requires_grad_(False)
+            reference = load_model(spec.model, spec.algorithm.seed, self.device).eval().requires_grad_(False)
             if self.stage == 3:  # partitioned (and offloaded) like the policy
                 self.reference, *_ = deepspeed.initialize(model=reference, config=ds_config(self.plan, train=False))
                 self.reference.eval()

@@ -93,7 +93,7 @@ class FSDPWorker(RankWorker):
         self.loss_cfg = LossConfig.from_algorithm(spec.algorithm)
         self.tokenizer = load_tokenizer(spec.model) if self.rank == 0 else None
 
-        model = load_model(spec.model, spec.algorithm.seed)
+        model = load_model(spec.model, spec.algorithm.seed, self.device)
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # fp32 master parameters (exact for a bf16 start); MixedPrecisionPolicy computes in model.dtype.
@@ -108,7 +108,7 @@ class FSDPWorker(RankWorker):
         self.model.train()
         self.optimizer = build_optimizer(self.model.parameters(), spec.algorithm)
         if self.plan.needs_reference_model:
-            reference = load_model(spec.model, spec.algorithm.seed).eval().requires_grad_(False)
+            reference = load_model(spec.model, spec.algorithm.seed, self.device).eval().requires_grad_(False)
             self.reference = shard_model(reference, mesh, self.dtype, offload)
 
     # --- the training step -------------------------------------------------------------------------

@@ -63,11 +63,11 @@ class StandaloneBackend:
             return
         engine_model = self.trainer.model
         if plan.sync_method == "lora":  # the engine's own base + adapters, built like the trainer's
-            engine_model = apply_lora(load_model(spec.model, spec.algorithm.seed), spec.model, spec.algorithm.seed)
+            engine_model = apply_lora(load_model(spec.model, spec.algorithm.seed, device), spec.model, spec.algorithm.seed)
             engine_model = engine_model.to(device).eval().requires_grad_(False)
         elif plan.sync_method != "shared":
             # The engine holds a plain copy (LoRA merged away): it receives full weights by base-model name.
-            engine_model = load_model(spec.model, spec.algorithm.seed).to(device).eval().requires_grad_(False)
+            engine_model = load_model(spec.model, spec.algorithm.seed, device).to(device).eval().requires_grad_(False)
             copy_weights(engine_model, self.trainer.export_weights())
         self.engine = HFEngine(engine_model, self.trainer.tokenizer, spec.rollout, device, spec.algorithm.micro_batch_size)
 

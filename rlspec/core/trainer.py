@@ -80,10 +80,10 @@ class LocalTrainer:
         self.max_new_tokens = max_new_tokens
         self.loss_cfg = LossConfig.from_algorithm(algo)
         self.tokenizer = load_tokenizer(model_spec)
-        base = model if model is not None else load_model(model_spec, algo.seed)
+        base = model if model is not None else load_model(model_spec, algo.seed, self.device)
         self.reference = None
         if needs_reference:
-            self.reference = load_model(model_spec, algo.seed).to(self.device).eval()
+            self.reference = load_model(model_spec, algo.seed, self.device).to(self.device).eval()
             self.reference.requires_grad_(False)
         if model_spec.gradient_checkpointing:
             base.gradient_checkpointing_enable()

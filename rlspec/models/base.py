@@ -67,14 +67,18 @@ def pad_token_id(tokenizer) -> int:
 
 
 class seeded:
-    """Fork the global torch RNG, seed it, restore it on exit."""
+    """Fork the global torch RNG (and, with a CUDA `device`, that device's), seed it, restore it on exit."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
         self.seed = seed
+        self.device = torch.device(device)
 
     def __enter__(self) -> None:
         self._state = torch.random.get_rng_state()
+        self._cuda_state = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(self.seed)
 
     def __exit__(self, *exc) -> None:
         torch.random.set_rng_state(self._state)
+        if self._cuda_state is not None:
+            torch.cuda.set_rng_state(self._cuda_state, self.device)

@@ -188,8 +188,13 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
-    """The initial policy in `spec.dtype`, on CPU; identical for a given seed in every process."""
+def load_model(spec: ModelSpec, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The initial policy in `spec.dtype`; identical for a given seed and device type in every process.
+
+    A preset is initialised where it will run: on a CUDA `device` directly in `spec.dtype` (the 7B shape in well
+    under a second, where initialising it on the host took minutes), so every process of a CUDA run must pass
+    its CUDA device for trainer and engines to start from the same weights. A VLA policy and a local directory
+    load on the host and are moved by the caller."""
     dtype = DTYPES[spec.dtype]
     if spec.kind == "vla":
         from . import vla
@@ -197,7 +202,7 @@ def load_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
         model = vla.load_model(spec, seed, dtype)
     elif spec.path is None:
         config = preset_config(spec.preset, spec.attn_implementation)
-        with seeded(seed):
+        with seeded(seed, device), torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=spec.attn_implementation)
         if spec.eos_hazard:
             set_eos_hazard(model, spec.eos_hazard)

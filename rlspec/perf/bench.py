@@ -21,8 +21,14 @@ the batch): forward + backward = 3 forwards. No-grad passes over all tokens: old
 updates_per_batch > 1, reference log-probs when kl_coef > 0. Recomputation is not counted (this is MFU,
 not hardware FLOPs utilisation): neither the activations recomputed under gradient checkpointing (one more
 forward of the decoder) nor the LM head recomputed chunk by chunk in backward (`rlspec.core.grpo`, one more
-forward of the head). MFU = train FLOPs / (timing_s/train x the device's dense bf16 peak); reported for
-16-bit models on a known GPU only.
+forward of the head). MFU = train FLOPs / (timing_s/train x the device's dense bf16 peak x trainer GPUs),
+per trainer GPU: two ranks that each run at a third of the peak show 33%, not 67%; reported for 16-bit models
+on a known GPU only.
+
+Every column states its GPUs: `gpus/trainer` (the trainer ranks' GPUs), `gpus/engine` (the engines' GPUs;
+colocated engines share the trainer's, so `gpus/total` does not add them twice), and the rates per GPU of the
+whole run, `perf/tokens_per_s_per_gpu` and `perf/samples_per_s_per_gpu` beside `perf/samples_per_s`
+(sequences per step second), so layouts of different sizes compare at a glance.
 
 `--reference trl` adds TRL's GRPOTrainer on the same spec (`rlspec.perf.bench_trl` says what is matched).
 
@@ -53,19 +59,38 @@ REFERENCES = ("trl",)
 # Dense bf16 peak of known GPUs, TFLOP/s (the vendors' datasheet numbers without sparsity).
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0}
 
-COLUMNS = ("perf/completion_tokens_per_s", "perf/tokens_per_s", "perf/train_tokens_per_s", "perf/train_mfu", "timing_s/step", "timing_s/gen", "timing_s/train", "timing_s/sync", "sync/bytes",
-           "mem/peak_gb")
+COLUMNS = ("perf/completion_tokens_per_s", "perf/tokens_per_s", "perf/train_tokens_per_s", "perf/train_mfu",
+           "perf/samples_per_s", "perf/tokens_per_s_per_gpu", "perf/samples_per_s_per_gpu", "timing_s/step",
+           "timing_s/gen", "timing_s/train", "timing_s/sync", "sync/bytes", "mem/peak_gb")
+GPU_COLUMNS = ("gpus/trainer", "gpus/engine", "gpus/total")
 LENGTH_COLUMNS = ("response_len/mean", "response_len/p50", "response_len/p90", "response_len/max")
 
 
-def summarise(rows: list[dict], warmup_steps: int, flops: "TrainFlops | None" = None) -> dict:
-    """Median of each column over the steps after warm-up (all steps if the run is that short)."""
+def gpu_counts(plan) -> dict[str, int]:
+    """`GPU_COLUMNS` of a plan: 0 on CPU; colocated engines share the trainer ranks' GPUs."""
+    placement = plan.placement
+    if placement.device != "cuda":
+        return dict.fromkeys(GPU_COLUMNS, 0)
+    return {"gpus/trainer": len(placement.trainer_devices), "gpus/engine": len(placement.engine_devices),
+            "gpus/total": placement.num_gpus}
+
+
+def summarise(rows: list[dict], warmup_steps: int, flops: "TrainFlops | None" = None, plan=None) -> dict:
+    """Median of each column over the steps after warm-up (all steps if the run is that short); with `plan`, its
+    GPU counts and the per-GPU rates."""
     measured = rows[warmup_steps:] or rows
+    gpus = gpu_counts(plan) if plan is not None else dict.fromkeys(GPU_COLUMNS, 0)
+    sequences = plan.batch.sequences_per_step if plan is not None else None
     for row in measured:
         row["perf/train_mfu"] = flops.mfu(row) if flops else None
         row["perf/train_tokens_per_s"] = train_tokens_per_s(row)
+        step_s = row.get("timing_s/step")
+        row["perf/samples_per_s"] = sequences / step_s if sequences and step_s else None
+        for rate in ("perf/tokens_per_s", "perf/samples_per_s"):
+            value = row.get(rate)
+            row[rate + "_per_gpu"] = value / gpus["gpus/total"] if value is not None and gpus["gpus/total"] else None
     medians = {key: _median([r.get(key) for r in measured]) for key in COLUMNS}
-    return medians | _lengths(measured) | {"steps_measured": len(measured)}
+    return gpus | medians | _lengths(measured) | {"steps_measured": len(measured)}
 
 
 def _lengths(rows: list[dict]) -> dict:
@@ -91,7 +116,7 @@ def _median(values: list) -> float | None:
 class TrainFlops:
     """The train-phase FLOP count of the module docstring, for one plan on this machine's GPU."""
 
-    def __init__(self, plan, peak_tflops: float) -> None:
+    def __init__(self, plan, peak_tflops: float, num_gpus: int = 1) -> None:
         from transformers import AutoModelForCausalLM
 
         from ..models.factory import preset_config
@@ -110,7 +135,8 @@ class TrainFlops:
         self.attn_width = config.num_hidden_layers * config.num_attention_heads * head_dim
         self.sequences = plan.batch.sequences_per_step
         self.passes = 3 + int(plan.batch.updates_per_batch > 1) + int(plan.needs_reference_model)
-        self.peak = peak_tflops * 1e12
+        self.peak = peak_tflops * 1e12 * num_gpus
+        """The trainer's peak: every trainer GPU's."""
 
     def flops(self, tokens: float) -> float:
         mean_len = tokens / self.sequences
@@ -130,7 +156,7 @@ def _train_flops(plan) -> TrainFlops | None:
         return None
     name = torch.cuda.get_device_name(0)
     peak = next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
-    return TrainFlops(plan, peak) if peak else None
+    return TrainFlops(plan, peak, len(plan.placement.trainer_devices)) if peak else None
 
 
 def bench(spec_path: str, overrides: Sequence[str], backends: Sequence[str], out: Path, warmup_steps: int = 1,
@@ -143,21 +169,24 @@ def bench(spec_path: str, overrides: Sequence[str], backends: Sequence[str], out
             raise SpecError("--reference", f"unknown reference {ref!r}", f"use one of: {', '.join(REFERENCES)}")
         if importlib.util.find_spec(ref) is None:
             raise SpecError("--reference", f"--reference {ref} needs the {ref} package", f"pip install 'rlspec[{ref}]'")
-    flops = _train_flops(plans[0]) if plans else None
+    flops = [_train_flops(plan) for plan in plans]  # per column: a variant may change the hardware
     commands = {label: [sys.executable, "-m", "rlspec.cli", "run", spec_path, *overrides, *extra, "--backend", name,
                         "--out", str(out / _dir_name(label)), "--no-progress"]
                 for label, (name, extra) in variants.items()}
     commands |= {ref: [sys.executable, "-m", f"rlspec.perf.bench_{ref}", spec_path, str(out / ref), *overrides]
                  for ref in references}
+    # A reference runs the spec as given, as the first column's plan does.
+    measure = dict(zip(variants, zip(plans, flops))) | {ref: (plans[0], flops[0]) for ref in references}
     results, failures = {}, {}
     for name, command in commands.items():
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
             failures[name] = proc.stderr.strip().splitlines()[-20:]
             continue
-        results[name] = summarise(read_metrics(out / _dir_name(name) / "metrics.jsonl"), warmup_steps, flops)
+        plan, flop_count = measure[name]
+        results[name] = summarise(read_metrics(out / _dir_name(name) / "metrics.jsonl"), warmup_steps, flop_count, plan)
     report = {"spec": spec_path, "overrides": list(overrides), "warmup_steps": warmup_steps, "backends": results,
-              "failed": failures, "device": torch.cuda.get_device_name(0) if flops else None}
+              "failed": failures, "device": torch.cuda.get_device_name(0) if any(flops) else None}
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     if results:
@@ -178,7 +207,7 @@ def table(report: dict) -> str:
     names = list(report["backends"])
     head = f"{'metric (median)':<30}" + "".join(f"{n:>14}" for n in names)
     lines = [head, "-" * len(head)]
-    for key in COLUMNS + LENGTH_COLUMNS:
+    for key in GPU_COLUMNS + COLUMNS + LENGTH_COLUMNS:
         lines.append(f"{key:<30}" + "".join(_cell(report["backends"][n].get(key)) for n in names))
     if len(names) > 1:
         base = report["backends"][names[-1]]

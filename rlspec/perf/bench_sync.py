@@ -13,6 +13,19 @@ median of each phase of a push (`breakdown_verified` / `breakdown_unverified` in
 
     python -m rlspec.perf.bench_sync --method nccl --device cpu --model qwen2_24l_tiny --dtype float32
                                                       # CPU (gloo): 291 tensors, 3.7 MB: the fixed cost per push
+
+With `--backend fsdp` the trainer is the fsdp backend's own rank actors and the engines its Ray engine actors,
+placed as a run places them (`rlspec.cluster.placement`), and a push is the run's own (the bucket-by-bucket
+gather included):
+
+    python -m rlspec.perf.bench_sync --backend fsdp --method nccl --engines 3 --model qwen2_7b_shape
+                      # split: 1 rank on GPU 0 broadcasting to 3 engines on GPUs 1-3 in one group; raw = one
+                      # broadcast of the same bytes to the same group
+    python -m rlspec.perf.bench_sync --backend fsdp --method cuda_ipc --ranks 4 --model qwen2_7b_shape
+                      # colocated: each of 4 ranks feeds the engine on its own GPU; raw = a device copy
+
+Presets are initialised on the GPU in their dtype (`rlspec.models.factory.load_model`), so the 7B shape is
+ready in seconds.
 """
 
 from __future__ import annotations
@@ -80,7 +93,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke test of the nccl path over gloo (no figures worth reporting)")
+    parser.add_argument("--backend", choices=("standalone", "fsdp"), default="standalone",
+                        help="fsdp: the trainer is the fsdp backend's rank actors, the engines its Ray engine actors")
+    parser.add_argument("--engines", type=int, default=1, help="--backend fsdp --method nccl: engines in the group")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="--backend fsdp: trainer ranks (cuda_ipc: each with an engine on its GPU)")
     args = parser.parse_args(argv)
+    if args.backend == "fsdp":
+        return _finish(_ray_backend(args), args)
 
     from ..core.backend import all_caps
     from ..core.policy import batch_logprobs
@@ -104,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     spec.algorithm.group_size = 2
     plan = compile_plan(spec, all_caps())
     device = "cuda:0" if cuda else "cpu"
-    model = load_model(plan.spec.model, plan.spec.algorithm.seed + 1).to(device).eval()  # not the server's weights
+    model = load_model(plan.spec.model, plan.spec.algorithm.seed + 1, device).to(device).eval()  # not the server's weights
 
     def export():  # as the standalone trainer's `export_weights`: a generator over the model's kept state views
         yield from state_items(model)
@@ -121,21 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
         client.wait_healthy(600, server.alive)
         engine = ServedEngine(client, load_tokenizer(plan.spec.model), plan.spec.rollout, starts_in_sync=True)
         transport.connect(engine, source)
-        for verify in (True, False):
-            transport.spec = SyncSpec(method=args.method, bucket_mb=args.bucket_mb, timeout_s=120, verify=verify)
-            times, reports = [], []
-            for _ in range(args.repeats + 1):  # the first push also opens handles / allocates
-                _sync(device)
-                start = time.perf_counter()
-                nbytes = transport.push(source, engine)
-                times.append(time.perf_counter() - start)
-                reports.append(dict(transport.last_push))
-            key = "push_verified" if verify else "push_unverified"
-            result[key + "_s"] = statistics.median(times[1:])
-            result[key + "_first_s"] = times[0]
-            result["breakdown_" + key.removeprefix("push_")] = _medians(reports[1:])
-            result["breakdown_" + key.removeprefix("push_") + "_first"] = reports[0]
-            result["bytes"] = nbytes
+        _timed_pushes(transport, source, engine, args, result, device)
+        nbytes = result["bytes"]
         rollout = engine.generate(["abc=", "hello="], 2, seed=0)
         batch = collate(rollout, torch.zeros(4), torch.zeros(4), engine.tokenizer.pad_token_id)
         got = engine.logprobs(batch)
@@ -152,19 +159,110 @@ def main(argv: list[str] | None = None) -> dict:
             raw = _d2d_copy_s(nbytes, args.repeats)
             result["raw_name"] = "device_to_device_copy"
         result["raw_s"] = statistics.median(raw)
-        gb = nbytes / 1e9
-        for key in ("push_verified", "push_unverified", "raw"):
-            result[key + "_gb_per_s"] = gb / result[key + "_s"]
-        result["unverified_vs_raw_bandwidth"] = result["push_unverified_gb_per_s"] / result["raw_gb_per_s"]
     finally:
         transport.close()
         server.stop()
+    return _finish(result, args)
+
+
+def _finish(result: dict, args) -> dict:
+    gb = result["bytes"] / 1e9
+    for key in ("push_verified", "push_unverified", "raw"):
+        result[key + "_gb_per_s"] = gb / result[key + "_s"]
+    result["unverified_vs_raw_bandwidth"] = result["push_unverified_gb_per_s"] / result["raw_gb_per_s"]
     print(json.dumps(result, indent=1))
     print(_table(result), file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def _timed_pushes(transport, source, engine, args, result: dict, device) -> None:
+    """`--repeats` timed pushes (after one untimed: handles, buffers, graphs) with and without `sync.verify`."""
+    from ..spec import SyncSpec
+
+    for verify in (True, False):
+        transport.spec = SyncSpec(method=args.method, bucket_mb=args.bucket_mb, timeout_s=300, verify=verify)
+        times, reports = [], []
+        for _ in range(args.repeats + 1):
+            _sync(device)
+            start = time.perf_counter()
+            nbytes = transport.push(source, engine)
+            times.append(time.perf_counter() - start)
+            reports.append(dict(transport.last_push))
+        key = "push_verified" if verify else "push_unverified"
+        result[key + "_s"] = statistics.median(times[1:])
+        result[key + "_first_s"] = times[0]
+        result["breakdown_" + key.removeprefix("push_")] = _medians(reports[1:])
+        result["breakdown_" + key.removeprefix("push_") + "_first"] = reports[0]
+        result["bytes"] = nbytes
+
+
+def _ray_backend(args) -> dict:
+    """The fsdp backend's ranks and engines as a run places them; push with the run's transport."""
+    from ..cluster.ray_utils import wait_all
+    from ..core.backend import all_caps, create_backend
+    from ..rollout.base import collate
+    from ..spec import HardwareSpec, ModelSpec, RolloutSpec, Spec, SyncSpec, compile_plan
+    from ..sync import build_transport
+    from ..sync.collective import CollectiveTransport
+
+    colocated = args.method == "cuda_ipc"
+    engines = args.ranks if colocated else args.engines
+    spec = Spec(model=ModelSpec(preset=args.model, dtype=args.dtype, attn_implementation="sdpa"),
+                rollout=RolloutSpec(max_new_tokens=16, prompts_per_step=4),
+                sync=SyncSpec(method=args.method, bucket_mb=args.bucket_mb, timeout_s=300),
+                hardware=HardwareSpec(device=args.device, num_trainer_ranks=args.ranks, num_rollout_engines=engines,
+                                      rollout="colocated" if colocated else "separate"),
+                backend="fsdp")
+    spec.algorithm.group_size = 2
+    spec.algorithm.micro_batch_size = 1
+    plan = compile_plan(spec, all_caps())
+    backend = create_backend("fsdp")
+    start = time.perf_counter()
+    backend.setup(plan)
+    result: dict = {"method": args.method, "backend": "fsdp", "model": args.model, "dtype": args.dtype,
+                    "bucket_mb": args.bucket_mb, "repeats": args.repeats, "ranks": args.ranks, "engines": engines,
+                    "setup_s": time.perf_counter() - start, "layout": "colocated" if colocated else "separate",
+                    "device": _device_name(args.device), "gpus": torch.cuda.device_count()}
+    engine, source = backend.rollout_engine(), backend.weight_source()
+    result["num_tensors"] = len(engine.named_weights())
+    transport = build_transport(plan.sync_method, plan.spec.sync)
+    try:
+        transport.connect(engine, source)
+        _timed_pushes(transport, source, engine, args, result, "cpu")
+        rollout = engine.generate(["abc=", "hello="], 2, seed=0)
+        batch = collate(rollout, torch.zeros(4), torch.zeros(4), engine.tokenizer.pad_token_id)
+        want = backend.logprobs(batch)
+        got = wait_all([a.logprobs.remote(batch) for a in engine.actors], engine.labels)
+        result["logprobs_max_abs_diff"] = max(float(((g - want).abs() * batch.loss_mask).max()) for g in got)
+        if colocated:
+            result["raw_s"] = statistics.median(wait_all([a.receive.remote(_copy_seconds, (result["bytes"] // engines,
+                                                                                           args.repeats))
+                                                          for a in engine.actors], engine.labels)[0])
+            result["raw_name"] = "device_to_device_copy (one engine's bytes, on its GPU)"
+            result["bytes"] //= engines  # the table's GB/s: what each GPU moved, as the raw copy's
+        else:
+            payload = {"id": transport.channel_id, "numel": result["bytes"] // 2, "repeats": args.repeats}
+            raw, _ = transport._both(CollectiveTransport.raw_send, payload, CollectiveTransport.raw_receive, payload,
+                                     gather=False)
+            result["raw_s"] = statistics.median(raw)
+            result["raw_name"] = f"broadcast to {engines} engine(s)"
+    finally:
+        transport.close()
+        backend.shutdown()
+    return result
+
+
+def _copy_seconds(_engine, payload) -> list[float]:
+    """Engine half: time a device-to-device copy of `nbytes` on this engine's GPU (`repeats` times)."""
+    nbytes, repeats = payload
+    return _d2d_copy_s(nbytes, repeats)
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else "cpu"
 
 
 if __name__ == "__main__":

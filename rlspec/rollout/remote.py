@@ -45,7 +45,7 @@ class EngineWorker(StackReporter):
         if spec.hardware.num_threads:
             torch.set_num_threads(spec.hardware.num_threads)
         device = "cuda" if self.plan.placement.device == "cuda" else "cpu"  # Ray exposes this actor's GPU as cuda:0
-        model = load_model(spec.model, spec.algorithm.seed).to(device).eval().requires_grad_(False)
+        model = load_model(spec.model, spec.algorithm.seed, device).to(device).eval().requires_grad_(False)
         self.engine = HFEngine(model, load_tokenizer(spec.model), spec.rollout, device, spec.algorithm.micro_batch_size)
         self.engine.engine_index = self.index
         self.engine.num_engines = spec.hardware.num_rollout_engines

@@ -42,7 +42,7 @@ def build_engine(plan: RunPlan, index: int = 0):
     device = plan.placement.engine_devices[index]
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"the rollout server's device is {device} but no CUDA device is visible to it")
-    model = load_model(spec.model, spec.algorithm.seed)
+    model = load_model(spec.model, spec.algorithm.seed, device)
     if plan.sync_method == "lora":
         model = apply_lora(model, spec.model, spec.algorithm.seed)
     model = model.to(device).eval().requires_grad_(False)

@@ -4,7 +4,10 @@
 # `bash tests/gpu/pack_extra.sh` downloads, whose header lists them: the serve stack, the openai client, TRL).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
 # Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
-# scale7b weak15b sync7b engines2.
+# scale7b weak15b sync7b engines2 multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f (multigpu: all six).
+# The multigpu parts (issue 44) each fit one 10-minute call on a 4-GPU machine, one call per part; each row runs under
+# its own timeout and every row refreshes $OUT/multigpu_table.txt (tests/gpu/multigpu_table.py), so a call cut short
+# keeps the rows it finished. On fewer GPUs the rows that need more are skipped and say so.
 # Each writes its log and metrics under $OUT.
 # The bench spec's token budget (algorithm.micro_batch_tokens) was 16k, then 32k, and is 64k now: a figure quoted at
 # an older budget re-runs with it as an override (EXTRA=algorithm.micro_batch_tokens=32768 where a section takes
@@ -58,7 +61,30 @@ keep() {  # copy a bench's per-backend metrics next to its log, as they are (ben
   [ -f $dir/bench.json ] && cp $dir/bench.json $OUT/${name}_bench.json
 }
 
-for section in "$@"; do
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+mg_done() {  # the multigpu table so far, and everything copied out (kept if the call is cut short)
+  python3 $ROOT/tests/gpu/multigpu_table.py $OUT > $OUT/multigpu_table.txt 2>&1
+  cp $OUT/results.txt $OUT/multigpu_table.txt $FINAL/; tar -czf $FINAL/all.tgz -C $OUT .
+}
+mg_bench() {  # ROW GPUS TIMEOUT_S BACKEND SPEC [OVERRIDES...]: one bench row of the multigpu table
+  local row=$1 need=$2 limit=$3 be=$4; shift 4
+  if [ $NGPU -lt $need ]; then echo "$row: skipped, needs $need GPUs ($NGPU here)" >> $OUT/results.txt; return; fi
+  timeout $limit $RL bench "$@" --backends $be --out /tmp/b_mg_$row > $OUT/mg_$row.log 2>&1
+  echo $? > $OUT/mg_$row.exit
+  cp /tmp/b_mg_$row/$be/plan.json $OUT/mg_${row}_plan.json 2>/dev/null
+  echo "$row exit $(cat $OUT/mg_$row.exit)" >> $OUT/results.txt; grep -m3 "Error\|error:" $OUT/mg_$row.log >> $OUT/results.txt
+  keep mg_$row /tmp/b_mg_$row; mg_done
+}
+mg_push() {  # ROW GPUS BENCH_SYNC_ARGS...: one push row (the 7B shape, fsdp ranks and Ray engines)
+  local row=$1 need=$2; shift 2
+  if [ $NGPU -lt $need ]; then echo "push $row: skipped, needs $need GPUs ($NGPU here)" >> $OUT/results.txt; return; fi
+  timeout 150 python3 -m rlspec.perf.bench_sync --backend fsdp --model qwen2_7b_shape --repeats 5 "$@" \
+    --json $OUT/mg_push_$row.json > $OUT/mg_push_$row.log 2>&1
+  echo "push $row exit $?" >> $OUT/results.txt; tail -4 $OUT/mg_push_$row.log >> $OUT/results.txt; mg_done
+}
+sections=$(echo "$@" | sed 's/\bmultigpu\b/multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f/')
+
+for section in $sections; do
   start=$(date +%s)
   rm -rf /tmp/b_* /tmp/ds_*  # a warm machine keeps the last call's runs
   echo "== $section" >> $OUT/results.txt
@@ -335,6 +361,39 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
         echo "started servers with nccl: skipped, needs 3 GPUs (trainer + 2 servers)" >> $OUT/results.txt
       fi
       unset RLSPEC_SERVE_TOKEN ;;
+    multigpu_a|multigpu_b|multigpu_c)  # issue 44: colocated fsdp (a), deepspeed ZeRO-3 (b), ZeRO-1 (c) at 64 x 8 of the
+      # bench spec on 1, 2 and 4 GPUs (a trainer rank and an engine on every GPU, each rank feeding its own engine by
+      # cuda_ipc), one bench call per row; rows that need more GPUs than the machine has are skipped
+      case $section in
+        multigpu_a) be=fsdp; tag=fsdp_z3; x="" ;;
+        multigpu_b) be=deepspeed; tag=deepspeed_z3; x="hardware.deepspeed.zero_stage=3" ;;
+        multigpu_c) be=deepspeed; tag=deepspeed_z1; x="hardware.deepspeed.zero_stage=1" ;;
+      esac
+      for n in 1 2 4; do
+        hw=$([ $n = 1 ] && echo "hardware=gpu1" || echo "hardware=gpu${n}_colocated")
+        mg_bench ${tag}_${n}gpu $n 170 $be $BENCH $hw rollout.prompts_per_step=64 algorithm.steps=4 $x
+      done ;;
+    multigpu_d)  # issue 44: split on 4 GPUs (2 ranks on GPUs 0-1, 2 engines on GPUs 2-3, one nccl broadcast to both
+      # engines), fsdp and deepspeed ZeRO-3, 64 x 8 of the bench spec; beside them the colocated rows of a-c
+      for be in fsdp deepspeed; do
+        mg_bench ${be}_split_4gpu 4 240 $be $BENCH hardware=gpu4_split rollout.prompts_per_step=64 algorithm.steps=4
+      done ;;
+    multigpu_e)  # issue 44: weak scaling, the 1.5B shape on the long-tailed lengths, 8 prompts x 8 per GPU, fsdp colocated
+      # on 1, 2 and 4 GPUs
+      for n in 1 2 4; do
+        hw=$([ $n = 1 ] && echo "hardware=gpu1" || echo "hardware=gpu${n}_colocated")
+        mg_bench weak_${n}gpu $n 170 fsdp $ROOT/examples/bench_longtail.yaml model=qwen2_1p5b_shape $hw \
+          rollout.prompts_per_step=$((8 * n)) algorithm.steps=4
+      done ;;
+    multigpu_f)  # issue 44: the 7B shape's push as a run makes it (fsdp ranks and Ray engines, rlspec.perf.bench_sync
+      # --backend fsdp): split, one rank broadcasting to 1 and 3 engines beside a raw broadcast of the same bytes; colocated,
+      # 1, 2 and 4 ranks each feeding the engine on its GPU by cuda_ipc beside a device copy of the same bytes
+      for e in 1 3; do
+        mg_push 7b_nccl_${e}engines $((e + 1)) --method nccl --engines $e
+      done
+      for n in 1 2 4; do
+        mg_push 7b_ipc_${n}gpu $n --method cuda_ipc --ranks $n
+      done ;;
     *) echo "unknown section $section" >> $OUT/results.txt ;;
   esac
   echo "-- $section took $(( $(date +%s) - start )) s" >> $OUT/results.txt
