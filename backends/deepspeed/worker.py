@@ -157,11 +157,13 @@ class DeepSpeedWorker(RankWorker):
             gather_blocks_whole(model)
         # AdamW steps DeepSpeed's fp32 partitions, on the rank's device unless the optimizer is offloaded: fused
         # there (one kernel over the partition, where torch's per-tensor path took 8.2 ms against 4.5 for the 0.5B
-        # shape on an H200), though the parameters it is built from are still on the CPU.
+        # shape on an H200).
         optimizer = build_optimizer(model.parameters(), spec.algorithm,
                                     fused=cuda and not spec.hardware.offload_optimizer)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                  config=ds_config(self.plan))
+        if cuda:  # the initial 16-bit weights (built on the device) stay cached otherwise, memory a colocated engine needs
+            torch.cuda.empty_cache()
         if self.world_size == 1 and isinstance(self.optimizer, BF16_Optimizer):
             # ZeRO-1 in bf16 (DeepSpeed's BF16_Optimizer) all-reduces the fp32 gradients through a flat copy of
             # them and back, even with one rank, where the reduction changes nothing: skip it.

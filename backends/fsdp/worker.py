@@ -101,6 +101,8 @@ class FSDPWorker(RankWorker):
         reshard = spec.hardware.fsdp.reshard_after_forward
         self.reshard = self.world_size > 1 if reshard is None else reshard
         self.model = shard_model(model, mesh, self.dtype, offload, self.reshard)  # moves the shards to the mesh's device
+        if cuda:  # the 16-bit initial weights (built on the device) and the unsharded copies stay cached otherwise:
+            torch.cuda.empty_cache()  # 15 GB of the 7B shape that a colocated engine needs
         self.units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         # After sharding: transformers wraps the forward of FSDP2's block subclass again, and only the outermost
         # wrapper applies gradient checkpointing, so the forward to compile is the sharded class's.

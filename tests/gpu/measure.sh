@@ -371,7 +371,7 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
       esac
       for n in 1 2 4; do
         hw=$([ $n = 1 ] && echo "hardware=gpu1" || echo "hardware=gpu${n}_colocated")
-        mg_bench ${tag}_${n}gpu $n 170 $be $BENCH $hw rollout.prompts_per_step=64 algorithm.steps=4 $x
+        mg_bench ${tag}_${n}gpu $n $((150 + 20 * n)) $be $BENCH $hw rollout.prompts_per_step=64 algorithm.steps=4 $x
       done ;;
     multigpu_d)  # issue 44: split on 4 GPUs (2 ranks on GPUs 0-1, 2 engines on GPUs 2-3, one nccl broadcast to both
       # engines), fsdp and deepspeed ZeRO-3, 64 x 8 of the bench spec; beside them the colocated rows of a-c
@@ -382,7 +382,7 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
       # on 1, 2 and 4 GPUs
       for n in 1 2 4; do
         hw=$([ $n = 1 ] && echo "hardware=gpu1" || echo "hardware=gpu${n}_colocated")
-        mg_bench weak_${n}gpu $n 170 fsdp $ROOT/examples/bench_longtail.yaml model=qwen2_1p5b_shape $hw \
+        mg_bench weak_${n}gpu $n $((150 + 20 * n)) fsdp $ROOT/examples/bench_longtail.yaml model=qwen2_1p5b_shape $hw \
           rollout.prompts_per_step=$((8 * n)) algorithm.steps=4
       done ;;
     multigpu_f)  # issue 44: the 7B shape's push as a run makes it (fsdp ranks and Ray engines, rlspec.perf.bench_sync
