@@ -203,6 +203,7 @@ def _ray_backend(args) -> dict:
     """The fsdp backend's ranks and engines as a run places them; push with the run's transport."""
     from ..cluster.ray_utils import wait_all
     from ..core.backend import all_caps, create_backend
+    from ..errors import RunError
     from ..rollout.base import collate
     from ..spec import HardwareSpec, ModelSpec, RolloutSpec, Spec, SyncSpec, compile_plan
     from ..sync import build_transport
@@ -210,8 +211,10 @@ def _ray_backend(args) -> dict:
 
     colocated = args.method == "cuda_ipc"
     engines = args.ranks if colocated else args.engines
+    # The engine samples only the few sequences of the log-prob check: HF's generate, without the CUDA-graph
+    # engine's fused weight copies (the 7B shape colocated on one 80 GB GPU has no room for them).
     spec = Spec(model=ModelSpec(preset=args.model, dtype=args.dtype, attn_implementation="sdpa"),
-                rollout=RolloutSpec(max_new_tokens=16, prompts_per_step=4),
+                rollout=RolloutSpec(max_new_tokens=16, prompts_per_step=4, cuda_graph=False),
                 sync=SyncSpec(method=args.method, bucket_mb=args.bucket_mb, timeout_s=300),
                 hardware=HardwareSpec(device=args.device, num_trainer_ranks=args.ranks, num_rollout_engines=engines,
                                       rollout="colocated" if colocated else "separate"),
@@ -232,11 +235,16 @@ def _ray_backend(args) -> dict:
     try:
         transport.connect(engine, source)
         _timed_pushes(transport, source, engine, args, result, "cpu")
-        rollout = engine.generate(["abc=", "hello="], 2, seed=0)
-        batch = collate(rollout, torch.zeros(4), torch.zeros(4), engine.tokenizer.pad_token_id)
-        want = backend.logprobs(batch)
-        got = wait_all([a.logprobs.remote(batch) for a in engine.actors], engine.labels)
-        result["logprobs_max_abs_diff"] = max(float(((g - want).abs() * batch.loss_mask).max()) for g in got)
+        print(f"pushes done: {result['push_unverified_s']:.4f} s unverified, {result['push_verified_s']:.4f} s verified",
+              file=sys.stderr, flush=True)
+        try:
+            rollout = engine.generate(["abc=", "hello="], 2, seed=0)
+            batch = collate(rollout, torch.zeros(4), torch.zeros(4), engine.tokenizer.pad_token_id)
+            want = backend.logprobs(batch)
+            got = wait_all([a.logprobs.remote(batch) for a in engine.actors], engine.labels)
+            result["logprobs_max_abs_diff"] = max(float(((g - want).abs() * batch.loss_mask).max()) for g in got)
+        except RunError as err:  # the push figures stand; say why the check is missing
+            result["logprobs_check_failed"] = str(err).splitlines()[0]
         if colocated:
             result["raw_s"] = statistics.median(wait_all([a.receive.remote(_copy_seconds, (result["bytes"] // engines,
                                                                                            args.repeats))
