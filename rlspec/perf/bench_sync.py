@@ -44,14 +44,19 @@ def _sync(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _d2d_copy_s(nbytes: int, repeats: int) -> list[float]:
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda:0")
+def _d2d_copy_s(nbytes: int, repeats: int, chunk_bytes: int = 1 << 30) -> list[float]:
+    """Seconds to copy `nbytes` device to device, `repeats` times: one buffer of at most `chunk_bytes` copied as
+    often as it takes (beside a 7B trainer and engine on one GPU there is no room for two copies of the weights)."""
+    numel = min(nbytes, chunk_bytes) // 2
+    src = torch.empty(numel, dtype=torch.bfloat16, device="cuda:0")
     dst = torch.empty_like(src)
     times = []
     for _ in range(repeats + 1):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        dst.copy_(src)
+        for offset in range(0, nbytes // 2, numel):
+            n = min(numel, nbytes // 2 - offset)
+            dst[:n].copy_(src[:n])
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times[1:]
