@@ -139,3 +139,34 @@ def test_layout_checked_by_identity_not_bundle_index(logical, monkeypatch):
     finally:
         backend.shutdown()
     assert torch.get_num_threads() >= 1
+
+
+def test_split_layout_one_broadcast_reaches_every_engine(logical):
+    """Split (engines on GPUs of their own): Ray's GPU ids of ranks and engines are all different, rank 0 sends to
+    every engine (no feeders), and one nccl push (gloo on CPU) is a single group broadcasting to both engines."""
+    spec = load_spec(TINY, ["hardware.num_trainer_ranks=1", "hardware.num_rollout_engines=2", "hardware.rollout=separate",
+                            "rollout.prompts_per_step=2", "algorithm.micro_batch_size=1", "sync.verify=true"], "fsdp")
+    plan = compile_plan(spec, all_caps())
+    assert plan.sync_method == "nccl"
+    backend = create_backend("fsdp")
+    try:
+        backend.setup(plan)
+        group, engine = backend.group, backend.rollout_engine()
+        ids = [s.gpu_ids for s in group.rank_seats + group.engine_seats]
+        assert len(set(ids)) == 3 and all(len(i) == 1 for i in ids)
+        assert group.feeders is None
+        transport = build_transport("nccl", plan.spec.sync)
+        try:
+            transport.connect(engine, backend.weight_source())
+            batch = fixed_batch()
+            backend.forward_backward(batch, _norm(batch, plan))
+            backend.optimizer_step()
+            assert transport.push(backend.weight_source(), engine) > 0
+            trainer = backend.logprobs(batch)
+            for i, actor in enumerate(engine.actors):
+                got = ray.get(actor.logprobs.remote(batch))
+                assert float(((got - trainer) * batch.loss_mask).abs().max()) < 1e-5, f"engine {i}"
+        finally:
+            transport.close()
+    finally:
+        backend.shutdown()
