@@ -76,23 +76,25 @@ def check_colocated(backend_name: str, n: int) -> None:
         try:
             transport.connect(engine, source)
             for _ in range(2):
-                backend.forward_backward(batch, _norm(batch, plan))
-                backend.optimizer_step()
-                assert transport.push(source, engine) > 0
-                trainer = backend.logprobs(batch)
-                for i, actor in enumerate(engine.actors):
-                    got = ray.get(actor.logprobs.remote(batch))
-                    assert float(((got - trainer) * batch.loss_mask).abs().max()) < 1e-5, f"engine {i}"
+                step_and_push(backend, plan, transport, batch)
         finally:
             transport.close()
     finally:
         backend.shutdown()
 
 
-def _norm(batch, plan):
+def step_and_push(backend, plan, transport, batch) -> None:
+    """One optimizer step (the weights move), one push; then every engine's log-probs equal the trainer's."""
     from rlspec.core.grpo import LossNorm
 
-    return LossNorm.of(batch.loss_mask, plan.spec.rollout.max_new_tokens)
+    backend.forward_backward(batch, LossNorm.of(batch.loss_mask, plan.spec.rollout.max_new_tokens))
+    backend.optimizer_step()
+    engine = backend.rollout_engine()
+    assert transport.push(backend.weight_source(), engine) > 0
+    trainer = backend.logprobs(batch)
+    for i, actor in enumerate(engine.actors):
+        got = ray.get(actor.logprobs.remote(batch))
+        assert float(((got - trainer) * batch.loss_mask).abs().max()) < 1e-5, f"engine {i}"
 
 
 @pytest.mark.parametrize("backend_name", ["fsdp", "deepspeed"])
@@ -158,14 +160,7 @@ def test_split_layout_one_broadcast_reaches_every_engine(logical):
         transport = build_transport("nccl", plan.spec.sync)
         try:
             transport.connect(engine, backend.weight_source())
-            batch = fixed_batch()
-            backend.forward_backward(batch, _norm(batch, plan))
-            backend.optimizer_step()
-            assert transport.push(backend.weight_source(), engine) > 0
-            trainer = backend.logprobs(batch)
-            for i, actor in enumerate(engine.actors):
-                got = ray.get(actor.logprobs.remote(batch))
-                assert float(((got - trainer) * batch.loss_mask).abs().max()) < 1e-5, f"engine {i}"
+            step_and_push(backend, plan, transport, fixed_batch())
         finally:
             transport.close()
     finally:
