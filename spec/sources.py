@@ -142,9 +142,6 @@ class TaskSpec(Section):
         require(bool(self.prompt_column), f"{p}.prompt_column", "is empty", "name the column holding the prompts")
         require(self.name != "copy_char" or self.data_path is None, f"{p}.data_path",
                 "copy_char makes its own prompts and reads no data", "unset it, or set rollout.task.name=dataset")
-        require(self.name == "copy_char" or not self.dataset_kwargs, f"{p}.dataset_kwargs",
-                f"only copy_char takes dataset kwargs, not {self.name}",
-                "map a dataset's columns with rollout.task.prompt_column / answer_column instead")
         if self.name != "copy_char":
             require(self.data_path is not None, f"{p}.data_path", f"the {self.name} task needs local data",
                     "set it to a .jsonl or .parquet file or a save_to_disk directory (e.g. examples/data/arith.parquet)")

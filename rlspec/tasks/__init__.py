@@ -52,6 +52,9 @@ def _checked(spec: TaskSpec) -> list:
         _copy_char_source(spec)
         columns = COPY_CHAR_COLUMNS
     else:
+        if spec.dataset_kwargs:
+            raise SpecError("rollout.task.dataset_kwargs", f"only copy_char takes dataset kwargs, not {spec.name}",
+                            "map the data's columns with rollout.task.prompt_column and answer_column instead")
         names = data.data_columns(spec)
         data.check_mapping(spec, names, _template(spec))
         columns = {*names, *(("answer",) if spec.answer_column is not None else ())}

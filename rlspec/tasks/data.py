@@ -55,7 +55,7 @@ def _jsonl_columns(path: Path) -> list[str]:
         with path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
-                    return list(_json_object(line, f"{path}:{lineno}"))
+                    return list(_json_object(line, f"{path}:{lineno}", 1))
     except UnicodeDecodeError:
         raise SpecError(KEY, f"{path} is not UTF-8 text", "give a JSON-lines file (one JSON object per line)") from None
     except OSError as err:
@@ -63,13 +63,14 @@ def _jsonl_columns(path: Path) -> list[str]:
     raise SpecError(KEY, f"{path} holds no records", "give a file with at least one record")
 
 
-def _json_object(line: str, where: str) -> dict:
+def _json_object(line: str, where: str, number: int) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise SpecError(where, f"not valid JSON ({err.msg})", "one JSON object per line") from None
+        raise SpecError(where, f"record {number} is not valid JSON ({err.msg})", "one JSON object per line") from None
     if not isinstance(record, dict):
-        raise SpecError(where, f"is a JSON {type(record).__name__}, not an object", "one JSON object per line, e.g. {\"prompt\": ...}")
+        raise SpecError(where, f"record {number} is a JSON {type(record).__name__}, not an object",
+                        "one JSON object per line, e.g. {\"prompt\": ...}")
     return record
 
 
@@ -164,9 +165,10 @@ def load_records(spec: TaskSpec) -> list[dict[str, Any]]:
 
 def _find_bad_line(path: Path) -> None:
     """Raise a `SpecError` naming the first line of a JSON-lines file that is not a JSON object."""
-    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        if line.strip():
-            _json_object(line, f"{path}:{lineno}")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    numbered = [(lineno, line) for lineno, line in enumerate(lines, 1) if line.strip()]
+    for number, (lineno, line) in enumerate(numbered, 1):
+        _json_object(line, f"{path}:{lineno}", number)
 
 
 Render = Callable[[list], str]
