@@ -80,7 +80,8 @@ def reward_function(fn: Callable, kwargs: dict[str, Any] | None = None, weight: 
     for key, value in kwargs.items():
         if key not in params and not var_kw:
             raise SpecError(f"{kwargs_key}.{key}", f"{target} takes no argument {key!r}",
-                            f"accepted: {', '.join(p for p in params if p not in provided) or '(none)'}")
+                            f"accepted: {', '.join(p for p in params if p not in provided) or '(none)'} "
+                            f"(on the command line, ~{kwargs_key}.{key} drops it)")
         if key in provided:
             raise SpecError(f"{kwargs_key}.{key}", f"{key!r} is also {'a column of the data' if key in columns else 'an argument rlspec passes'}",
                             "rename the kwarg (the function would not know which one it got)")
