@@ -106,7 +106,8 @@ class TaskSpec(Section):
     prompt_template: Optional[str] = None
     """Text with {column} fields filled from each record, used as the prompt instead of prompt_column (gsm8k: its own)."""
     answer_column: Optional[str] = None
-    """The column handed to the reward as `answer` (the reference); every column also arrives under its own name."""
+    """The column handed to the reward as `answer` (the reference; a.b for field b of a struct column, as verl's
+    reward_model.ground_truth); every column also arrives under its own name."""
     shuffle_seed: Optional[int] = 0
     """Records are drawn pass after pass over the data, each pass in a new order drawn from this seed; null: file order."""
     num_records: int = 0

@@ -87,6 +87,21 @@ def test_a_missing_column_is_named_with_the_columns_there_are(data_dir, path):
     assert text.startswith("rollout.task.prompt_template:") and "'topic'" in text
 
 
+def test_a_struct_field_is_the_answer_as_in_verl_data(data_dir, tmp_path):
+    """verl's data: chat messages in `prompt`, the reference in `reward_model.ground_truth`."""
+    import datasets
+
+    record = {"data_source": "math", "prompt": [{"role": "user", "content": "1+1?"}],
+              "reward_model": {"style": "rule", "ground_truth": "2"}}
+    datasets.Dataset.from_list([record]).to_parquet(str(tmp_path / "verl.parquet"))
+    spec = task_spec(tmp_path, "verl.parquet", prompt_column="prompt", answer_column="reward_model.ground_truth",
+                     reward=f"{data_dir / 'rewards.py'}:exact")
+    prompt = build_task(spec, 0).sample(0, 1)[0]
+    assert prompt.meta["answer"] == "2" and prompt.text.endswith("<|im_start|>assistant\n")
+    text = mapping_error(task_spec(tmp_path, "verl.parquet", prompt_column="prompt", answer_column="reward_model.truth"))
+    assert "no field 'truth' in reward_model — the fields of reward_model are: style, ground_truth" in text
+
+
 def test_data_problems_name_the_key(data_dir, tmp_path):
     assert "has no split 'dev'" in mapping_error(task_spec(data_dir, "splits", split="dev"))
     assert "use one of: train, test" in mapping_error(task_spec(data_dir, "splits", split="dev"))

@@ -21,9 +21,12 @@ KEY = "rollout.task.data_path"
 FORMATS = "a .jsonl or .parquet file, or a directory saved by datasets (save_to_disk)"
 
 
-def data_columns(spec: TaskSpec) -> list[str]:
-    """The column names of the data `spec` names, in their order; a missing or unreadable file, an unknown split,
-    is a `SpecError`."""
+Columns = dict
+"""{column name: the names inside it where it is a struct (a nested Columns), else None}, in the data's order."""
+
+
+def data_columns(spec: TaskSpec) -> Columns:
+    """The columns of the data `spec` names; a missing or unreadable file, an unknown split, is a `SpecError`."""
     path = Path(spec.data_path)
     if path.is_dir():
         return _saved_columns(path, spec.split)
@@ -38,29 +41,40 @@ def data_columns(spec: TaskSpec) -> list[str]:
     raise SpecError(KEY, f"{path} is not {FORMATS} (by its suffix)", "convert it, or rename a JSON-lines file to .jsonl")
 
 
-def _parquet_columns(path: Path) -> list[str]:
+def _parquet_columns(path: Path) -> Columns:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise SpecError(KEY, "reading parquet needs pyarrow", "pip install 'rlspec[data]' or use .jsonl") from None
     try:
-        return list(pq.read_schema(path).names)
+        schema = pq.read_schema(path)
     except Exception as err:  # noqa: BLE001 - pyarrow raises its own types for corrupt files
         raise SpecError(KEY, f"{path} is not a readable parquet file ({type(err).__name__}: {str(err)[:200]})",
                         "write it again (e.g. Dataset.to_parquet), or give a .jsonl") from None
+    return {field.name: _arrow_fields(field.type) for field in schema}
 
 
-def _jsonl_columns(path: Path) -> list[str]:
+def _arrow_fields(kind) -> Columns | None:
+    import pyarrow as pa
+
+    return {f.name: _arrow_fields(f.type) for f in kind} if pa.types.is_struct(kind) else None
+
+
+def _jsonl_columns(path: Path) -> Columns:
     try:
         with path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
-                    return list(_json_object(line, f"{path}:{lineno}", 1))
+                    return _value_fields(_json_object(line, f"{path}:{lineno}", 1))
     except UnicodeDecodeError:
         raise SpecError(KEY, f"{path} is not UTF-8 text", "give a JSON-lines file (one JSON object per line)") from None
     except OSError as err:
         raise SpecError(KEY, f"{path} cannot be read: {err.strerror or err}", "check the file's permissions") from None
     raise SpecError(KEY, f"{path} holds no records", "give a file with at least one record")
+
+
+def _value_fields(value) -> Columns | None:
+    return {key: _value_fields(item) for key, item in value.items()} if isinstance(value, dict) else None
 
 
 def _json_object(line: str, where: str, number: int) -> dict:
@@ -74,7 +88,7 @@ def _json_object(line: str, where: str, number: int) -> dict:
     return record
 
 
-def _saved_columns(path: Path, split: str) -> list[str]:
+def _saved_columns(path: Path, split: str) -> Columns:
     """A `save_to_disk` directory: a `DatasetDict` (dataset_dict.json lists its splits, one directory each) or a
     `Dataset` (its features in dataset_info.json)."""
     splits_file = path / "dataset_dict.json"
@@ -94,7 +108,12 @@ def _saved_columns(path: Path, split: str) -> list[str]:
     features = _read_json(info).get("features")
     if not isinstance(features, dict):
         raise SpecError(KEY, f"{info} lists no features", "save the dataset again with save_to_disk")
-    return list(features)
+    return _feature_fields(features)
+
+
+def _feature_fields(features: dict) -> Columns:
+    """A struct feature is saved as a plain mapping of its fields; every other feature names its `_type`."""
+    return {name: _feature_fields(f) if isinstance(f, dict) and "_type" not in f else None for name, f in features.items()}
 
 
 def _read_json(path: Path) -> dict:
@@ -105,7 +124,7 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def check_mapping(spec: TaskSpec, columns: list[str], template: str | None) -> None:
+def check_mapping(spec: TaskSpec, columns: Columns, template: str | None) -> None:
     """Every column the spec maps (the prompt column or the template's fields, the answer column) exists."""
     have = f"the columns are: {', '.join(columns)}"
     if template is not None:
@@ -115,8 +134,16 @@ def check_mapping(spec: TaskSpec, columns: list[str], template: str | None) -> N
                                 "does not have", have)
     elif spec.prompt_column not in columns:
         raise SpecError("rollout.task.prompt_column", f"{spec.data_path} has no column {spec.prompt_column!r}", have)
-    if spec.answer_column is not None and spec.answer_column not in columns:
-        raise SpecError("rollout.task.answer_column", f"{spec.data_path} has no column {spec.answer_column!r}", have)
+    if spec.answer_column is not None:
+        level, path = columns, []
+        for part in spec.answer_column.split("."):
+            if not isinstance(level, dict) or part not in level:
+                inside = f" in {'.'.join(path)}" if path else ""
+                there = (f"the fields of {'.'.join(path)} are: {', '.join(level)}" if isinstance(level, dict)
+                         else f"{'.'.join(path)} is not a struct") if path else have
+                raise SpecError("rollout.task.answer_column",
+                                f"{spec.data_path} has no {'field' if path else 'column'} {part!r}{inside}", there)
+            level, path = level[part], [*path, part]
 
 
 def template_fields(template: str) -> list[str]:
@@ -186,9 +213,17 @@ def to_prompts(records: list[dict[str, Any]], spec: TaskSpec, template: str | No
             text = _prompt_text(record[spec.prompt_column], render, f"{spec.data_path}: record {i + 1}", spec.prompt_column)
         meta = dict(record)
         if spec.answer_column is not None:
-            meta["answer"] = record[spec.answer_column]
+            meta["answer"] = field_value(record, spec.answer_column)
         prompts.append(Prompt(text, meta))
     return prompts
+
+
+def field_value(record: dict, dotted: str) -> Any:
+    """`record["a"]["b"]` for "a.b" (a struct column's field, e.g. verl's reward_model.ground_truth)."""
+    value = record
+    for part in dotted.split("."):
+        value = value[part] if isinstance(value, dict) else None
+    return value
 
 
 def _prompt_text(value: Any, render: Render | None, where: str, column: str) -> str:
