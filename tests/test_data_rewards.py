@@ -189,6 +189,17 @@ def test_chat_messages_are_rendered_with_the_chat_template():
     assert prompt.meta["answer"] == "a"
 
 
+def test_a_run_started_before_these_fields_existed_resumes():
+    """A plan.json without the data and reward fields counts them as their defaults: nothing refused."""
+    from rlspec.spec import resume_changes
+
+    now = json.loads((REPO / "tests" / "golden" / "tiny_plan.json").read_text())["spec"]
+    started = json.loads(json.dumps(now))
+    for key in ("split", "prompt_column", "prompt_template", "answer_column", "shuffle_seed", "num_records", "rewards"):
+        del started["rollout"]["task"][key]
+    assert resume_changes(started, now) == ([], [])
+
+
 def test_checking_a_task_imports_neither_torch_nor_datasets():
     code = ("import sys; from rlspec.spec import TaskSpec; from rlspec.tasks import check_task\n"
             "check_task(TaskSpec(name='dataset', data_path='examples/data/letters.parquet', "

@@ -21,6 +21,8 @@ from .rewards import Rewards, resolve_all
 
 COPY_CHAR_COLUMNS = {"letter"}
 """What a copy_char prompt hands its reward besides prompt and completion."""
+BUILTIN_REWARDS = {"copy_char": copy_char.REWARD, "gsm8k": gsm8k.REWARD}
+"""What `rollout.task.reward: task` names for each built-in task (`dataset` has no reward of its own)."""
 
 
 def check_task(spec: TaskSpec) -> None:
@@ -32,13 +34,12 @@ def check_task(spec: TaskSpec) -> None:
 def build_task(spec: TaskSpec, seed: int, model: ModelSpec | None = None) -> Task:
     """The task `spec` names, its records read; chat-format prompts are rendered with `model`'s tokenizer."""
     functions = _checked(spec)
+    rewards = Rewards(functions, log_each=bool(spec.rewards)) if functions else None  # none: the judge scores
     if spec.name == "copy_char":
-        task = RewardTask("copy_char", _copy_char_source(spec), Rewards(functions, bool(spec.rewards)) if functions else None, seed)
+        task = RewardTask("copy_char", _copy_char_source(spec), rewards, seed)
     else:
-        records = data.load_records(spec)
-        prompts = data.to_prompts(records, spec, _template(spec), _renderer(model))
-        task = RewardTask(spec.name, prompts, Rewards(functions, bool(spec.rewards)) if functions else None, seed,
-                          spec.shuffle_seed)
+        prompts = data.to_prompts(data.load_records(spec), spec, _template(spec), _renderer(model))
+        task = RewardTask(spec.name, prompts, rewards, seed, spec.shuffle_seed)
     if spec.reward == "llm_judge":
         from .llm_judge import build_judge_task
 
@@ -60,7 +61,7 @@ def _checked(spec: TaskSpec) -> list:
         columns = {*names, *(("answer",) if spec.answer_column is not None else ())}
     if spec.reward == "llm_judge":
         return []
-    return resolve_all(spec, {"copy_char": copy_char.REWARD, "gsm8k": gsm8k.REWARD}.get(spec.name), columns)
+    return resolve_all(spec, BUILTIN_REWARDS.get(spec.name), columns)
 
 
 def _copy_char_source(spec: TaskSpec):

@@ -83,8 +83,8 @@ def reward_function(fn: Callable, kwargs: dict[str, Any] | None = None, weight: 
                             f"accepted: {', '.join(p for p in params if p not in provided) or '(none)'} "
                             f"(on the command line, ~{kwargs_key}.{key} drops it)")
         if key in provided:
-            raise SpecError(f"{kwargs_key}.{key}", f"{key!r} is also {'a column of the data' if key in columns else 'an argument rlspec passes'}",
-                            "rename the kwarg (the function would not know which one it got)")
+            what = "a column of the data" if key in columns else "an argument rlspec passes"
+            raise SpecError(f"{kwargs_key}.{key}", f"{key!r} is also {what}", "rename the parameter and the kwarg")
         _check_literal(fn, key, value, f"{kwargs_key}.{key}")
     for param in params.values():
         if param.kind is inspect.Parameter.POSITIONAL_ONLY:
@@ -93,7 +93,8 @@ def reward_function(fn: Callable, kwargs: dict[str, Any] | None = None, weight: 
             inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         if required and param.name not in provided and param.name not in kwargs:
             raise SpecError(where, f"{target} needs the argument {param.name!r}, which is neither a column of the data "
-                            f"({', '.join(sorted(columns)) or 'none'}) nor one rlspec passes ({', '.join(provided - columns)})",
+                            f"({', '.join(sorted(columns)) or 'none'}) nor one rlspec passes "
+                            f"({', '.join(BATCH_ARGS if batched else SAMPLE_ARGS)})",
                             f"give it a default, set it in {kwargs_key}, or map a column to it")
     return RewardFunction(name or fn.__name__, fn, float(weight), dict(kwargs), batched,
                           inspect.iscoroutinefunction(fn), None if var_kw else frozenset(params))
