@@ -145,7 +145,7 @@ class TaskSpec(Section):
                 "copy_char makes its own prompts and reads no data", "unset it, or set rollout.task.name=dataset")
         if self.name != "copy_char":
             require(self.data_path is not None, f"{p}.data_path", f"the {self.name} task needs local data",
-                    "set it to a .jsonl or .parquet file or a save_to_disk directory (e.g. examples/data/arith.parquet)")
+                    "set it to a .jsonl or .parquet file or a save_to_disk directory (e.g. examples/data/letters.parquet)")
         require(0 <= self.max_reward_error_rate <= 1, f"{p}.max_reward_error_rate",
                 f"must be in [0, 1], got {self.max_reward_error_rate}", "e.g. 0.05 to tolerate a few failed judge calls")
         if self.reward == "llm_judge":
@@ -163,7 +163,7 @@ def check_function(target: str, where: str, alternatives: str = "") -> None:
     module, _, name = target.rpartition(":")
     require(bool(module) and name.isidentifier(), where,
             f"{target!r} is not of the form module:function or path/to/file.py:function",
-            f"e.g. examples/rewards/arith.py:exact_match or mypackage.rewards:exact_match {alternatives}".rstrip())
+            f"e.g. examples/rewards/letters.py:copies or mypackage.rewards:copies {alternatives}".rstrip())
 
 
 @dataclass
