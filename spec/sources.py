@@ -130,7 +130,8 @@ class TaskSpec(Section):
         p = "rollout.task"
         one_of(self.name, TASK_NAMES, f"{p}.name")
         if self.reward not in TASK_REWARDS:
-            check_function(self.reward, f"{p}.reward", f"or one of: {', '.join(TASK_REWARDS)}")
+            check_function(self.reward, f"{p}.reward", "examples/rewards/letters.py:copies or mypackage.rewards:copies, "
+                           f"or one of: {', '.join(TASK_REWARDS)}")
         require(self.reward == "task" or not self.rewards, f"{p}.rewards",
                 f"rollout.task.reward={self.reward} and rollout.task.rewards are both set",
                 "set one: reward for one function, rewards for several weighted ones")
@@ -158,12 +159,12 @@ class TaskSpec(Section):
                     + " ".join(f"~{p}.reward_kwargs.{k}" for k in self.reward_kwargs) + ")")
 
 
-def check_function(target: str, where: str, alternatives: str = "") -> None:
+def check_function(target: str, where: str,
+                   example: str = "examples/rewards/letters.py:copies or mypackage.rewards:copies") -> None:
     """Refuse a function reference that is not `module:function` or `path/to/file.py:function`."""
     module, _, name = target.rpartition(":")
     require(bool(module) and name.isidentifier(), where,
-            f"{target!r} is not of the form module:function or path/to/file.py:function",
-            f"e.g. examples/rewards/letters.py:copies or mypackage.rewards:copies {alternatives}".rstrip())
+            f"{target!r} is not of the form module:function or path/to/file.py:function", f"e.g. {example}")
 
 
 @dataclass
@@ -231,7 +232,7 @@ class AgentSpec(Section):
         require(self.function is None or self.command is None, f"{p}.function",
                 "both rollout.agent.function and rollout.agent.command are set", "set only one of them")
         if self.function is not None:
-            check_function(self.function, f"{p}.function")
+            check_function(self.function, f"{p}.function", "examples/agents/gsm8k_calc.py:solve or mypackage.agents:solve")
         if self.command is not None:
             require(len(self.command) > 0 and all(isinstance(a, str) and a for a in self.command), f"{p}.command",
                     "must be a non-empty list of non-empty strings", "e.g. [python, examples/agents/gsm8k_calc.py]")

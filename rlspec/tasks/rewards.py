@@ -88,7 +88,8 @@ def reward_function(fn: Callable, kwargs: dict[str, Any] | None = None, weight: 
         _check_literal(fn, key, value, f"{kwargs_key}.{key}")
     for param in params.values():
         if param.kind is inspect.Parameter.POSITIONAL_ONLY:
-            raise SpecError(where, f"{target}'s parameter {param.name!r} is positional-only", "arguments are passed by name; drop the '/'")
+            raise SpecError(where, f"{target}'s parameter {param.name!r} is positional-only",
+                            "arguments are passed by name; drop the '/'")
         required = param.default is inspect.Parameter.empty and param.kind in (
             inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         if required and param.name not in provided and param.name not in kwargs:
