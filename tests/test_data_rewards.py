@@ -39,6 +39,8 @@ def data_dir(tmp_path_factory):
         "def by_level(completions, level, bonus=0.0):\n    return [l + bonus for l in level]\n"
         "async def slow(completion, prompt):\n    await asyncio.sleep(0.01)\n    return len(prompt)\n"
         "async def slow_batch(completions):\n    return [1.0] * len(completions)\n"
+        "gate = asyncio.Semaphore(1)\n"
+        "async def gated(completion):\n    async with gate:\n        await asyncio.sleep(0)\n    return 1.0\n"
         "def picky(completion, answer):\n    if answer == '3':\n        raise KeyError('no grader for 3')\n    return 1.0\n"
         "def needs_grade(completion, grade):\n    return 0.0\n"
         "def ambiguous(text):\n    return 0.0\n")
@@ -157,6 +159,14 @@ def test_the_forms_and_weights_of_reward_functions(data_dir, monkeypatch):
     assert values == [2.0 * e + 0.5 * v + slow - constant for e, v in zip(exact, level)]
     assert metrics == {"reward/exact/mean": 0.5, "reward/by_level/mean": 2.5, "reward/slow/mean": 2.0,
                        "reward/constant/mean": 1.0}
+
+
+def test_async_functions_share_one_event_loop_across_steps(data_dir, monkeypatch):
+    """A module-level semaphore binds to the loop it first waits on: a new loop per step would break it."""
+    monkeypatch.chdir(data_dir)
+    task = build_task(task_spec(data_dir, reward="rewards.py:gated"), seed=0)
+    for _ in range(2):
+        assert task.score_batch(["a"] * 4, prompts(), None)[0] == [1.0] * 4
 
 
 def test_a_failing_reward_fails_its_sample_and_prints_the_first_traceback(data_dir, monkeypatch, capsys):

@@ -8,7 +8,8 @@ and the spec's kwargs for it. Its form is read from its signature:
 - one sample: a parameter `completion`; returns a float;
 - a batch: a parameter `completions`; every argument is then a list with one entry per sample (`prompts`,
   `completions`, `completion_ids`, each column), except the spec's kwargs; returns a list of floats;
-- either may be `async def`: the samples of a step are then awaited concurrently (one event loop per batch).
+- either may be `async def`: the samples of a step are then awaited concurrently, on one event loop kept for the
+  whole run (a client or semaphore the function's module creates keeps working from step to step).
 
 The reward of a sample is the weighted sum of its functions' values. A function that raises, or returns something
 that is not a finite number, fails the sample: it is counted in `reward/errors` and dropped (`rlspec.core.step`);
@@ -138,6 +139,15 @@ class Rewards:
         self.functions = functions
         self.log_each = log_each
         self._reported = False
+        self._loop = None  # the event loop of the async functions, made at their first call
+
+    def _run(self, awaitable):
+        """Await on this scorer's own loop: asyncio objects a function keeps between steps stay bound to it."""
+        import asyncio  # here: its import is a tenth of what `rlspec plan` may take, and only async functions need it
+
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(awaitable)
 
     def score_batch(self, completions: list[str], prompts: list[Prompt],
                     completion_ids: list[list[int]] | None = None) -> tuple[list, dict[str, float]]:
@@ -146,7 +156,7 @@ class Rewards:
         totals: list[float | BaseException] = [0.0] * len(completions)
         metrics: dict[str, float] = {}
         for function in self.functions:
-            values = _values(function, completions, prompts, ids)
+            values = _values(function, completions, prompts, ids, self._run)
             scored = []
             for i, value in enumerate(values):
                 if not isinstance(value, BaseException) and not math.isfinite(value):
@@ -173,17 +183,15 @@ class Rewards:
               f"ones are only counted:\n{trace}", file=sys.stderr, flush=True)
 
 
-def _values(function: RewardFunction, completions: list[str], prompts: list[Prompt],
-            ids: list[list[int]]) -> list[float | BaseException]:
-    """`function`'s value per sample (or what it raised), in either form, sync or async."""
-    import asyncio  # here: its import is a tenth of what `rlspec plan` may take, and only scoring needs it
-
+def _values(function: RewardFunction, completions: list[str], prompts: list[Prompt], ids: list[list[int]],
+            run: Callable) -> list[float | BaseException]:
+    """`function`'s value per sample (or what it raised), in either form; `run` awaits an async one."""
     if function.batched:
         columns = {key: [p.meta.get(key) for p in prompts] for key in prompts[0].meta} if prompts else {}
         args = function.call_args({**columns, "prompts": [p.text for p in prompts], "completions": completions,
                                    "completion_ids": ids})
         try:
-            values = list(asyncio.run(function.fn(**args)) if function.is_async else function.fn(**args))
+            values = list(run(function.fn(**args)) if function.is_async else function.fn(**args))
         except Exception as err:  # noqa: BLE001 - a failed batch fails each of its samples
             return [err] * len(completions)
         if len(values) != len(completions):
@@ -193,7 +201,7 @@ def _values(function: RewardFunction, completions: list[str], prompts: list[Prom
     calls = [function.call_args({**p.meta, "prompt": p.text, "completion": c, "completion_ids": i})
              for c, p, i in zip(completions, prompts, ids)]
     if function.is_async:
-        return asyncio.run(_gather(function.fn, calls))
+        return run(_gather(function.fn, calls))
     return [_one(function.fn, args) for args in calls]
 
 
