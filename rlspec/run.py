@@ -26,7 +26,7 @@ def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | Non
     spec = load_spec(spec_path, overrides, backend)
     plan = compile_plan(spec, all_caps())
     check_model_spec(plan.spec.model)  # after the compiler has checked that model.path is a directory
-    task = build_task(plan.spec.rollout.task, plan.spec.algorithm.seed)
+    task = build_task(plan.spec.rollout.task, plan.spec.algorithm.seed, plan.spec.model)
     if plan.spec.rollout.env.name is not None:
         from .envs import check_env
 

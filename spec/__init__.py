@@ -6,11 +6,11 @@ from .load import load_spec, preset_names, split_label, with_overrides
 from .resume import RESUMABLE_CHANGES, resume_changes
 from .schema import (AlgorithmSpec, CheckpointSpec, DeepSpeedSpec, FSDPSpec, HardwareSpec, LoraSpec, ModelSpec,
                      RolloutSpec, Spec, SyncSpec)
-from .sources import AgentSpec, EnvSpec, JudgeSpec, TaskSpec
+from .sources import AgentSpec, EnvSpec, JudgeSpec, RewardSpec, TaskSpec
 
 __all__ = [
     "AgentSpec", "AlgorithmSpec", "BackendCaps", "BatchPlan", "CheckpointSpec", "DeepSpeedSpec", "EnvSpec", "FSDPSpec", "HardwareSpec", "JudgeSpec",
     "LoraSpec", "ModelSpec",
-    "Placement", "RESUMABLE_CHANGES", "RolloutSpec", "RunPlan", "Spec", "SpecError", "SyncSpec", "TaskSpec", "compile_plan",
+    "Placement", "RESUMABLE_CHANGES", "RewardSpec", "RolloutSpec", "RunPlan", "Spec", "SpecError", "SyncSpec", "TaskSpec", "compile_plan",
     "load_spec", "preset_names", "resume_changes", "split_label", "with_overrides",
 ]

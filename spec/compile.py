@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import require
-from .files import check_file
 from .schema import Spec
 
 
@@ -320,5 +319,7 @@ def _check_files(spec: Spec) -> None:
         require((path / "config.json").is_file(), "model.path", f"{spec.model.path} has no config.json",
                 "save the model there with save_pretrained")
     data = spec.rollout.task.data_path
-    if data is not None:
-        check_file(Path(data), "rollout.task.data_path", "a local .jsonl or .parquet file")
+    if data is not None:  # what it holds is checked by `rlspec.tasks.check_task`
+        require(Path(data).exists(), "rollout.task.data_path", f"{data} does not exist",
+                "give the path (relative to the current directory) of a local .jsonl or .parquet file, or of a "
+                "directory saved by datasets")

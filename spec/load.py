@@ -8,7 +8,9 @@ in the file.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import typing
 from pathlib import Path
 from typing import Sequence
 
@@ -140,11 +142,35 @@ def _chain(err: BaseException) -> list[BaseException]:
 def _from_omegaconf(err: OmegaConfBaseException, source: str) -> SpecError:
     key = getattr(err, "full_key", None) or source
     msg = str(err).split("\n")[0]
+    fix = None
+    section = getattr(err, "object_type", None)
+    if "." not in key and section not in (None, Spec) and (path := _section_path(section)) is not None:
+        # a section inside a list (rollout.task.rewards): OmegaConf names the field alone
+        key = f"{path}.{key}"
+        fix = f"valid keys in {path}: {', '.join(f.name for f in dataclasses.fields(section))}"
     if "not in" in msg or "Key '" in msg and "not" in msg:
-        return SpecError(key, f"unknown key ({msg})", _key_fix(key))
+        return SpecError(key, f"unknown key ({msg})", fix or _key_fix(key))
     if "Value '" in msg or "could not convert" in msg.lower() or "Invalid type" in msg:
         return SpecError(key, f"wrong type ({msg})", f"give a value of the type documented in {documented_in(key)}")
     return SpecError(key, msg, f"see {documented_in(key)} for the field's type and meaning")
+
+
+def _section_path(cls: type) -> str | None:
+    """Where sections of type `cls` sit in the spec, `[]` marking a list of them (`rollout.task.rewards[]`)."""
+    todo = [(Spec, "")]
+    while todo:
+        node, prefix = todo.pop()
+        hints = typing.get_type_hints(node)
+        for f in dataclasses.fields(node):
+            hint = hints[f.name]
+            listed = typing.get_origin(hint) is list
+            inner = typing.get_args(hint)[0] if listed else hint
+            if isinstance(inner, type) and dataclasses.is_dataclass(inner):
+                path = f"{prefix}{f.name}{'[]' if listed else ''}"
+                if inner is cls:
+                    return path
+                todo.append((inner, f"{path}."))
+    return None
 
 
 def documented_in(key: str) -> str:
@@ -165,6 +191,10 @@ def _from_hydra(err: BaseException, source: str, overrides: list[str]) -> SpecEr
         return SpecError("overrides", f"cannot parse override: {text.splitlines()[0]}",
                          "write overrides as key.path=value, e.g. algorithm.lr=1e-5")
     match = re.search(r"Could not override '([^']+)'", text)
+    listed = [e for e in chain if isinstance(e, OmegaConfBaseException) and "." not in str(getattr(e, "full_key", ""))
+              and getattr(e, "object_type", None) not in (None, Spec) and _section_path(e.object_type) is not None]
+    if match and listed:  # a bad field of a section inside a list: name it in full
+        return _from_omegaconf(listed[0], source)
     if match:
         key = match.group(1)
         detail = str(cause).split("\n")[0]

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .errors import one_of, require
-from .section import Section, non_negative, positive
+from .section import Section, finite, non_negative, positive
 
+TASK_NAMES = ("copy_char", "gsm8k", "dataset")
 TASK_REWARDS = ("task", "llm_judge")
 ENV_NAMES = ("minigrid",)
 ENV_REWARDS = ("success", "minigrid")
@@ -70,19 +71,56 @@ class JudgeSpec(Section):
 
 
 @dataclass
+class RewardSpec(Section):
+    """One of several weighted reward functions (`rollout.task.rewards`)."""
+
+    function: str = ""
+    """The function: module:function or path/to/file.py:function (`docs/data_and_rewards.md` gives its signature)."""
+    weight: float = 1.0
+    """Its weight in the reward (the weighted sum of every function's value)."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to it, checked against its signature."""
+    name: Optional[str] = None
+    """Its metric name (`reward/<name>/mean`); null: the function's own name."""
+
+    def __post_init__(self) -> None:
+        check_function(self.function, "rollout.task.rewards[].function")
+        finite(self.weight, "rollout.task.rewards[].weight")
+        if self.name is not None:
+            require(bool(self.name) and "/" not in self.name, "rollout.task.rewards[].name",
+                    f"{self.name!r} is not a metric name", "use a short name without '/', e.g. correct")
+
+
+@dataclass
 class TaskSpec(Section):
-    """Dataset + reward function + the kwargs passed to the reward function."""
+    """Prompts (a built-in task, or a local dataset with a column mapping) and the reward that scores completions."""
 
     name: str = "copy_char"
-    """Registered task name (copy_char | gsm8k)."""
+    """copy_char (synthetic, no data) | gsm8k (a GSM8K-format file) | dataset (any local file, mapped by the columns below)."""
     data_path: Optional[str] = None
-    """Local JSONL/parquet file for dataset-backed tasks (gsm8k)."""
+    """Local data: a .jsonl or .parquet file, or a directory saved by `datasets` (`save_to_disk`); gsm8k and dataset."""
+    split: str = "train"
+    """The split of a directory saved from a `DatasetDict`; a file or a saved `Dataset` is one split, `train`."""
+    prompt_column: str = "prompt"
+    """The column holding the prompt: text, or chat messages ([{role, content}, ...]) rendered with the tokenizer's chat template."""
+    prompt_template: Optional[str] = None
+    """Text with {column} fields filled from each record, used as the prompt instead of prompt_column (gsm8k: its own)."""
+    answer_column: Optional[str] = None
+    """The column handed to the reward as `answer` (the reference; a.b for field b of a struct column, as verl's
+    reward_model.ground_truth); every column also arrives under its own name."""
+    shuffle_seed: Optional[int] = 0
+    """Records are drawn pass after pass over the data, each pass in a new order drawn from this seed; null: file order."""
+    num_records: int = 0
+    """Use only the first N records of the data (file order, before shuffling); 0 uses all."""
     reward: str = "task"
-    """Who scores completions: task (the task's own reward function) | llm_judge (a remote judge, see `judge`)."""
+    """task (the task's own function; dataset has none) | llm_judge (a remote judge, see `judge`) | a function:
+    module:function or path/to/file.py:function."""
     reward_kwargs: Dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments passed to the task's reward function, checked against its signature."""
+    """Keyword arguments passed to the reward function, checked against its signature."""
+    rewards: List[RewardSpec] = field(default_factory=list)
+    """Several reward functions instead of `reward`: the reward is their weighted sum, each logged as reward/<name>/mean."""
     dataset_kwargs: Dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments passed to the task's prompt source (e.g. the synthetic task's alphabet)."""
+    """Keyword arguments passed to the synthetic task's prompt source (copy_char's alphabet and repeat)."""
     judge: JudgeSpec = field(default_factory=JudgeSpec)
     """The remote judge (only read when reward is llm_judge)."""
     max_reward_error_rate: float = 0.0
@@ -90,7 +128,25 @@ class TaskSpec(Section):
 
     def __post_init__(self) -> None:
         p = "rollout.task"
-        one_of(self.reward, TASK_REWARDS, f"{p}.reward")
+        one_of(self.name, TASK_NAMES, f"{p}.name")
+        if self.reward not in TASK_REWARDS:
+            check_function(self.reward, f"{p}.reward", "examples/rewards/letters.py:copies or mypackage.rewards:copies, "
+                           f"or one of: {', '.join(TASK_REWARDS)}")
+        require(self.reward == "task" or not self.rewards, f"{p}.rewards",
+                f"rollout.task.reward={self.reward} and rollout.task.rewards are both set",
+                "set one: reward for one function, rewards for several weighted ones")
+        require(not (self.rewards and self.reward_kwargs), f"{p}.reward_kwargs",
+                "are for rollout.task.reward; each of rollout.task.rewards takes its own kwargs", "move them there")
+        require(self.reward != "task" or self.rewards or self.name != "dataset", f"{p}.reward",
+                "the dataset task has no reward of its own", "name a function: rollout.task.reward=path/to/file.py:function")
+        non_negative(self.num_records, f"{p}.num_records")
+        require(bool(self.split), f"{p}.split", "is empty", "name a split, e.g. train")
+        require(bool(self.prompt_column), f"{p}.prompt_column", "is empty", "name the column holding the prompts")
+        require(self.name != "copy_char" or self.data_path is None, f"{p}.data_path",
+                "copy_char makes its own prompts and reads no data", "unset it, or set rollout.task.name=dataset")
+        if self.name != "copy_char":
+            require(self.data_path is not None, f"{p}.data_path", f"the {self.name} task needs local data",
+                    "set it to a .jsonl or .parquet file or a save_to_disk directory (e.g. examples/data/letters.parquet)")
         require(0 <= self.max_reward_error_rate <= 1, f"{p}.max_reward_error_rate",
                 f"must be in [0, 1], got {self.max_reward_error_rate}", "e.g. 0.05 to tolerate a few failed judge calls")
         if self.reward == "llm_judge":
@@ -101,6 +157,14 @@ class TaskSpec(Section):
             require(not self.reward_kwargs, f"{p}.reward_kwargs", "are for the task's own reward, but rollout.task.reward=llm_judge",
                     "configure the judge under rollout.task.judge and remove them (on the command line: "
                     + " ".join(f"~{p}.reward_kwargs.{k}" for k in self.reward_kwargs) + ")")
+
+
+def check_function(target: str, where: str,
+                   example: str = "examples/rewards/letters.py:copies or mypackage.rewards:copies") -> None:
+    """Refuse a function reference that is not `module:function` or `path/to/file.py:function`."""
+    module, _, name = target.rpartition(":")
+    require(bool(module) and name.isidentifier(), where,
+            f"{target!r} is not of the form module:function or path/to/file.py:function", f"e.g. {example}")
 
 
 @dataclass
@@ -168,10 +232,7 @@ class AgentSpec(Section):
         require(self.function is None or self.command is None, f"{p}.function",
                 "both rollout.agent.function and rollout.agent.command are set", "set only one of them")
         if self.function is not None:
-            module, _, name = self.function.rpartition(":")
-            require(bool(module) and name.isidentifier(), f"{p}.function",
-                    f"{self.function!r} is not of the form module:function or path/to/file.py:function",
-                    "e.g. examples/agents/gsm8k_calc.py:solve or mypackage.agents:solve")
+            check_function(self.function, f"{p}.function", "examples/agents/gsm8k_calc.py:solve or mypackage.agents:solve")
         if self.command is not None:
             require(len(self.command) > 0 and all(isinstance(a, str) and a for a in self.command), f"{p}.command",
                     "must be a non-empty list of non-empty strings", "e.g. [python, examples/agents/gsm8k_calc.py]")

@@ -31,15 +31,15 @@ def cli(capsys, out: Path, *args: str) -> tuple[int, str, float]:
 
 
 def hang_reward_at(monkeypatch, call: int, seconds: float) -> None:
-    """The copy_char reward sleeps `seconds` on its `call`-th call (the build-time dry run is call 0)."""
+    """The copy_char reward sleeps `seconds` on its `call`-th call (counting from 0)."""
     calls = itertools.count()
     real = copy_char.reward
 
-    @functools.wraps(real)
-    def reward(completion, prompt, **kwargs):
+    @functools.wraps(real)  # the same signature: it receives what the real one does
+    def reward(**kwargs):
         if next(calls) == call:
             time.sleep(seconds)
-        return real(completion, prompt, **kwargs)
+        return real(**kwargs)
 
     monkeypatch.setattr(copy_char, "reward", reward)
 
@@ -47,7 +47,7 @@ def hang_reward_at(monkeypatch, call: int, seconds: float) -> None:
 def test_stall_dumps_stacks_and_fails(monkeypatch, tmp_path, capsys):
     """Step 2 blocks (in the reward); after hardware.stall_timeout_s the driver's stacks are in OUT/stall/1 and
     the run exits 1 naming the last completed step."""
-    hang_reward_at(monkeypatch, call=1 + 2 * 4, seconds=600)  # 4 rewards per step: the first of step 2
+    hang_reward_at(monkeypatch, call=2 * 4, seconds=600)  # 4 rewards per step: the first of step 2
     out = tmp_path / "o"
     code, err, took = cli(capsys, out, *SMALL, "algorithm.steps=5", "hardware.stall_timeout_s=5")
     print(f"\nstall: exit {code} after {took:.1f} s; {err.strip().splitlines()[-1]}")
@@ -63,7 +63,7 @@ def test_stall_dumps_stacks_and_fails(monkeypatch, tmp_path, capsys):
 
 
 def test_stall_warn_dumps_and_keeps_going(monkeypatch, tmp_path, capsys):
-    hang_reward_at(monkeypatch, call=1 + 4, seconds=5)
+    hang_reward_at(monkeypatch, call=4, seconds=5)  # the first reward of step 1
     out = tmp_path / "o"
     code, err, _ = cli(capsys, out, *SMALL, "algorithm.steps=3", "hardware.stall_timeout_s=2",
                        "hardware.stall_action=warn")
@@ -159,10 +159,10 @@ def test_a_stop_signal_while_sampling_abandons_the_step_and_checkpoints_the_last
     real = copy_char.reward
 
     @functools.wraps(real)
-    def reward(completion, prompt, **kwargs):
-        if next(calls) == 1 + 2 * 4:  # the first reward of step 2 (call 0 is the build-time dry run)
+    def reward(**kwargs):
+        if next(calls) == 2 * 4:  # the first reward of step 2
             os.kill(os.getpid(), signum)
-        return real(completion, prompt, **kwargs)
+        return real(**kwargs)
 
     monkeypatch.setattr(copy_char, "reward", reward)
     out = tmp_path / "o"

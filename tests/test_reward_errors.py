@@ -15,6 +15,7 @@ from rlspec.rollout.base import Rollout
 from rlspec.run import build_plan
 from rlspec.tasks import score
 from rlspec.tasks.base import Prompt, RewardTask
+from rlspec.tasks.rewards import Rewards, reward_function
 from tests.conftest import REPO
 
 
@@ -28,7 +29,7 @@ class FixedEngine:
                        texts=[f"c{i}" for i in range(count)])
 
 
-def flaky_reward(completion: str, prompt: Prompt, fail: tuple[int, ...] = (), nan: tuple[int, ...] = ()) -> float:
+def flaky_reward(completion: str, fail: tuple[int, ...] = (), nan: tuple[int, ...] = ()) -> float:
     index = int(completion[1:])
     if index in fail:
         raise ConnectionError(f"scorer unreachable for sample {index}")
@@ -36,7 +37,7 @@ def flaky_reward(completion: str, prompt: Prompt, fail: tuple[int, ...] = (), na
 
 
 def flaky_task(**kwargs) -> RewardTask:
-    return RewardTask("flaky", [Prompt("p")], flaky_reward, kwargs, seed=0)
+    return RewardTask("flaky", [Prompt("p")], Rewards([reward_function(flaky_reward, kwargs)]), seed=0)
 
 
 @pytest.fixture(scope="module")

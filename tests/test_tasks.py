@@ -39,21 +39,20 @@ def test_copy_char_reward_and_prompts():
     ("first 7 then 8", "flexible", 0.0),       # flexible takes the last number
 ])
 def test_gsm8k_reward(completion, method, want):
-    prompt = Prompt("q", {"answer": gsm8k.reference_answer("work\n#### 7")})
-    assert gsm8k.reward(completion, prompt, method=method) == want
+    assert gsm8k.reward(completion, "work\n#### 7", method=method) == want
 
 
 def test_gsm8k_format_score_and_thousands():
-    prompt = Prompt("q", {"answer": gsm8k.reference_answer("#### 1,234")})
-    assert gsm8k.reward("#### 1,234", prompt) == 1.0
-    assert gsm8k.reward("#### 99", prompt, format_score=0.1) == 0.1
+    assert gsm8k.reward("#### 1,234", "#### 1,234") == 1.0
+    assert gsm8k.reward("#### 99", "1234", format_score=0.1) == 0.1
 
 
 def test_gsm8k_sample_file_and_reward_kwargs_reach_the_function():
     task = build_task(TaskSpec(name="gsm8k", data_path=SAMPLE, reward_kwargs={"method": "flexible", "score": 2.0}), seed=0)
     prompt = task.sample(0, 1)[0]
-    assert prompt.text.startswith("Question: ") and prompt.meta["answer"].lstrip("-").isdigit()
-    assert task.reward(f"it is {prompt.meta['answer']}", prompt) == 2.0
+    reference = gsm8k.reference_answer(prompt.meta["answer"])
+    assert prompt.text.startswith("Question: ") and reference.lstrip("-").isdigit()
+    assert task.reward(f"it is {reference}", prompt) == 2.0
 
 
 def test_gsm8k_parquet(tmp_path):
@@ -63,8 +62,8 @@ def test_gsm8k_parquet(tmp_path):
     records = [json.loads(line) for line in open(SAMPLE)][:5]
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(records), path)
-    assert [p.meta["answer"] for p in gsm8k.to_prompts(gsm8k.load_records(str(path)))] == \
-        [gsm8k.reference_answer(r["answer"]) for r in records]
+    task = build_task(TaskSpec(name="gsm8k", data_path=str(path), shuffle_seed=None), 0)
+    assert [p.meta["answer"] for p in task.sample(0, 5)] == [r["answer"] for r in records]
 
 
 def test_bad_task_inputs_name_the_key(tmp_path):

@@ -14,18 +14,16 @@ above, and the trajectory checks of the gateway).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from typing import Callable
 
 from ..spec import AgentSpec, SpecError
+from ..user_code import import_function
 
 STDERR_TAIL_CHARS = 2000
 
@@ -49,33 +47,8 @@ def load_agent(spec: AgentSpec) -> Callable[[str, str, float], object]:
             raise SpecError("rollout.agent.command", f"{spec.command[0]!r} is not an executable on PATH or a path",
                             "give the program first, e.g. [python, path/to/agent.py]")
         return lambda prompt, base_url, timeout_s: _run_command(spec.command, prompt, base_url, timeout_s)
-    fn = _import_function(spec.function)
+    fn = import_function(spec.function, "rollout.agent.function")
     return lambda prompt, base_url, timeout_s: fn(prompt, base_url)
-
-
-def _import_function(target: str) -> AgentFn:
-    where = "rollout.agent.function"
-    location, _, name = target.rpartition(":")
-    if location.endswith(".py"):
-        path = Path(location)
-        if not path.is_file():
-            raise SpecError(where, f"{location} does not exist", "paths are relative to the current directory")
-        module_spec = importlib.util.spec_from_file_location(f"rlspec_agent_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as err:  # noqa: BLE001 - any import-time failure of user code is bad input
-            raise SpecError(where, f"importing {location} failed: {type(err).__name__}: {err}", "fix the agent's file") from None
-    else:
-        try:
-            module = importlib.import_module(location)
-        except ImportError as err:
-            raise SpecError(where, f"cannot import {location}: {err}",
-                            "install the package, or give a file path: path/to/agent.py:function") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise SpecError(where, f"{location} has no function {name!r}", "name a function defined there")
-    return fn
 
 
 def _run_command(argv: list[str], prompt: str, base_url: str, timeout_s: float) -> object:

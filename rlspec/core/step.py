@@ -59,7 +59,7 @@ def rollout_batch(plan: RunPlan, engine, task: Task, step: int, pad_id: int, tim
             agents = gateway.rollout(prompts, step)
             rollout, grouped, group_sizes, agent_counts = agents.rollout, agents.prompts, agents.group_sizes, agents.metrics
     with timer("reward"):
-        scores = score(task, rollout.texts, grouped)
+        scores = score(task, rollout.texts, grouped, rollout.completion_ids)
     check_reward_errors(scores, spec.rollout.task.max_reward_error_rate, step)
     algo = spec.algorithm
     if group_sizes is None:

@@ -20,7 +20,8 @@ METRIC_KEYS = (
     "tis/ratio_mean", "tis/clipped_frac", "train/skipped_updates", "update/skipped", "update/skip_reason",
 )
 """Keys of every row (`update/skipped` is 1 when the step took no optimizer step, `update/skip_reason` says why). `rollout.mode=async` adds `async/staleness_mean`, `async/pool_size`, `timing_s/wait`;
-a task may add its own reward counters (the judge's `reward/judge_requests`, `reward/retries`, `reward/fallbacks`); several
+a task may add its own reward counters (the judge's `reward/judge_requests`, `reward/retries`, `reward/fallbacks`; with
+`rollout.task.rewards`, each function's `reward/<name>/mean`); several
 rollout servers (standalone, `hardware.num_rollout_engines` > 1) add per server i `timing_s/gen_replica_<i>`,
 `rollout/samples_replica_<i>` and, in a step that pushed, `timing_s/sync_replica_<i>`."""
 

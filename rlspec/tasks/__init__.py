@@ -1,21 +1,45 @@
-"""Tasks by name: prompts + reward function. `build_task(spec.rollout.task, seed)` returns a `Task`.
+"""Tasks: prompts + the reward functions that score them (`rlspec.tasks.rewards`).
 
-With `rollout.task.reward: llm_judge` the task's prompts are kept and a remote judge scores them
-(`rlspec.tasks.llm_judge`).
+`copy_char` draws synthetic prompts; `dataset` reads local data with a column mapping (`rlspec.tasks.data`);
+`gsm8k` is `dataset` with its own prompt template and reward. Every reward, built-in or the user's, is a function
+reached by `module:function` or `path/to/file.py:function`. With `rollout.task.reward: llm_judge` the task's
+prompts are kept and a remote judge scores them (`rlspec.tasks.llm_judge`).
+
+`check_task` is what `rlspec plan` runs: it reads column names and imports the reward functions, without
+importing torch, transformers or `datasets`. `build_task` reads the records when a run starts.
 """
 
 from __future__ import annotations
 
-from ..spec import SpecError, TaskSpec
-from . import copy_char, gsm8k
+from typing import Callable
+
+from ..spec import ModelSpec, SpecError, TaskSpec
+from ..spec.sources import TASK_NAMES
+from . import copy_char, data, gsm8k
 from .base import Prompt, RewardTask, Scores, Task, check_kwargs, score
+from .rewards import Rewards, resolve_all
 
-TASK_NAMES = ("copy_char", "gsm8k")
+COPY_CHAR_COLUMNS = {"letter"}
+"""What a copy_char prompt hands its reward besides prompt and completion."""
+BUILTIN_REWARDS = {"copy_char": copy_char.REWARD, "gsm8k": gsm8k.REWARD}
+"""What `rollout.task.reward: task` names for each built-in task (`dataset` has no reward of its own)."""
 
 
-def build_task(spec: TaskSpec, seed: int) -> Task:
-    """The task named by `spec`, with its dataset and reward kwargs (or its judge settings) checked."""
-    task = _named_task(spec, seed)
+def check_task(spec: TaskSpec) -> None:
+    """Refuse, cheaply, a task that cannot run: data that is missing, a column the mapping names that the data does
+    not have, a reward function that cannot be imported or whose arguments would not be there."""
+    _checked(spec)
+
+
+def build_task(spec: TaskSpec, seed: int, model: ModelSpec | None = None) -> Task:
+    """The task `spec` names, its records read; chat-format prompts are rendered with `model`'s tokenizer."""
+    functions = _checked(spec)
+    rewards = Rewards(functions, log_each=bool(spec.rewards)) if functions else None  # none: the judge scores
+    if spec.name == "copy_char":
+        task = RewardTask("copy_char", _copy_char_source(spec), rewards, seed)
+    else:
+        prompts = data.to_prompts(data.load_records(spec), spec, _template(spec), _renderer(model))
+        task = RewardTask(spec.name, prompts, rewards, seed, spec.shuffle_seed)
     if spec.reward == "llm_judge":
         from .llm_judge import build_judge_task
 
@@ -23,37 +47,49 @@ def build_task(spec: TaskSpec, seed: int) -> Task:
     return task
 
 
-def _named_task(spec: TaskSpec, seed: int) -> RewardTask:
-    key = "rollout.task"
+def _checked(spec: TaskSpec) -> list:
+    """The reward functions, resolved against the columns the task's prompts will carry (none for the judge)."""
     if spec.name == "copy_char":
-        check_kwargs(copy_char.make_prompt_source, spec.dataset_kwargs, f"{key}.dataset_kwargs", skip=0)
-        check_kwargs(copy_char.reward, spec.reward_kwargs, f"{key}.reward_kwargs", skip=2)
-        try:
-            source = copy_char.make_prompt_source(**spec.dataset_kwargs)
-        except ValueError as err:
-            raise SpecError(f"{key}.dataset_kwargs", str(err), "see rlspec.tasks.copy_char") from None
-        return _dry_run(RewardTask("copy_char", source, copy_char.reward, spec.reward_kwargs, seed), f"{key}.reward_kwargs")
-    if spec.name == "gsm8k":
-        if spec.data_path is None:
-            raise SpecError(f"{key}.data_path", "the gsm8k task needs a data file",
-                            "set rollout.task.data_path to a local .jsonl/.parquet (examples/data/gsm8k_sample.jsonl)")
+        _copy_char_source(spec)
+        columns = COPY_CHAR_COLUMNS
+    else:
         if spec.dataset_kwargs:
-            raise SpecError(f"{key}.dataset_kwargs", "the gsm8k task takes no dataset kwargs", "remove them")
-        check_kwargs(gsm8k.reward, spec.reward_kwargs, f"{key}.reward_kwargs", skip=2)
-        task = RewardTask("gsm8k", gsm8k.to_prompts(gsm8k.load_records(spec.data_path)), gsm8k.reward,
-                          spec.reward_kwargs, seed)
-        return _dry_run(task, f"{key}.reward_kwargs")
-    raise SpecError(f"{key}.name", f"unknown task {spec.name!r}", f"use one of: {', '.join(TASK_NAMES)}")
+            raise SpecError("rollout.task.dataset_kwargs", f"only copy_char takes dataset kwargs, not {spec.name}",
+                            "map the data's columns with rollout.task.prompt_column and answer_column instead")
+        names = data.data_columns(spec)
+        data.check_mapping(spec, names, _template(spec))
+        columns = {*names, *(("answer",) if spec.answer_column is not None else ())}
+    if spec.reward == "llm_judge":
+        return []
+    return resolve_all(spec, BUILTIN_REWARDS.get(spec.name), columns)
 
 
-def _dry_run(task: RewardTask, key: str) -> RewardTask:
-    """Score one empty completion so a bad kwarg value fails now, as a spec error, not mid-run."""
-    prompt = task.sample(0, 1)[0]
+def _copy_char_source(spec: TaskSpec):
+    check_kwargs(copy_char.make_prompt_source, spec.dataset_kwargs, "rollout.task.dataset_kwargs", skip=0)
     try:
-        task.reward("", prompt)
-    except (ValueError, TypeError) as err:
-        raise SpecError(key, f"the reward function refused its kwargs: {err}", "see the task's docstring") from None
-    return task
+        return copy_char.make_prompt_source(**spec.dataset_kwargs)
+    except ValueError as err:
+        raise SpecError("rollout.task.dataset_kwargs", str(err), "see rlspec.tasks.copy_char") from None
 
 
-__all__ = ["Prompt", "Scores", "Task", "TASK_NAMES", "build_task", "score"]
+def _template(spec: TaskSpec) -> str | None:
+    if spec.prompt_template is None and spec.name == "gsm8k":
+        return gsm8k.PROMPT_TEMPLATE
+    return spec.prompt_template
+
+
+def _renderer(model: ModelSpec | None) -> Callable[[list], str]:
+    """Renders chat messages with the model's tokenizer, loaded at the first chat prompt (text data needs none)."""
+    loaded: list[Callable[[list], str]] = []
+
+    def render(messages: list) -> str:
+        if not loaded:
+            from ..models.factory import load_tokenizer
+
+            loaded.append(data.chat_renderer(load_tokenizer(model if model is not None else ModelSpec())))
+        return loaded[0](messages)
+
+    return render
+
+
+__all__ = ["Prompt", "Scores", "Task", "TASK_NAMES", "build_task", "check_task", "score"]

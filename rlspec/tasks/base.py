@@ -1,7 +1,7 @@
-"""A task is a prompt source plus a reward function; the spec's `reward_kwargs` reach the function.
+"""A task is a prompt source plus the reward functions that score its completions (`rlspec.tasks.rewards`).
 
-`build_task` checks the kwargs against the reward function's signature up front, so a misspelt kwarg
-is a spec error (exit 2) rather than a silently ignored setting.
+Nothing here imports torch at import time: `rlspec plan` checks a task without it (`check_task`); the scores of a
+batch become a tensor only when a run scores one.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import inspect
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
-from ..spec import SpecError
+    from .rewards import Rewards
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,6 @@ class Task(Protocol):
         """Scalar reward of one completion."""
 
 
-RewardFn = Callable[..., float]
-
-
 @dataclass
 class Scores:
     """The rewards of one batch of completions, with the failures kept apart (never scored 0)."""
@@ -53,18 +50,22 @@ class Scores:
     @property
     def valid(self) -> Tensor:
         """[N] bool: samples whose reward was obtained."""
+        import torch
+
         return torch.isfinite(self.rewards)
 
 
-def score(task: Task, completions: list[str], prompts: list[Prompt]) -> Scores:
+def score(task: Task, completions: list[str], prompts: list[Prompt], completion_ids: list[list[int]] | None = None) -> Scores:
     """Score every completion; a reward that raises or is not a finite number is recorded as an error.
 
-    A task may score a whole batch at once (`score_batch(completions, prompts)` returning, per sample,
-    a float or the exception that prevented it, plus counters), e.g. to send requests concurrently.
+    A task may score a whole batch at once (`score_batch(completions, prompts, completion_ids)` returning, per
+    sample, a float or the exception that prevented it, plus counters), e.g. to send requests concurrently.
     """
+    import torch
+
     batch_fn = getattr(task, "score_batch", None)
     if batch_fn is not None:
-        results, metrics = batch_fn(completions, prompts)
+        results, metrics = batch_fn(completions, prompts, completion_ids)
     else:
         results, metrics = [_safe(task.reward, c, p) for c, p in zip(completions, prompts)], {}
     rewards, errors = [], []
@@ -86,25 +87,54 @@ def _safe(fn: Callable[..., float], *args) -> float | Exception:
         return err
 
 
-class RewardTask:
-    """A task made of a prompt source and a reward function `fn(completion, prompt, **reward_kwargs)`."""
+class RecordOrder:
+    """Which records a step draws: pass after pass over all of them, each pass in its own order (a permutation
+    drawn from `seed` and the pass number; `seed` None keeps the file's order). Step `s` of `n` prompts takes
+    draws `s * n` to `s * n + n - 1`, so a step's prompts depend on nothing but its number (resume, async)."""
 
-    def __init__(self, name: str, prompts: list[Prompt] | Callable[[random.Random], Prompt], reward_fn: RewardFn,
-                 reward_kwargs: dict[str, Any], seed: int) -> None:
+    def __init__(self, count: int, seed: int | None) -> None:
+        self.count, self.seed = count, seed
+        self._orders: dict[int, list[int]] = {}
+
+    def indices(self, step: int, n: int) -> list[int]:
+        return [self._order(k // self.count)[k % self.count] for k in range(step * n, step * n + n)]
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(self.count))
+            if self.seed is not None:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {epoch: order, **{e: o for e, o in self._orders.items() if e == epoch - 1}}
+        return self._orders[epoch]
+
+
+class RewardTask:
+    """Prompts (a list of records drawn by `RecordOrder`, or a generator `draw(rng)`) scored by `rewards`."""
+
+    def __init__(self, name: str, prompts: list[Prompt] | Callable[[random.Random], Prompt], rewards: Rewards | None,
+                 seed: int, order_seed: int | None = None) -> None:
         self.name = name
         self._prompts = prompts
-        self._reward_fn = reward_fn
-        self._reward_kwargs = dict(reward_kwargs)
+        self.rewards = rewards
         self._seed = seed
+        self._order = None if callable(prompts) else RecordOrder(len(prompts), order_seed)
 
     def sample(self, step: int, n: int) -> list[Prompt]:
+        if self._order is not None:
+            return [self._prompts[i] for i in self._order.indices(step, n)]
         rng = random.Random(self._seed * 1_000_003 + step)
-        if callable(self._prompts):
-            return [self._prompts(rng) for _ in range(n)]
-        return [self._prompts[rng.randrange(len(self._prompts))] for _ in range(n)]
+        return [self._prompts(rng) for _ in range(n)]
 
-    def reward(self, completion: str, prompt: Prompt) -> float:
-        return float(self._reward_fn(completion, prompt, **self._reward_kwargs))
+    def reward(self, completion: str, prompt: Prompt, completion_ids: list[int] | None = None) -> float:
+        """The reward of one completion; raises what the reward function raised."""
+        results, _ = self.score_batch([completion], [prompt], None if completion_ids is None else [completion_ids])
+        if isinstance(results[0], BaseException):
+            raise results[0]
+        return results[0]
+
+    def score_batch(self, completions: list[str], prompts: list[Prompt],
+                    completion_ids: list[list[int]] | None = None) -> tuple[list, dict[str, float]]:
+        return self.rewards.score_batch(completions, prompts, completion_ids)
 
 
 def check_kwargs(fn: Callable, kwargs: dict[str, Any], key: str, skip: int) -> None:

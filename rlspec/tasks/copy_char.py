@@ -29,7 +29,9 @@ def make_prompt_source(alphabet: str = "abcd", repeat: int = 1):
     return draw
 
 
-def reward(completion: str, prompt: Prompt, target_len: int = 8) -> float:
-    """Fraction of the first `target_len` characters of `completion` equal to the prompt's letter."""
-    letter = prompt.meta["letter"]
+REWARD = "rlspec.tasks.copy_char:reward"
+
+
+def reward(completion: str, letter: str, target_len: int = 8) -> float:
+    """Fraction of the first `target_len` characters of `completion` equal to the prompt's `letter`."""
     return sum(ch == letter for ch in completion[:target_len]) / target_len

@@ -180,8 +180,9 @@ class JudgeTask:
     def reward(self, completion: str, prompt: Prompt) -> float:
         return self.client.score(prompt, completion)[0]
 
-    def score_batch(self, completions: list[str], prompts: list[Prompt]) -> tuple[list, dict[str, float]]:
-        """Per sample the score or the `JudgeError`; counters summed over the batch."""
+    def score_batch(self, completions: list[str], prompts: list[Prompt],
+                    completion_ids: list[list[int]] | None = None) -> tuple[list, dict[str, float]]:
+        """Per sample the score or the `JudgeError`; counters summed over the batch (the judge reads text only)."""
         def one(pair):
             try:
                 return self.client.score(pair[1], pair[0])
