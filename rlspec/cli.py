@@ -90,9 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plan":
-        from .run import build_plan
+        from .plan import build_plan
 
-        plan, _ = build_plan(args.spec, args.overrides, args.backend)
+        plan, _ = build_plan(args.spec, args.overrides, args.backend, model_weights=False)
         print(plan.to_json())
         return EXIT_OK
     if args.command == "run":
@@ -103,7 +103,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"rlspec: run finished; outputs in {out}", file=sys.stderr)
         return EXIT_OK
     if args.command == "serve":
-        from .run import build_plan
+        from .plan import build_plan
         from .serve.process import serve
 
         plan, _ = build_plan(args.spec, args.overrides, args.backend)

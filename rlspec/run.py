@@ -1,4 +1,4 @@
-"""`rlspec run` and `rlspec plan`: spec -> plan -> backend -> the shared loop."""
+"""`rlspec run`: spec -> plan (`rlspec.plan`) -> backend -> the shared loop."""
 
 from __future__ import annotations
 
@@ -9,33 +9,15 @@ from typing import Sequence
 
 import torch
 
-from .core.backend import all_caps, backend_class, create_backend
+from .core.backend import backend_class, create_backend
 from .core.loop import train
 from .errors import SpecError
 from .models.base import pad_token_id
-from .models.factory import check_model_spec
+from .plan import build_plan  # noqa: F401 - `rlspec.run.build_plan` is where scripts and tests have found it
 from .runtime.checkpoints import Checkpoints, check_resumable
 from .runtime.metrics import read_metrics
 from .runtime.monitor import RUN_LOG, RunLog, RunMonitor
-from .spec import RESUMABLE_CHANGES, RunPlan, compile_plan, load_spec, resume_changes
-from .tasks import Task, build_task
-
-
-def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | None = None) -> tuple[RunPlan, Task]:
-    """Compose, validate and compile; also build the task so its data file and reward kwargs are checked."""
-    spec = load_spec(spec_path, overrides, backend)
-    plan = compile_plan(spec, all_caps())
-    check_model_spec(plan.spec.model)  # after the compiler has checked that model.path is a directory
-    task = build_task(plan.spec.rollout.task, plan.spec.algorithm.seed)
-    if plan.spec.rollout.env.name is not None:
-        from .envs import check_env
-
-        check_env(plan.spec.rollout.env)
-    if plan.spec.rollout.agent.enabled:
-        from .agent import load_agent
-
-        load_agent(plan.spec.rollout.agent)  # an agent that cannot be found is bad input, refused now
-    return plan, task
+from .spec import RESUMABLE_CHANGES, RunPlan, resume_changes
 
 
 def check_installed(caps) -> None:

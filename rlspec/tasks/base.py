@@ -10,12 +10,12 @@ import inspect
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ..spec import SpecError
+
+if TYPE_CHECKING:  # torch is imported where rewards become a tensor: building a task (`rlspec plan`) needs none
+    from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ class Scores:
     @property
     def valid(self) -> Tensor:
         """[N] bool: samples whose reward was obtained."""
+        import torch
+
         return torch.isfinite(self.rewards)
 
 
@@ -67,6 +69,8 @@ def score(task: Task, completions: list[str], prompts: list[Prompt]) -> Scores:
         results, metrics = batch_fn(completions, prompts)
     else:
         results, metrics = [_safe(task.reward, c, p) for c, p in zip(completions, prompts)], {}
+    import torch
+
     rewards, errors = [], []
     for i, result in enumerate(results):
         if not isinstance(result, BaseException) and not math.isfinite(result):

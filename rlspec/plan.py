@@ -1,0 +1,35 @@
+"""Spec file + overrides -> the checked `RunPlan` and its task: what `rlspec plan` prints and every command starts from.
+
+Imports no torch: the compiler sees the backends through their registered `BackendCaps`, the model checks read files,
+and tasks build without tensors, so a spec is validated in about a second (`tests/spec/test_fast_plan.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .core.backend import all_caps
+from .models.checks import check_model_spec
+from .spec import RunPlan, compile_plan, load_spec
+from .tasks import Task, build_task
+
+
+def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | None = None,
+               model_weights: bool = True) -> tuple[RunPlan, Task]:
+    """Compose, validate and compile; also build the task so its data file and reward kwargs are checked.
+
+    `model_weights=False` leaves out the one check that needs torch: that a `model.path`'s weights fit its config
+    (`rlspec.models.checks.check_model_spec`); `rlspec plan` leaves it to the run, which makes it before writing."""
+    spec = load_spec(spec_path, overrides, backend)
+    plan = compile_plan(spec, all_caps())
+    check_model_spec(plan.spec.model, model_weights)  # after the compiler has checked that model.path is a directory
+    task = build_task(plan.spec.rollout.task, plan.spec.algorithm.seed)
+    if plan.spec.rollout.env.name is not None:
+        from .envs import check_env
+
+        check_env(plan.spec.rollout.env)
+    if plan.spec.rollout.agent.enabled:
+        from .agent import load_agent
+
+        load_agent(plan.spec.rollout.agent)  # an agent that cannot be found is bad input, refused now
+    return plan, task
