@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -15,6 +16,7 @@ from .errors import SpecError
 from .models.base import pad_token_id
 from .plan import build_plan  # noqa: F401 - `rlspec.run.build_plan` is where scripts and tests have found it
 from .runtime.checkpoints import Checkpoints, check_resumable
+from .runtime.loggers import start_loggers
 from .runtime.metrics import read_metrics
 from .runtime.monitor import RUN_LOG, RunLog, RunMonitor
 from .spec import RESUMABLE_CHANGES, RunPlan, resume_changes
@@ -153,18 +155,21 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
 
     backend = create_backend(plan.backend)
     transport = build_transport(plan.sync_method, plan.spec.sync)
-    set_up = False
+    set_up, loggers = False, None
     try:
         with RunLog(out_dir / RUN_LOG):
             try:
+                loggers = start_loggers(plan, out_dir, start_step)  # one that cannot start: SpecError, before setup
                 backend.setup(plan)
                 set_up = True
                 if start_step:
                     backend.load(Checkpoints(out_dir / "checkpoints", 0, True).latest())
                 pad_id = pad_token_id(backend.rollout_engine().tokenizer)
                 with RunMonitor(plan, out_dir, getattr(backend, "actors", tuple)) as monitor:
-                    train(plan, backend, task, transport, out_dir, pad_id, start_step, progress, monitor)
+                    train(plan, backend, task, transport, out_dir, pad_id, start_step, progress, monitor, loggers)
             finally:
+                if loggers is not None:
+                    loggers.close(sys.exc_info()[0] is not None, out_dir / "metrics.jsonl")
                 transport.close()
                 backend.shutdown()
     except SpecError:
