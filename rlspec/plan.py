@@ -6,6 +6,8 @@ and tasks build without tensors, so a spec is validated in about a second (`test
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Sequence
 
 from .core.backend import all_caps
@@ -33,3 +35,8 @@ def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | Non
 
         load_agent(plan.spec.rollout.agent)  # an agent that cannot be found is bad input, refused now
     return plan, task
+
+
+def default_out_dir(spec_path: str, root: str = "outputs") -> Path:
+    """Where a run (or a bench, a sweep) writes without `--out`: ROOT/<spec name>/<time>."""
+    return Path(root) / Path(spec_path).stem / time.strftime("%Y%m%d-%H%M%S")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -14,7 +13,7 @@ from .core.backend import backend_class, create_backend
 from .core.loop import train
 from .errors import SpecError
 from .models.base import pad_token_id
-from .plan import build_plan  # noqa: F401 - `rlspec.run.build_plan` is where scripts and tests have found it
+from .plan import build_plan, default_out_dir  # noqa: F401 - where scripts and tests have found them
 from .runtime.checkpoints import Checkpoints, check_resumable
 from .runtime.loggers import start_loggers
 from .runtime.metrics import read_metrics
@@ -71,10 +70,6 @@ def remove_created(created: list[Path], files: Sequence[Path] = ()) -> None:
             folder.rmdir()
         except OSError:
             break
-
-
-def default_out_dir(spec_path: str, root: str = "outputs") -> Path:
-    return Path(root) / Path(spec_path).stem / time.strftime("%Y%m%d-%H%M%S")
 
 
 def prepare_out_dir(out: Path, plan: RunPlan, resume: bool) -> tuple[int, list[Path]]:
