@@ -12,6 +12,7 @@ from typing import Sequence
 
 from .core.backend import all_caps
 from .models.checks import check_model_spec
+from .runtime.loggers import check_loggers
 from .spec import RunPlan, compile_plan, load_spec
 from .tasks import Task, build_task
 
@@ -26,6 +27,7 @@ def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | Non
     plan = compile_plan(spec, all_caps())
     check_model_spec(plan.spec.model, model_weights)  # after the compiler has checked that model.path is a directory
     task = build_task(plan.spec.rollout.task, plan.spec.algorithm.seed)
+    check_loggers(plan)
     if plan.spec.rollout.env.name is not None:
         from .envs import check_env
 

@@ -59,6 +59,18 @@ class Loggers:
               f"run goes on and {kept_in} holds every step", file=sys.stderr, flush=True)
 
 
+def check_loggers(plan: RunPlan) -> None:
+    """At plan time, without importing them: each enabled logger's package is installed (`SpecError` otherwise)."""
+    import importlib.util
+
+    spec = plan.spec.logging
+    for enabled, key, module in ((spec.wandb.enabled, "logging.wandb.enabled", "wandb"),
+                                 (spec.mlflow.enabled, "logging.mlflow.enabled", "mlflow")):
+        if enabled and importlib.util.find_spec(module) is None:
+            raise SpecError(key, f"needs the {module} package, not installed in this environment",
+                            f"{INSTALL_HINT}, or set {key}=false")
+
+
 def start_loggers(plan: RunPlan, out_dir: Path, start_step: int) -> Loggers:
     """A started logger per enabled `logging.*` section; `SpecError` naming the section if one cannot start
     (the ones already started are closed first)."""

@@ -135,3 +135,16 @@ def test_a_logger_that_fails_mid_run_is_dropped_and_the_run_goes_on(tmp_path, fi
     assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
     client, run = _mlflow_run(file_store)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [0]
+
+
+def test_plan_refuses_a_logger_whose_package_is_missing(monkeypatch):
+    import importlib.util
+
+    from rlspec.plan import build_plan
+    from rlspec.spec import SpecError
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(SpecError, match=r"logging.wandb.enabled: needs the wandb package.*rlspec\[loggers\]"):
+        build_plan(TINY, ["logging.wandb.enabled=true"], model_weights=False)
+    build_plan(TINY, ["logging.mlflow.enabled=true"], model_weights=False)
