@@ -1,7 +1,7 @@
 """`rlspec run SPEC -m key=a,b key2=x,y` (and `rlspec bench ... -m`): one job per combination, through Hydra's sweep.
 
 The overrides are parsed by Hydra's override grammar and expanded by its `BasicSweeper` (choices `a,b`,
-`choice(a,b)`, `range(1,4)`; every combination of the swept keys, in the order the keys are given). Every job's spec
+`choice(a,b)`, `range(1,4)`, a preset group's `glob(pattern)`; every combination of the swept keys, in the order the keys are given). Every job's spec
 is compiled before the first one starts, so a bad value in any combination is exit 2 with nothing run. Then the jobs
 run one after another, each a fresh `rlspec` process writing OUT/<n>/ (its overrides in OUT/<n>/overrides.json); one
 that fails does not stop the next. The summary (OUT/sweep.json, and a table on stdout) gives per job its overrides,
@@ -30,14 +30,37 @@ def expand(overrides: Sequence[str]) -> tuple[list[list[str]], list[str]]:
     from hydra.errors import HydraException
 
     try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        parser = OverridesParser.create()
+        parsed = [_glob_as_choice(parser, o) for o in parser.parse_overrides(list(overrides))]
         [jobs] = BasicSweeper.split_arguments(parsed, max_batch_size=None)
         swept = [override.get_key_element() for override in parsed if override.is_sweep_override()]
     except HydraException as err:
         raise SpecError("-m", f"cannot expand the sweep: {str(err).splitlines()[0]}",
                         "write each swept key as key=a,b or key=choice(a,b) or key=range(start,stop[,step]) "
-                        "(glob() and interval() are not supported)") from None
+                        "or a preset group as group=glob(pattern) (interval() is not supported)") from None
     return jobs, swept
+
+
+def _glob_as_choice(parser, override):
+    """`model=glob(qwen2_*)`: the shipped presets of that group whose names match, as a choice sweep (Hydra's
+    sweeper leaves globs to its config loader, which the spec's composition does not share with it)."""
+    from hydra.core.override_parser.types import ValueType
+
+    if override.value_type != ValueType.GLOB_CHOICE_SWEEP:
+        return override
+    from .spec import preset_names
+    from .spec.load import PRESETS_DIR
+
+    group = override.get_key_element()
+    if not (PRESETS_DIR / group).is_dir():
+        raise SpecError("-m", f"{override.input_line}: glob() sweeps a preset group, and {group} is not one",
+                        f"use glob() on one of: {', '.join(sorted(p.name for p in PRESETS_DIR.iterdir() if p.is_dir()))}")
+    names = override.value().filter(preset_names(group))
+    if not names:
+        raise SpecError("-m", f"{override.input_line} matches no preset",
+                        f"the {group} presets are: {', '.join(preset_names(group))}")
+    [choice] = parser.parse_overrides([f"{group}=choice({','.join(names)})"])
+    return choice
 
 
 def _check_out(out: Path) -> None:

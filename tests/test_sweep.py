@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlspec.cli import main
+from rlspec.spec import SpecError
 from rlspec.sweep import expand
 from tests.conftest import rlspec_cmd
 
@@ -25,7 +26,14 @@ def test_hydra_expands_every_combination():
     assert swept == ["algorithm.lr", "algorithm.seed", "algorithm.kl_estimator"]
     assert len(jobs) == 8 and all("rollout.max_new_tokens=4" in job for job in jobs)
     assert jobs[0] == ["algorithm.lr=0.001", "algorithm.seed=0", "rollout.max_new_tokens=4", "algorithm.kl_estimator=k1"]
-    assert {tuple(job) for job in jobs} == {tuple(job) for job in jobs[:8]} and len({tuple(j) for j in jobs}) == 8
+    assert len({tuple(job) for job in jobs}) == 8
+
+
+def test_a_glob_sweeps_the_matching_presets_of_a_group():
+    jobs, swept = expand(["model=glob(qwen2_*,exclude=qwen2_7b*)"])
+    assert jobs == [["model=qwen2_0p5b_shape"], ["model=qwen2_1p5b_shape"], ["model=qwen2_24l_tiny"]] and swept == ["model"]
+    with pytest.raises(SpecError, match="algorithm.lr is not one"):
+        expand(["algorithm.lr=glob(1*)"])
 
 
 @pytest.mark.parametrize("command", ["run", "bench"])
