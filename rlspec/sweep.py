@@ -84,14 +84,17 @@ def sweep(command: str, spec_path: str, overrides: Sequence[str], out: Path, opt
         except SpecError as err:
             named = " ".join(o for o in job if o.split("=", 1)[0] in swept) or "no swept key"
             raise SpecError(err.where, f"{err.problem} (in sweep job {index}: {named})", err.fix) from None
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SpecError("--out", f"cannot create {out}: {err.strerror or err}", "choose a writable --out") from None
     results = []
     for index, job in enumerate(jobs):
         job_out = out / str(index)
         job_out.mkdir(exist_ok=True)
         (job_out / "overrides.json").write_text(json.dumps(job) + "\n")
-        print(f"rlspec: sweep job {index + 1}/{len(jobs)}: {' '.join(job) or '(no overrides)'} -> {job_out}",
-              file=sys.stderr, flush=True)
+        named = " ".join(o for o in job if o.split("=", 1)[0] in swept) or "(nothing swept)"
+        print(f"rlspec: sweep job {index} ({index + 1} of {len(jobs)}): {named} -> {job_out}", file=sys.stderr, flush=True)
         argv = [sys.executable, "-m", "rlspec.cli", command, spec_path, *job, *options, "--out", str(job_out)]
         if backend is not None:
             argv += ["--backend", backend]
