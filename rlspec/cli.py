@@ -20,12 +20,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="train from a spec; writes plan.json, metrics.jsonl, checkpoints/ under --out",
-                         usage="rlspec run SPEC [key=value ...] [--backend B] [--out DIR] [--resume]")
+                         usage="rlspec run SPEC [key=value ...] [-m key=a,b ...] [--backend B] [--out DIR] [--resume]")
     run.add_argument("spec", help="experiment YAML")
     run.add_argument("--backend", help="trainer backend; overrides the spec's `backend`")
     run.add_argument("--out", help="output directory (default outputs/<spec>/<time>)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("-m", "--multirun", action="store_true",
+                     help="sweep: one run per combination of the overrides' values (key=a,b), in --out/<n>/")
 
     plan = sub.add_parser("plan", help="print the compiled run plan as JSON",
                           usage="rlspec plan SPEC [key=value ...] [--backend B]")
@@ -44,13 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-index", type=int, default=0, help=argparse.SUPPRESS)  # a run's server i: its device
 
     bench = sub.add_parser("bench", help="run one spec on several backends and compare throughput",
-                           usage="rlspec bench SPEC [key=value ...] [--backends a,b] [--out DIR] [--reference trl]")
+                           usage="rlspec bench SPEC [key=value ...] [-m key=a,b ...] [--backends a,b] [--out DIR] "
+                                 "[--reference trl]")
     bench.add_argument("spec")
     bench.add_argument("--backends", help="comma-separated backend names (default: the spec's backend)")
     bench.add_argument("--out", help="output directory (default outputs/bench/<spec>/<time>)")
     bench.add_argument("--warmup-steps", type=int, default=1, help="steps left out of the medians")
     bench.add_argument("--reference", action="append", default=[],
                        help="also run a reference trainer outside rlspec on the same spec: trl (needs rlspec[trl])")
+    bench.add_argument("-m", "--multirun", action="store_true",
+                       help="sweep: one bench per combination of the overrides' values (key=a,b), in --out/<n>/")
 
     conf = sub.add_parser("conformance", help="check that backends compute the same GRPO step as the reference")
     conf.add_argument("--backends", help="comma-separated backend names (default: all registered); NAME@KEY=VALUE "
@@ -90,11 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plan":
-        from .run import build_plan
+        from .plan import build_plan
 
-        plan, _ = build_plan(args.spec, args.overrides, args.backend)
+        plan, _ = build_plan(args.spec, args.overrides, args.backend, full=False)
         print(plan.to_json())
         return EXIT_OK
+    if getattr(args, "multirun", False):
+        return _sweep(args)
     if args.command == "run":
         from .run import run
 
@@ -103,7 +110,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"rlspec: run finished; outputs in {out}", file=sys.stderr)
         return EXIT_OK
     if args.command == "serve":
-        from .run import build_plan
+        from .plan import build_plan
         from .serve.process import serve
 
         plan, _ = build_plan(args.spec, args.overrides, args.backend)
@@ -126,6 +133,28 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return conformance_main(args.backends, args.json_path, args.dump)
     raise AssertionError(args.command)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """`-m`: the same command once per combination of the overrides' values (`rlspec.sweep`)."""
+    from pathlib import Path
+
+    from .sweep import sweep
+
+    if args.command == "run":
+        if args.resume:
+            raise SpecError("--resume", "a sweep cannot resume", "resume one job: rlspec run SPEC --out OUT/<n> --resume")
+        options = ["--no-progress"] if args.no_progress else []
+        root = "outputs"
+    else:
+        options = [*(["--backends", args.backends] if args.backends else []), "--warmup-steps", str(args.warmup_steps),
+                   *(f"--reference={ref}" for ref in args.reference)]
+        root = "outputs/bench"
+    from .plan import default_out_dir
+
+    out = Path(args.out) if args.out else default_out_dir(args.spec, root=root)
+    backend = args.backend if args.command == "run" else None
+    return sweep(args.command, args.spec, args.overrides, out, options, backend)
 
 
 if __name__ == "__main__":

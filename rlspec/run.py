@@ -1,41 +1,24 @@
-"""`rlspec run` and `rlspec plan`: spec -> plan -> backend -> the shared loop."""
+"""`rlspec run`: spec -> plan (`rlspec.plan`) -> backend -> the shared loop."""
 
 from __future__ import annotations
 
 import json
-import time
+import sys
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from .core.backend import all_caps, backend_class, create_backend
+from .core.backend import backend_class, create_backend
 from .core.loop import train
 from .errors import SpecError
 from .models.base import pad_token_id
-from .models.factory import check_model_spec
+from .plan import build_plan, default_out_dir  # noqa: F401 - where scripts and tests have found them
 from .runtime.checkpoints import Checkpoints, check_resumable
+from .runtime.loggers import start_loggers
 from .runtime.metrics import read_metrics
 from .runtime.monitor import RUN_LOG, RunLog, RunMonitor
-from .spec import RESUMABLE_CHANGES, RunPlan, compile_plan, load_spec, resume_changes
-from .tasks import Task, build_task
-
-
-def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | None = None) -> tuple[RunPlan, Task]:
-    """Compose, validate and compile; also build the task so its data file and reward kwargs are checked."""
-    spec = load_spec(spec_path, overrides, backend)
-    plan = compile_plan(spec, all_caps())
-    check_model_spec(plan.spec.model)  # after the compiler has checked that model.path is a directory
-    task = build_task(plan.spec.rollout.task, plan.spec.algorithm.seed, plan.spec.model)
-    if plan.spec.rollout.env.name is not None:
-        from .envs import check_env
-
-        check_env(plan.spec.rollout.env)
-    if plan.spec.rollout.agent.enabled:
-        from .agent import load_agent
-
-        load_agent(plan.spec.rollout.agent)  # an agent that cannot be found is bad input, refused now
-    return plan, task
+from .spec import RESUMABLE_CHANGES, RunPlan, resume_changes
 
 
 def check_installed(caps) -> None:
@@ -87,10 +70,6 @@ def remove_created(created: list[Path], files: Sequence[Path] = ()) -> None:
             folder.rmdir()
         except OSError:
             break
-
-
-def default_out_dir(spec_path: str, root: str = "outputs") -> Path:
-    return Path(root) / Path(spec_path).stem / time.strftime("%Y%m%d-%H%M%S")
 
 
 def prepare_out_dir(out: Path, plan: RunPlan, resume: bool) -> tuple[int, list[Path]]:
@@ -171,18 +150,21 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
 
     backend = create_backend(plan.backend)
     transport = build_transport(plan.sync_method, plan.spec.sync)
-    set_up = False
+    set_up, loggers = False, None
     try:
         with RunLog(out_dir / RUN_LOG):
             try:
+                loggers = start_loggers(plan, out_dir, start_step)  # one that cannot start: SpecError, before setup
                 backend.setup(plan)
                 set_up = True
                 if start_step:
                     backend.load(Checkpoints(out_dir / "checkpoints", 0, True).latest())
                 pad_id = pad_token_id(backend.rollout_engine().tokenizer)
                 with RunMonitor(plan, out_dir, getattr(backend, "actors", tuple)) as monitor:
-                    train(plan, backend, task, transport, out_dir, pad_id, start_step, progress, monitor)
+                    train(plan, backend, task, transport, out_dir, pad_id, start_step, progress, monitor, loggers)
             finally:
+                if loggers is not None:
+                    loggers.close(sys.exc_info()[0] is not None, out_dir / "metrics.jsonl")
                 transport.close()
                 backend.shutdown()
     except SpecError:

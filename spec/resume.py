@@ -30,6 +30,10 @@ RESUMABLE_CHANGES = (
     "hardware.deepspeed.param_persistence_numel", "hardware.deepspeed.max_live_numel",
     "hardware.deepspeed.module_granularity_numel", "hardware.deepspeed.memory_efficient_linear",
     "hardware.fsdp.reshard_after_forward", "hardware.fsdp.gather_during_rollout",
+    # where the metrics go
+    "logging.tensorboard", "logging.wandb.enabled", "logging.wandb.project", "logging.wandb.entity",
+    "logging.wandb.run_name", "logging.wandb.mode", "logging.wandb.tags", "logging.mlflow.enabled",
+    "logging.mlflow.tracking_uri", "logging.mlflow.experiment", "logging.mlflow.run_name",
 )
 """Spec fields that may change on `--resume`: how long to run, when to save, how long to wait, which cluster to
 join, and where the trainer runs (backend, rank count, device, offload: a checkpoint holds the HF model and the

@@ -28,6 +28,7 @@ DEVICES = ("cpu", "cuda")
 PLACEMENTS = ("colocated", "separate")
 STALL_ACTIONS = ("fail", "warn")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+WANDB_MODES = ("online", "offline")
 
 
 @dataclass
@@ -438,6 +439,60 @@ class CheckpointSpec(Section):
 
 
 @dataclass
+class WandbSpec(Section):
+    """Weights & Biases (`pip install 'rlspec[loggers]'`): every step's numeric metrics, the plan as the run's config."""
+
+    enabled: bool = False
+    """Log to Weights & Biases (a run that cannot start its W&B run stops before training, exit 2)."""
+    project: str = "rlspec"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B entity (user or team); null: the logged-in user's default entity."""
+    run_name: Optional[str] = None
+    """Name of the W&B run; null: the output directory's name."""
+    mode: str = "online"
+    """online (needs `wandb login` or WANDB_API_KEY) | offline (writes under OUT/wandb/; `wandb sync` uploads it later)."""
+    tags: List[str] = field(default_factory=list)
+    """Tags of the W&B run."""
+
+    def __post_init__(self) -> None:
+        one_of(self.mode, WANDB_MODES, "logging.wandb.mode")
+        require(bool(self.project), "logging.wandb.project", "must not be empty", "name a W&B project")
+
+
+@dataclass
+class MLflowSpec(Section):
+    """MLflow (`pip install 'rlspec[loggers]'`, the tracking client `mlflow-skinny`): every step's numeric metrics, the
+    plan's keys as the run's parameters and the plan as its `plan.json` artifact."""
+
+    enabled: bool = False
+    """Log to MLflow (a run that cannot start its MLflow run stops before training, exit 2)."""
+    tracking_uri: Optional[str] = None
+    """Tracking server or store: http(s)://host:port, databricks, file:///abs/path/mlruns (MLflow 3 wants
+    MLFLOW_ALLOW_FILE_STORE=true for a file store); null: MLflow's default (MLFLOW_TRACKING_URI, else ./mlruns)."""
+    experiment: str = "rlspec"
+    """Experiment name; created when it does not exist."""
+    run_name: Optional[str] = None
+    """Name of the MLflow run; null: the output directory's name."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.experiment), "logging.mlflow.experiment", "must not be empty", "name an MLflow experiment")
+
+
+@dataclass
+class LoggingSpec(Section):
+    """Where each step's metrics go besides OUT/metrics.jsonl, which every run writes. A logger that fails during
+    the run is stopped with a warning; training goes on and metrics.jsonl keeps every step."""
+
+    tensorboard: bool = True
+    """Write TensorBoard events under OUT/tensorboard/."""
+    wandb: WandbSpec = field(default_factory=WandbSpec)
+    """Weights & Biases."""
+    mlflow: MLflowSpec = field(default_factory=MLflowSpec)
+    """MLflow."""
+
+
+@dataclass
 class Spec(Section):
     """A whole experiment."""
 
@@ -453,5 +508,7 @@ class Spec(Section):
     """Placement."""
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     """Checkpointing."""
+    logging: LoggingSpec = field(default_factory=LoggingSpec)
+    """Loggers beside metrics.jsonl."""
     backend: str = "standalone"
     """Trainer backend (deepspeed | fsdp | standalone); `--backend` on the CLI overrides it."""

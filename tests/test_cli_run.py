@@ -108,10 +108,10 @@ def test_cli_surface_is_frozen():
     flags = {name: sorted(o for act in p._actions for o in act.option_strings if o not in ("-h", "--help"))
              for name, p in sub.choices.items()}
     assert flags == {
-        "run": ["--backend", "--no-progress", "--out", "--resume"],
+        "run": ["--backend", "--multirun", "--no-progress", "--out", "--resume", "-m"],
         "plan": ["--backend"],
         "serve": ["--allow-remote", "--backend", "--engine-index", "--host", "--parent-pid", "--port"],
-        "bench": ["--backends", "--out", "--reference", "--warmup-steps"],
+        "bench": ["--backends", "--multirun", "--out", "--reference", "--warmup-steps", "-m"],
         "conformance": ["--backends", "--dump", "--json"],
     }
 

@@ -14,13 +14,12 @@ from pathlib import Path
 
 from ...cluster.ray_group import RankGroupBackend
 from ...errors import RunError
-from ...spec import BackendCaps, RunPlan, SpecError
+from ...spec import RunPlan, SpecError
+from .caps import CAPS
 
 
 class DeepSpeedBackend(RankGroupBackend):
-    caps = BackendCaps(name="deepspeed", model_kinds=("causal_lm",), placements=("colocated", "separate"),
-                       sync_methods=("ray", "nccl", "checkpoint", "cuda_ipc"), engines=("hf",), devices=("cpu", "cuda"),
-                       supports_lora=False, compiles_layers=True, requires=("deepspeed", "ray"), install_hint="pip install 'rlspec[deepspeed]'")
+    caps = CAPS
 
     def setup(self, plan: RunPlan) -> None:
         try:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from ...cluster.ray_group import RankGroupBackend
 from ...errors import RunError
-from ...spec import BackendCaps, RunPlan
+from ...spec import RunPlan
+from .caps import CAPS
 
 
 class FSDPBackend(RankGroupBackend):
-    caps = BackendCaps(name="fsdp", model_kinds=("causal_lm", "vla"), placements=("colocated", "separate"),
-                       sync_methods=("ray", "nccl", "checkpoint", "cuda_ipc"), engines=("hf",), devices=("cpu", "cuda"),
-                       supports_lora=True, compiles_layers=True, requires=("ray",), install_hint="pip install 'rlspec[fsdp]'")
+    caps = CAPS
 
     def setup(self, plan: RunPlan) -> None:
         try:

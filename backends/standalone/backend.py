@@ -31,7 +31,8 @@ from ...core.weights import LocalWeights
 from ...errors import RunError, SpecError
 from ...models.factory import apply_lora, copy_weights, load_model
 from ...rollout.hf import HFEngine
-from ...spec import BackendCaps, RunPlan
+from ...spec import RunPlan
+from .caps import CAPS
 
 HEALTH_MARGIN_S = 10.0
 """Bridge calls may wait up to `sync.timeout_s` inside the server; the HTTP timeout allows for that."""
@@ -42,9 +43,7 @@ def uses_server(plan: RunPlan) -> bool:
 
 
 class StandaloneBackend:
-    caps = BackendCaps(name="standalone", model_kinds=("causal_lm", "vla"), placements=("colocated", "separate"),
-                       sync_methods=("shared", "checkpoint", "nccl", "lora", "cuda_ipc"), engines=("hf",),
-                       devices=("cpu", "cuda"), supports_lora=True, compiles_layers=True, max_trainer_ranks=1, single_process=True)
+    caps = CAPS
 
     def __init__(self) -> None:
         self.trainer: LocalTrainer | None = None

@@ -11,17 +11,22 @@ from __future__ import annotations
 import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import ClassVar, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Iterator, Protocol, runtime_checkable
 
-from torch import Tensor
-
-from ..rollout.base import RolloutEngine
 from ..spec import BackendCaps, RunPlan, SpecError
-from .batch import TrainBatch
-from .grpo import LossNorm
-from .weights import LocalWeights, WeightSource
+
+if TYPE_CHECKING:  # the registry below serves `rlspec plan`, which never imports torch
+    from torch import Tensor
+
+    from ..rollout.base import RolloutEngine
+    from .batch import TrainBatch
+    from .grpo import LossNorm
+    from .weights import WeightSource
 
 ENTRY_POINT_GROUP = "rlspec.backends"
+CAPS_ENTRY_POINT_GROUP = "rlspec.backend_caps"
+"""A backend may also register its `BackendCaps` object here (same name), in a module that imports nothing heavy:
+then `all_caps()`, and with it `rlspec plan`, reads the caps without importing the backend's module."""
 
 
 @runtime_checkable
@@ -71,8 +76,8 @@ class Backend(Protocol):
     # work its next update can do ahead (fsdp: gathering the parameters that stay gathered through the update).
 
 
-def _entry_points() -> dict[str, object]:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+def _entry_points(group: str = ENTRY_POINT_GROUP) -> dict[str, object]:
+    return {ep.name: ep for ep in entry_points(group=group)}
 
 
 def backend_names() -> list[str]:
@@ -94,10 +99,10 @@ def all_caps() -> dict[str, BackendCaps]:
     A backend whose module fails to import is left out with a warning, so one broken third-party
     package does not stop plans for the others.
     """
-    caps = {}
+    caps, declared = {}, _entry_points(CAPS_ENTRY_POINT_GROUP)
     for name in backend_names():
         try:
-            caps[name] = backend_class(name).caps
+            caps[name] = declared[name].load() if name in declared else backend_class(name).caps  # type: ignore[attr-defined]
         except Exception as err:  # noqa: BLE001 - report and carry on
             warnings.warn(f"backend {name!r} could not be loaded and is skipped: {err!r}", stacklevel=2)
     return caps
@@ -109,5 +114,7 @@ def create_backend(name: str) -> Backend:
 
 def weight_source_of(backend: Backend) -> WeightSource:
     """`backend.weight_source()`, or its `export_weights` run in this process for a backend without one."""
+    from .weights import LocalWeights
+
     make = getattr(backend, "weight_source", None)
     return make() if make is not None else LocalWeights(backend.export_weights)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from ..runtime.checkpoints import Checkpoints
+from ..runtime.loggers import Loggers
 from ..runtime.metrics import MetricsLog, PhaseTimer
 from ..runtime.monitor import RunMonitor, StepAbandoned
 from ..spec import RunPlan
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
 
 
 def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path, pad_id: int,
-          start_step: int = 0, progress: bool | None = None, monitor: RunMonitor | None = None) -> None:
-    """Run steps `start_step .. algorithm.steps - 1`; checkpoint every N steps and at the end.
+          start_step: int = 0, progress: bool | None = None, monitor: RunMonitor | None = None,
+          loggers: Loggers | None = None) -> None:
+    """Run steps `start_step .. algorithm.steps - 1`; checkpoint every N steps and at the end; each step's metrics
+    to metrics.jsonl, TensorBoard and the started `loggers` (`rlspec.runtime.loggers`).
 
     `monitor` sees each step's metrics: it raises on non-finite numbers (before the checkpoint) and asks
     for a checkpoint and a stop when a SIGTERM came (`rlspec.runtime.monitor`)."""
@@ -49,7 +52,8 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
         transport.push(weights, engine)
         served_version(engine, start_step)
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
-    log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress)
+    log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress,
+                     tensorboard=spec.logging.tensorboard, loggers=loggers)
     envs = env_rollouts(plan, engine)
     gateway = None
     if spec.rollout.agent.enabled:

@@ -19,20 +19,9 @@ import numpy as np
 import torch
 
 from ..spec import ModelSpec, SpecError
+from .presets import VLA_PRESETS
 
 IMAGE_TOKEN = "<image>"
-
-# Shapes only; weights are random. The vision patch equals one 8-pixel grid cell of a MiniGrid view, so a
-# 56x56 image gives 49 image tokens (the CLS feature is dropped: vision_feature_select_strategy=default).
-VLA_PRESETS: dict[str, dict] = {
-    "tiny_llava": dict(
-        image_size=56, patch_size=8,
-        vision=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
-        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512),
-    ),
-}
-
 
 def _byte_processor(preset: dict):
     from transformers import CLIPImageProcessorPil, LlavaProcessor
@@ -69,12 +58,6 @@ def preset_config(name: str, attn_implementation: str = "eager"):
         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     config._attn_implementation = attn_implementation
     return config
-
-
-def check_preset(spec: ModelSpec) -> None:
-    if spec.path is None and spec.preset not in VLA_PRESETS:
-        raise SpecError("model.preset", f"{spec.preset!r} is not a VLA preset (model.kind=vla)",
-                        f"use one of: {', '.join(VLA_PRESETS)}, or set model.path to a local image-text-to-text model")
 
 
 def load_processor(spec: ModelSpec):

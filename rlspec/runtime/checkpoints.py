@@ -95,7 +95,8 @@ def step_of(checkpoint: Path) -> int:
 def check_resumable(checkpoint: Path, model_spec) -> int:
     """The step `checkpoint` was saved after; refuses (`SpecError` on `--resume`) a checkpoint whose state
     file is unreadable or whose weights are corrupt or belong to another model than `model_spec`'s."""
-    from ..models.factory import check_weights, preset_config, read_config
+    from ..models.checks import check_weights, read_config
+    from ..models.factory import preset_config
 
     fix = f"resume with the spec that wrote {checkpoint}, or remove that directory to resume from an earlier one"
     try:

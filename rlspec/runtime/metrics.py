@@ -1,4 +1,4 @@
-"""Per-step metrics: `metrics.jsonl` (the contract), TensorBoard events, and a progress bar."""
+"""Per-step metrics: `metrics.jsonl` (the contract), TensorBoard events, the `logging.*` loggers, a progress bar."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from .loggers import Loggers, numeric
 
 METRIC_KEYS = (
     "step", "reward/mean", "reward/std", "loss", "kl", "grad_norm", "clip_frac", "entropy", "response_len/mean",
@@ -45,12 +47,14 @@ def peak_memory_gb(device: str) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON object per step; mirrors scalars to TensorBoard; drives the progress bar."""
+    """Appends one JSON object per step; mirrors scalars to TensorBoard and the started `loggers`; drives the
+    progress bar. metrics.jsonl is written first: a logger that fails later loses nothing there."""
 
     def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0, progress: bool | None = None,
-                 tensorboard: bool = True) -> None:
+                 tensorboard: bool = True, loggers: Loggers | None = None) -> None:
         self.path = out_dir / "metrics.jsonl"
         self._file = self.path.open("a")
+        self._loggers = loggers
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -73,6 +77,8 @@ class MetricsLog:
             for key, value in clean.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, row["step"])
+        if self._loggers is not None:
+            self._loggers.log(numeric(clean), row["step"], self.path)
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(reward=f"{row['reward/mean']:.3f}", tok_s=f"{row['perf/tokens_per_s']:.0f}")

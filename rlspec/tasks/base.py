@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where rewards become a tensor: checking a task (`rlspec plan`) needs none
     from torch import Tensor
 
     from .rewards import Rewards

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements quoted in the READMEs, as run on the GPU machine (no network) from the project root
+# The GPU measurements quoted in docs/ and the backends' READMEs, as run on the GPU machine (no network) from the project root
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra; under `.devicepkgs/extra` the wheels
 # `bash tests/gpu/pack_extra.sh` downloads, whose header lists them: the serve stack, the openai client, TRL).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...

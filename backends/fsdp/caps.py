@@ -1,0 +1,10 @@
+"""What the `fsdp` backend can run, apart from its module so that `rlspec plan` reads it without importing
+torch (registered under the entry point group `rlspec.backend_caps`)."""
+
+from __future__ import annotations
+
+from ...spec import BackendCaps
+
+CAPS = BackendCaps(name="fsdp", model_kinds=("causal_lm", "vla"), placements=("colocated", "separate"),
+                   sync_methods=("ray", "nccl", "checkpoint", "cuda_ipc"), engines=("hf",), devices=("cpu", "cuda"),
+                   supports_lora=True, compiles_layers=True, requires=("ray",), install_hint="pip install 'rlspec[fsdp]'")
