@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerFast
 
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
-BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+from .presets import BYTE_VOCAB_SIZE, SPECIAL_TOKENS  # noqa: F401 - the byte tokenizer's vocabulary
 
 # ChatML-style turns ending with the end-of-sequence token, so the model ends its turn with one sampled token.
 # Tools, when given, are listed by name; a call is `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.

@@ -6,11 +6,12 @@ vocabulary floats — 30 GB for 128 x 256 tokens of a 152k vocabulary), and it d
 log-probs exactly as the trainer's: log_softmax(logits / temperature) of the sampled token, before
 top-p truncation.
 
-On CUDA (with `rollout.cuda_graph`, for Llama-style decoders without LoRA) sampling runs through
-`rlspec.rollout.static.GraphSampler`: a slot-indexed KV cache and the decode step captured in CUDA graphs,
-with continuous batching (`rollout.continuous_batching`, `rollout.decode_slots`) and one prefill per prompt.
-Elsewhere, for any other model, and for a request that asks for greedy decoding or the top log-probs of each
-step (`SampleOptions`, sent by a rollout server's OpenAI routes), the plain loop below runs. Both draw sample i's
+On CUDA (with `rollout.cuda_graph`, for the decoders of `rlspec.rollout.architecture` without LoRA: Llama-style,
+Qwen3, Gemma 2/3) sampling runs through `rlspec.rollout.static.GraphSampler`: a slot-indexed KV cache and the
+decode step captured in CUDA graphs, with continuous batching (`rollout.continuous_batching`,
+`rollout.decode_slots`) and one prefill per prompt; a greedy request (`SampleOptions.greedy`) too, at temperature
+0. Elsewhere, for any other model (the engine says so once, at start), and for a request that asks for the top
+log-probs of each step (`SampleOptions`, sent by a rollout server's OpenAI routes), the plain loop below runs. Both draw sample i's
 noise keyed by (seed, i, position) (`rlspec.rollout.noise`), not from a generator shared by the batch: a sample's
 tokens do not depend on the batch it ran in, so a step split over several engines samples what one engine does.
 """
@@ -18,6 +19,7 @@ tokens do not depend on the batch it ran in, so a step split over several engine
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Iterable
 
 import torch
@@ -43,6 +45,10 @@ class HFEngine:
         self.device = torch.device(device)
         self.micro_batch_size = micro_batch_size
         self._graph_sampler = None
+        kind = self.sampler_kind()
+        if kind.startswith("plain (") and self.device.type == "cuda" and rollout.cuda_graph:
+            print(f"rlspec: rollout engine: {kind[len('plain ('):-1]}; generation takes the plain transformers loop "
+                  "(HF's forward, no CUDA graphs)", file=sys.stderr, flush=True)
 
     def encode(self, prompts: list[str] | list[list[int]], n: int) -> tuple[list[list[int]], Tensor, Tensor]:
         """Each prompt's token ids `n` times, and the left-padded batch (`input_ids`, `attention_mask`) on the device.
@@ -74,13 +80,14 @@ class HFEngine:
         self.model.eval()
         top = None
         try:
-            sampler = None if options.plain_loop_only else self._fast_sampler()
+            sampler = None if options.top_logprobs else self._fast_sampler()
             if sampler is None:
                 tokens, logps, top = self._sample(input_ids, attention_mask, seed, options, first_sample)
             else:
                 slots = self.spec.decode_slots if self.spec.continuous_batching else None
+                temperature = 0.0 if options.greedy else self.spec.temperature  # the sampler's greedy decoding
                 tokens, logps = sampler.sample(input_ids, attention_mask, seed, self.spec.max_new_tokens,
-                                               self.spec.temperature, self.spec.top_p, self.tokenizer.eos_token_id,
+                                               temperature, self.spec.top_p, self.tokenizer.eos_token_id,
                                                slots=slots, first_sample=first_sample)
         finally:
             self.model.train(was_training)
@@ -109,7 +116,7 @@ class HFEngine:
             return "plain (not on CUDA)"
         if not self.spec.cuda_graph:
             return "plain (rollout.cuda_graph is false)"
-        from .decoder import unsupported_reason
+        from .architecture import unsupported_reason
 
         reason = unsupported_reason(self.model)
         return f"plain ({reason})" if reason else "cuda_graph"
@@ -118,7 +125,7 @@ class HFEngine:
         """The CUDA-graph sampler when it can run this model here, else None (the plain loop)."""
         if self.device.type != "cuda" or not self.spec.cuda_graph:
             return None
-        from .decoder import unsupported_reason
+        from .architecture import unsupported_reason
         from .static import GraphSampler
 
         if self._graph_sampler is None and unsupported_reason(self.model) is None:
