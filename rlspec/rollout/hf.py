@@ -35,15 +35,24 @@ from .sampling import SampleOptions, next_token
 
 
 class HFEngine:
-    """Samples with a transformers causal LM; can share its module with a colocated trainer."""
+    """Samples with a transformers causal LM; can share its module with a colocated trainer.
+
+    `free_during_train` (`rollout.free_during_train`; a rollout server passes none) says what the engine gives back
+    after each `generate`, for the train phase: `kv_cache`, in an engine that is alone in its process
+    (`own_process`), hands its allocator's cached blocks (the K/V caches and graph pools just dropped) back to the
+    device; `kv_cache_and_weights` also frees its weights' storage, allocated again (uninitialised) by the next call
+    that writes weights (`load_weights`, `receive`, `named_weights`: a push), and refused until then."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, rollout: RolloutSpec, device: torch.device | str,
-                 micro_batch_size: int = 8) -> None:
+                 micro_batch_size: int = 8, free_during_train: str = "none", own_process: bool = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.spec = rollout
         self.device = torch.device(device)
         self.micro_batch_size = micro_batch_size
+        self.free_during_train = free_during_train
+        self.own_process = own_process
+        self._freed: list[tuple[torch.nn.Parameter, torch.Size]] | None = None
         self._graph_sampler = None
         kind = self.sampler_kind()
         if kind.startswith("plain (") and self.device.type == "cuda" and rollout.cuda_graph:
@@ -75,6 +84,7 @@ class HFEngine:
         step split over several engines sends each part with the index of its first sample, so every sample is
         the same whichever engine ran it and however the step was split."""
         options = options or SampleOptions()
+        self._check_weights()
         prompt_ids, input_ids, attention_mask = self.encode(prompts, n)
         was_training = self.model.training
         self.model.eval()
@@ -91,6 +101,7 @@ class HFEngine:
                                                slots=slots, first_sample=first_sample)
         finally:
             self.model.train(was_training)
+            self.free_memory()
         completions, completion_logprobs, texts, tops = [], [], [], []
         vocab, eos = len(self.tokenizer), self.tokenizer.eos_token_id
         for i, (row, row_logp) in enumerate(zip(tokens.tolist(), logps.tolist())):
@@ -168,14 +179,41 @@ class HFEngine:
         return torch.stack(tokens, dim=1).cpu(), torch.stack(logps, dim=1).float().cpu(), top
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
+        self._check_weights()
         return batch_logprobs(self.model, batch, self.spec.temperature, self.micro_batch_size, self.device)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        self.restore_weights()
         copy_weights(self.model, named_tensors)
 
     def receive(self, fn, payload):
         """Run a sync transport's engine half, `fn(self, payload)`, here; return what it returns (its timings)."""
+        self.restore_weights()
         return fn(self, payload)
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
+        self.restore_weights()
         return self.model.state_dict().items()
+
+    def free_memory(self) -> None:
+        """After a rollout: what `free_during_train` gives back (class docstring)."""
+        if self.free_during_train == "kv_cache_and_weights" and self._freed is None:
+            self._freed = []
+            for param in {id(p): p for p in self.model.parameters()}.values():  # tied weights once
+                self._freed.append((param, param.shape))
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        if self.free_during_train != "none" and self.own_process and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def restore_weights(self) -> None:
+        """Storage for weights `free_memory` freed, uninitialised: the caller (a push) writes every one."""
+        if self._freed is None:
+            return
+        for param, shape in self._freed:
+            param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+        self._freed = None
+
+    def _check_weights(self) -> None:
+        if self._freed is not None:
+            raise RuntimeError("the rollout engine's weights were freed for the train phase "
+                               "(rollout.free_during_train=kv_cache_and_weights) and no push has restored them")
