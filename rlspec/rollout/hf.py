@@ -52,7 +52,7 @@ class HFEngine:
         self.micro_batch_size = micro_batch_size
         self.free_during_train = free_during_train
         self.own_process = own_process
-        self._freed: list[tuple[torch.nn.Parameter, torch.Size]] | None = None
+        self._freed: list[tuple[torch.UntypedStorage, int]] | None = None
         self._graph_sampler = None
         kind = self.sampler_kind()
         if kind.startswith("plain (") and self.device.type == "cuda" and rollout.cuda_graph:
@@ -198,10 +198,12 @@ class HFEngine:
     def free_memory(self) -> None:
         """After a rollout: what `free_during_train` gives back (class docstring)."""
         if self.free_during_train == "kv_cache_and_weights" and self._freed is None:
-            self._freed = []
-            for param in {id(p): p for p in self.model.parameters()}.values():  # tied weights once
-                self._freed.append((param, param.shape))
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            # Each storage resized to nothing, not replaced: tensors a transport keeps of the weights (cuda_ipc's
+            # receiver holds views of them across pushes) stay views of the same storage when it is resized back.
+            storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in self.model.parameters()}
+            self._freed = [(storage, storage.nbytes()) for storage in storages.values()]  # tied weights once
+            for storage, _ in self._freed:
+                storage.resize_(0)
         if self.free_during_train != "none" and self.own_process and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -209,8 +211,8 @@ class HFEngine:
         """Storage for weights `free_memory` freed, uninitialised: the caller (a push) writes every one."""
         if self._freed is None:
             return
-        for param, shape in self._freed:
-            param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+        for storage, nbytes in self._freed:
+            storage.resize_(nbytes)
         self._freed = None
 
     def _check_weights(self) -> None:
