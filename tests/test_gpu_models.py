@@ -47,3 +47,40 @@ def test_llama3_rope_scaling_on_cuda_matches_transformers():
     rollout = engine.generate(["a=", "bcd=", "hello="], n=4, seed=0)
     _, worst = mult_prob_error(model, rollout, 1.0)
     assert worst < 1e-3, worst
+
+
+def test_free_during_train_hands_the_cache_and_the_weights_back():
+    """An engine alone in its process (`own_process`, as a Ray engine actor): after a rollout `kv_cache` leaves the
+    device at least the K/V cache's bytes fewer reserved than `none`, `kv_cache_and_weights` the weights' bytes fewer
+    again, and a push of the same weights samples the same tokens."""
+    from rlspec.models.base import byte_tokenizer
+    from rlspec.perf.bench_models import build
+    from rlspec.rollout.hf import HFEngine
+    from rlspec.rollout.static import CACHE_STEP
+    from rlspec.spec import RolloutSpec
+
+    model = build("qwen3_0p6b_shape")
+    saved = {name: t.cpu() for name, t in model.state_dict().items()}  # off the device: no block shares its segments
+    engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=200), "cuda", own_process=True)
+    prompts = [f"{i} plus {i}=" for i in range(16)]
+
+    def reserved_after(setting: str):
+        engine.free_during_train = setting
+        rollout = engine.generate(prompts, n=8, seed=0)
+        torch.cuda.synchronize()
+        return torch.cuda.memory_reserved(), rollout
+
+    held, first = reserved_after("none")
+    freed, _ = reserved_after("kv_cache")
+    config = model.config
+    length = -(-(max(len(p) for p in prompts) + 200) // CACHE_STEP) * CACHE_STEP
+    kv_bytes = 128 * length * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
+    weight_bytes = sum(t.numel() * t.element_size() for t in {p.data_ptr(): p for p in model.parameters()}.values())
+    gone, _ = reserved_after("kv_cache_and_weights")
+    print(f"reserved after a rollout: none {held / 2**30:.2f} GB, kv_cache {freed / 2**30:.2f} GB, "
+          f"kv_cache_and_weights {gone / 2**30:.2f} GB; K/V cache {kv_bytes / 2**30:.2f} GB, weights {weight_bytes / 2**30:.2f} GB")
+    assert held - freed >= kv_bytes
+    assert freed - gone >= 0.95 * weight_bytes
+    engine.load_weights(saved.items())
+    engine.free_during_train = "none"
+    assert engine.generate(prompts, n=8, seed=0).completion_ids == first.completion_ids

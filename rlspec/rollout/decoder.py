@@ -85,7 +85,7 @@ class StaticDecoder:
         # add and the next norm. q/k/v is split only where the attention kernel adds its parts (`skinny_qkv` below):
         # read by the compiled cache write and the attention op, its sum became a kernel of its own and cost more
         # than the split gained. Gate/up is not split (wide enough as it is).
-        self.skinny = (usable and sdpa) if skinny is None else skinny
+        self.skinny = (live.triton_runs_on(device) and sdpa) if skinny is None else skinny
         # ... and, with fused q/k/v weights, take the projection's output as it is: the RoPE of q and of the new k,
         # the new K/V's cache writes and the attention in one kernel (`live_attention_rope`), where the compiled
         # layer ran two element-wise kernels (q's rotation; k's rotation with both cache writes) before it.
