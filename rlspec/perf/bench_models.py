@@ -1,12 +1,13 @@
 """The `hf` engine's CUDA-graph sampler beside transformers' `generate`, per model type, on one GPU:
 `python -m rlspec.perf.bench_models --presets qwen3_0p6b_shape,gemma3_1b_shape [--prompts 64 --group 8 --tokens 256]`.
 
-For each preset (random init, bf16, SDPA), one JSON line:
+For each preset (random init, bf16, SDPA), a JSON line after each part, the last one whole:
 
 - `engine_tokens_per_s`: completion tokens per second of `HFEngine.generate` on prompts x group rows of `tokens` new
   tokens at temperature 1 (the second call: the first compiles and captures), with the spec's default sampler
-  settings (continuous batching over `rollout.decode_slots`); `hf_tokens_per_s`: `model.generate` sampling the same
-  rows at temperature 1 (`top_k=0`, the second call), and `speedup`, their ratio;
+  settings (continuous batching over `rollout.decode_slots`, 256); `hf_tokens_per_s`: `model.generate` sampling the
+  same rows at temperature 1 (`top_k=0`, the second call), and `speedup`, their ratio; `--slots 512`: the engine
+  again with that many slots (`engine_tokens_per_s_512`, `speedup_512`: 64 x 8 rows decode as one pool);
 - `token_mult_prob_error`: mean over completion tokens of exp(|trainer - engine|) (the trainer's log-probs,
   `batch_logprobs`, of the engine's samples), and `max_abs_logprob_diff`;
 - greedy decoding of `--greedy-rows` prompts for `--greedy-tokens` tokens, engine (temperature 0) against
@@ -106,27 +107,35 @@ def timed(fn) -> tuple[object, float]:
 
 
 def measure(preset: str, num_prompts: int, group: int, tokens: int, greedy_rows: int, greedy_tokens: int,
-            hf: bool = True, device: str = "cuda") -> dict:
+            hf: bool = True, slots: tuple[int, ...] = (), device: str = "cuda", report=None) -> dict:
+    """The module docstring's line for `preset`; `slots`: also time the engine with these `rollout.decode_slots`
+    (`engine_tokens_per_s_<slots>`, `speedup_<slots>`). `report(result)` is called with the line so far after each
+    part (a caller's time limit then keeps what was measured)."""
     from ..models.base import byte_tokenizer
     from ..rollout.hf import HFEngine
     from ..spec import RolloutSpec
 
+    report = report or (lambda result: None)
     model = build(preset, device, torch.bfloat16 if device == "cuda" else torch.float32)
     tokenizer = byte_tokenizer()
-    engine = HFEngine(model, tokenizer, RolloutSpec(max_new_tokens=tokens, temperature=1.0, max_prompt_tokens=64), device)
+    spec = RolloutSpec(max_new_tokens=tokens, temperature=1.0, max_prompt_tokens=64)
+    engine = HFEngine(model, tokenizer, spec, device)
     texts = prompts(num_prompts)
     result = {"preset": preset, "model_type": model.config.model_type, "sampler": engine.sampler_kind(),
-              "rows": num_prompts * group, "max_new_tokens": tokens,
+              "rows": num_prompts * group, "max_new_tokens": tokens, "decode_slots": spec.decode_slots,
               "device": torch.cuda.get_device_name(0) if device == "cuda" else device}
-    _, result["engine_first_call_s"] = timed(lambda: engine.generate(texts, group, seed=0))
-    rollout, seconds = timed(lambda: engine.generate(texts, group, seed=1))
-    completion = sum(len(c) for c in rollout.completion_ids)
-    result |= {"engine_s": round(seconds, 3), "engine_tokens_per_s": round(completion / seconds, 1)}
+
+    def engine_rate(view) -> tuple[float, object]:
+        _, first_s = timed(lambda: view.generate(texts, group, seed=0))  # compiles and captures
+        rollout, seconds = timed(lambda: view.generate(texts, group, seed=1))
+        return sum(len(c) for c in rollout.completion_ids) / seconds, rollout
+
+    rate, rollout = engine_rate(engine)
+    result["engine_tokens_per_s"] = round(rate, 1)
     error, worst = mult_prob_error(model, rollout, 1.0)
     result |= {"token_mult_prob_error": round(error, 5), "max_abs_logprob_diff": round(worst, 4)}
-    gaps = greedy_gaps(engine, texts[:greedy_rows], greedy_tokens)
-    result |= {"greedy_identical": sum(g == 0.0 for g in gaps), "greedy_rows": len(gaps),
-               "greedy_gaps": [round(g, 4) for g in gaps if g != 0.0], "greedy_max_gap": round(max(gaps), 4)}
+    report(result)
+    hf_rate = None
     if hf:
         _, input_ids, attention_mask = engine.encode(texts, group)
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0, top_p=1.0,
@@ -136,10 +145,22 @@ def measure(preset: str, num_prompts: int, group: int, tokens: int, greedy_rows:
             out, seconds = timed(lambda: model.generate(**kwargs, max_new_tokens=tokens))
         new = out[:, input_ids.shape[1]:]
         ended = (new == tokenizer.eos_token_id).cumsum(-1) - (new == tokenizer.eos_token_id).long()
-        produced = int((ended == 0).sum())  # up to and including each row's end token, as the engine counts
-        result |= {"hf_s": round(seconds, 3), "hf_tokens_per_s": round(produced / seconds, 1),
-                   "speedup": round(result["engine_tokens_per_s"] / (produced / seconds), 2)}
+        hf_rate = int((ended == 0).sum()) / seconds  # tokens up to and including each row's end token, as counted above
+        del out, new, ended
+        result |= {"hf_s": round(seconds, 3), "hf_tokens_per_s": round(hf_rate, 1),
+                   "speedup": round(rate / hf_rate, 2)}
+        report(result)
+    gaps = greedy_gaps(engine, texts[:greedy_rows], greedy_tokens)
+    result |= {"greedy_identical": sum(g == 0.0 for g in gaps), "greedy_rows": len(gaps),
+               "greedy_gaps": [round(g, 4) for g in gaps if g != 0.0], "greedy_max_gap": round(max(gaps), 4)}
     result["pass"] = check(result)
+    report(result)
+    for count in slots:
+        rate, _ = engine_rate(engine.with_spec(replace(spec, decode_slots=count)))
+        result[f"engine_tokens_per_s_{count}"] = round(rate, 1)
+        if hf_rate:
+            result[f"speedup_{count}"] = round(rate / hf_rate, 2)
+        report(result)
     return result
 
 
@@ -156,11 +177,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--greedy-rows", type=int, default=16)
     parser.add_argument("--greedy-tokens", type=int, default=64)
+    parser.add_argument("--slots", default="512", help="also time the engine at these rollout.decode_slots (comma-"
+                        "separated; empty: none)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     args = parser.parse_args(argv)
-    for preset in args.presets.split(","):
-        print(json.dumps(measure(preset, args.prompts, args.group, args.tokens, args.greedy_rows, args.greedy_tokens,
-                                 hf=not args.no_hf)), flush=True)
+    slots = tuple(int(n) for n in args.slots.split(",") if n)
+    for preset in args.presets.split(","):  # a line after each part: the last line of a preset is the whole of it
+        measure(preset, args.prompts, args.group, args.tokens, args.greedy_rows, args.greedy_tokens, hf=not args.no_hf,
+                slots=slots, report=lambda result: print(json.dumps(result), flush=True))
         torch.cuda.empty_cache()
 
 
