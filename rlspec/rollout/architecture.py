@@ -94,19 +94,21 @@ def layer_types(config) -> tuple[str, ...]:
 
 
 def rope_type(body: torch.nn.Module, layer_type: str) -> str | None:
-    rotary = body.rotary_emb
+    rotary = getattr(body, rope_attributes(body, layer_type)[0])
     kinds = getattr(rotary, "rope_type", "default")
     return kinds.get(layer_type) if isinstance(kinds, dict) else kinds
 
 
-def rope_frequencies(body: torch.nn.Module, layer_type: str) -> tuple[Tensor, float]:
-    """(inv_freq, attention_scaling) of `layer_type`'s RoPE: Gemma 3 keeps one per layer type on its rotary module
-    (`sliding_attention_inv_freq`, ...); other models one for all layers."""
-    rotary = body.rotary_emb
-    per_type = getattr(rotary, f"{layer_type}_inv_freq", None)
-    if per_type is not None:
-        return per_type, getattr(rotary, f"{layer_type}_attention_scaling")
-    return rotary.inv_freq, rotary.attention_scaling
+def rope_attributes(body: torch.nn.Module, layer_type: str) -> tuple[str, str, str]:
+    """Where `layer_type`'s RoPE is: (rotary module, its inv_freq, its attention_scaling) attribute names on the
+    decoder body. Gemma 3 keeps a pair per layer type on `rotary_emb` (`sliding_attention_inv_freq`, ...; transformers
+    before 5 had a second module, `rotary_emb_local`, for the sliding layers), other models one for all layers. Names,
+    read again at each use: moving the model to a device replaces its buffers."""
+    if hasattr(body.rotary_emb, f"{layer_type}_inv_freq"):
+        return "rotary_emb", f"{layer_type}_inv_freq", f"{layer_type}_attention_scaling"
+    if layer_type == "sliding_attention" and hasattr(body, "rotary_emb_local"):
+        return "rotary_emb_local", "inv_freq", "attention_scaling"
+    return "rotary_emb", "inv_freq", "attention_scaling"
 
 
 def architecture(model: torch.nn.Module) -> Architecture:

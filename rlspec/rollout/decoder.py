@@ -29,7 +29,7 @@ from torch import Tensor
 from . import gated_mlp as gated
 from . import live_attention as live
 from . import sampled_head as head_kernel
-from .architecture import architecture, rope_frequencies
+from .architecture import architecture, rope_attributes
 from .architecture import unsupported_reason  # noqa: F401 - callers ask here whether the decoder runs a model
 from .noise import keyed_exponential
 from .sampling import exponential_race
@@ -65,8 +65,9 @@ class StaticDecoder:
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         # One RoPE per distinct layer type (Gemma 3: local and global bases), computed once per forward.
-        self._rope_kinds = tuple(dict.fromkeys(arch.layer_types))
-        self._rope_index = tuple(self._rope_kinds.index(t) for t in arch.layer_types)
+        kinds = tuple(dict.fromkeys(arch.layer_types))
+        self._ropes = tuple(rope_attributes(model.model, kind) for kind in kinds)
+        self._rope_index = tuple(kinds.index(t) for t in arch.layer_types)
         self._embed_scale = (None if arch.embed_scale is None
                              else float(torch.tensor(arch.embed_scale, dtype=self.dtype)))  # as transformers rounds it
         # SDPA and `live_attention` take no soft-capping of the scores (Gemma 2): the eager attention does it.
@@ -198,8 +199,9 @@ class StaticDecoder:
             return (x * (1.0 + weight.float())).to(dtype)
         return weight * x.to(dtype)
 
-    def _rope(self, positions: Tensor, dtype: torch.dtype, kind: str) -> tuple[Tensor, Tensor]:
-        inv_freq, scale = rope_frequencies(self.model.model, kind)  # read each time: `.to(device)` replaces buffers
+    def _rope(self, positions: Tensor, dtype: torch.dtype, names: tuple[str, str, str]) -> tuple[Tensor, Tensor]:
+        rotary = getattr(self.model.model, names[0])
+        inv_freq, scale = getattr(rotary, names[1]), getattr(rotary, names[2])
         freqs = positions[..., None].float() * inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
@@ -419,7 +421,7 @@ class StaticDecoder:
         if self._embed_scale is not None:
             x = x * self._embed_scale
         ropes = tuple((cos[:, None], sin[:, None]) for cos, sin in
-                      (self._rope(positions, x.dtype, kind) for kind in self._rope_kinds))
+                      (self._rope(positions, x.dtype, names) for names in self._ropes))
         return x, torch.zeros_like(x)[None], ropes
 
     def _end(self, x: Tensor, delta: Tensor, norm: Tensor) -> Tensor:
