@@ -104,3 +104,23 @@ def test_models_the_engine_cannot_run_are_named():
     dynamic = _model("tiny_llama3")
     dynamic.model.rotary_emb.rope_type = "dynamic"
     assert "RoPE type 'dynamic'" in unsupported_reason(dynamic)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny_qwen3", "tiny_gemma3", "tiny_gemma2"])
+def test_compiled_decode_step_samples_like_the_plain_one(preset):
+    """The CUDA path's decode step (fused weights, one torch.compile'd function per layer, SDPA where the model
+    allows it) run on CPU without graphs: the plain blocks' tokens and log-probs. Slow (Inductor compiles)."""
+    model = _model(preset)
+
+    def run(sampler):
+        engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=10, temperature=0.8), "cpu")
+        engine._fast_sampler = lambda: sampler
+        return engine.generate(["a=", "bcd=", "hello="], n=2, seed=3)
+
+    plain = run(GraphSampler(model, "cpu", use_graphs=False))
+    compiled = run(GraphSampler(model, "cpu", use_graphs=False, compile_blocks=True, fuse_weights=True,
+                                compile_layers=True, sdpa=True))
+    assert compiled.completion_ids == plain.completion_ids
+    diff = max(abs(a - b) for x, y in zip(compiled.completion_logprobs, plain.completion_logprobs) for a, b in zip(x, y))
+    assert diff < 1e-5, diff
