@@ -350,8 +350,10 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
       done ;;
     offload)  # issue 47: rollout.free_during_train, deepspeed colocated on one GPU (its engine a Ray actor of its own
       # on the trainer's GPU, weights by cuda_ipc), P prompts x 8 x 256 (default 16), SHAPE= the model preset (default
-      # qwen2_0p5b_shape; qwen3_1p7b_shape for the 1.7B figures), RUNS= the settings compared (default all three; two
-      # fit in one call at the 1.7B shape). The bench table's mem/gpu_used_gb is the device's memory in use at the
+      # qwen2_0p5b_shape; qwen3_1p7b_shape for the 1.7B figures), RUNS= the settings compared (default all three, a
+      # deepspeed run each: at the 1.7B shape RUNS="none kv_cache" in one call, RUNS=kv_cache_and_weights in the next),
+      # the train layers not compiled (model.compile_layers=false: the runs start sooner; EXTRA= to change it). The
+      # bench table's mem/gpu_used_gb is the device's memory in use at the
       # train phase's end (the trainer's cached blocks and what the engine holds); the engine's K/V cache at this
       # shape is printed first (slots x cache length x layers x 2 x kv heads x head dim x 2 bytes)
       SHAPE=${SHAPE:-qwen2_0p5b_shape}; P=${P:-16}
@@ -360,7 +362,7 @@ slots = min($P * 8, 256); slots = 1 << (slots - 1).bit_length(); length = -(-(12
 print('kv cache GB (prompts up to 128 tokens):', round(slots * length * c['num_hidden_layers'] * 2 * c['num_key_value_heads'] * d * 2 / 2**30, 3), 'slots', slots, 'cache length', length)" >> $OUT/results.txt
       runs=""; for r in ${RUNS:-none kv_cache kv_cache_and_weights}; do runs="$runs,deepspeed@rollout.free_during_train=$r"; done
       CUDA_VISIBLE_DEVICES=0 timeout 560 $RL bench $BENCH model=$SHAPE hardware=gpu1 sync.method=cuda_ipc \
-        rollout.prompts_per_step=$P algorithm.steps=4 ${EXTRA:-} --backends ${runs#,} --out /tmp/b_offload \
+        rollout.prompts_per_step=$P algorithm.steps=4 model.compile_layers=false ${EXTRA:-} --backends ${runs#,} --out /tmp/b_offload \
         > $OUT/offload_$SHAPE.log 2>&1; echo "offload $SHAPE exit $?" >> $OUT/results.txt
       keep offload_$SHAPE /tmp/b_offload; tail -22 $OUT/offload_$SHAPE.log >> $OUT/results.txt ;;
     *) echo "unknown section $section" >> $OUT/results.txt ;;
