@@ -78,6 +78,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if body is None or not hasattr(body, "layers") or getattr(body, "rotary_emb", None) is None:
         return "the model has no decoder body with a rotary embedding (model.model.rotary_emb)"
     for kind in kinds:
+        module, inv_freq, scaling = rope_attributes(body, kind)
+        if not (hasattr(getattr(body, module), inv_freq) and hasattr(getattr(body, module), scaling)):
+            return f"no RoPE frequencies for {kind} layers where this transformers version was read ({module}.{inv_freq})"
         rope = rope_type(body, kind)
         if rope not in STATIC_ROPE_TYPES:
             return f"RoPE type {rope!r} ({kind}) is not one of {', '.join(STATIC_ROPE_TYPES)}"
