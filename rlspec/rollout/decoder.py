@@ -102,13 +102,13 @@ class StaticDecoder:
         # ... and, at up to `GATED_MLP_ROWS` rows with fused weights, run gate/up and silu(gate) * up as one kernel
         # (`gated_mlp`: the SiLU gate in the GEMM's epilogue) instead of a cuBLAS GEMM and an element-wise kernel.
         if gated_mlp and not (gated.available(device) and arch.activation == "silu"):
-            raise ValueError("gated_mlp needs Triton, a CUDA model and a SiLU gate")
+            raise ValueError("gated_mlp needs Triton and a CUDA model, and a SiLU gate")
         self.gated_mlp = (gated.available(device) and sdpa and arch.activation == "silu") if gated_mlp is None else gated_mlp
         # Sampling without top-p (`sampling.sample_from_hidden`) runs the head GEMM and the race as one kernel
         # (`sampled_head`) where Triton runs on CUDA; False forms the logits and races them as before.
         # (Not with soft-capped logits, Gemma 2's: the kernel races the head's plain output.)
         if sampled_head and not (head_kernel.available(device) and arch.final_softcap is None):
-            raise ValueError("sampled_head needs Triton, a CUDA model and logits without soft-capping")
+            raise ValueError("sampled_head needs Triton and a CUDA model, and logits without soft-capping")
         self.sampled_head = (head_kernel.available(device) and arch.final_softcap is None
                              if sampled_head is None else sampled_head)
         self._compiled = None
