@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--greedy-rows", type=int, default=16)
     parser.add_argument("--greedy-tokens", type=int, default=64)
-    parser.add_argument("--slots", default="512", help="also time the engine at these rollout.decode_slots (comma-"
-                        "separated; empty: none)")
+    parser.add_argument("--slots", default="", help="also time the engine at these rollout.decode_slots (comma-"
+                        "separated, e.g. 512: the 64 x 8 rows as one pool)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     args = parser.parse_args(argv)
     slots = tuple(int(n) for n in args.slots.split(",") if n)

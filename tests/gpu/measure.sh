@@ -339,11 +339,11 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
       # generate on the same rows (64 prompts x 8 x 256 new tokens, bf16, SDPA), the engine's log-probs against the
       # trainer's (token_mult_prob_error <= 1.01) and its greedy tokens against generate's (bf16 near ties only: the
       # logit gap at a row's first difference <= 0.125): a JSON line per preset, "pass" and "speedup" in it (the
-      # engine at its default 256 slots), then "speedup_512" (the 512 rows as one pool), measured last.
-      # Each preset in a process of its own, LIMIT= seconds each (default 170: three fit in one call; a preset cut
-      # short keeps the parts it measured, in that order)
+      # engine at its default 256 slots); SLOTS=512 adds "speedup_512" (the 512 rows as one pool: one more compile,
+      # measured last, so with it run one or two presets a call). Each preset in a process of its own, LIMIT= seconds
+      # each (default 170: three fit in one call; a preset cut short keeps the parts it measured, in that order)
       for m in ${MODELS:-qwen3_0p6b_shape qwen3_1p7b_shape gemma3_1b_shape}; do
-        CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-170} python3 -m rlspec.perf.bench_models --presets $m \
+        CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-170} python3 -m rlspec.perf.bench_models --presets $m --slots "${SLOTS:-}" \
           > $OUT/models_$m.json 2> $OUT/models_$m.log
         echo "models $m exit $?" >> $OUT/results.txt; tail -1 $OUT/models_$m.json >> $OUT/results.txt
         tail -3 $OUT/models_$m.log | grep -iE "error|Traceback" >> $OUT/results.txt; cp $OUT/results.txt $FINAL/
