@@ -72,8 +72,8 @@ class StandaloneBackend:
         # In this process the engine's freed K/V blocks go straight to the trainer (no own_process: the allocator keeps
         # them cached); with its own copy of the weights, kv_cache_and_weights frees that too.
         release = spec.rollout.free_during_train if plan.sync_method != "shared" else "none"
-        self.engine = HFEngine(engine_model, self.trainer.tokenizer, spec.rollout, device, spec.algorithm.micro_batch_size,
-                               free_during_train=release)
+        self.engine = HFEngine(engine_model, self.trainer.tokenizer, spec.rollout, device,
+                               spec.algorithm.micro_batch_size, free_during_train=release)
 
     def _served_engine(self, plan: RunPlan):
         """One `ServedEngine` per server (started, or joined: `rollout.server_url(s)`); several behind

@@ -88,7 +88,8 @@ def greedy_gaps(engine, texts: list[str], tokens: int) -> list[float]:
             continue
         width = input_ids.shape[1]
         ids = out[row:row + 1, :width + at]
-        mask = torch.cat([attention_mask[row:row + 1], torch.ones(1, at, dtype=attention_mask.dtype, device=ids.device)], 1)
+        grown = torch.ones(1, at, dtype=attention_mask.dtype, device=ids.device)
+        mask = torch.cat([attention_mask[row:row + 1], grown], 1)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[0, -1].float()
         gaps.append((logits[b[at]] - logits[a[at]]).item())

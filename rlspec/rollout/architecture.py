@@ -22,7 +22,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from ..models.presets import FAST_MODEL_TYPES
 
@@ -80,7 +79,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     for kind in kinds:
         module, inv_freq, scaling = rope_attributes(body, kind)
         if not (hasattr(getattr(body, module), inv_freq) and hasattr(getattr(body, module), scaling)):
-            return f"no RoPE frequencies for {kind} layers where this transformers version was read ({module}.{inv_freq})"
+            return (f"no RoPE frequencies for {kind} layers where this transformers version was read "
+                    f"({module}.{inv_freq})")
         rope = rope_type(body, kind)
         if rope not in STATIC_ROPE_TYPES:
             return f"RoPE type {rope!r} ({kind}) is not one of {', '.join(STATIC_ROPE_TYPES)}"
