@@ -114,6 +114,8 @@ def compile_plan(spec: Spec, backends: Mapping[str, BackendCaps]) -> RunPlan:
 def _generation_path(spec: Spec, placement: "Placement", sync_method: str) -> str:
     from ..models.presets import generation_path  # plain data: no torch
 
+    if spec.model.kind == "vla":
+        return "plain (model.kind=vla: actions from its forward, one step of each episode at a time)"
     return generation_path(_model_type(spec), placement.device, spec.rollout.cuda_graph, spec.rollout.engine,
                            lora_engine=sync_method == "lora")
 
@@ -124,8 +126,6 @@ def _model_type(spec: Spec) -> str | None:
     from ..models.presets import PRESETS
 
     model = spec.model
-    if model.kind == "vla":
-        return None
     if model.path is None:
         return PRESETS.get(model.preset, {}).get("model_type")
     try:
