@@ -78,6 +78,10 @@ class RunPlan:
     placement: Placement
     sync_method: str
     needs_reference_model: bool
+    generation_path: str
+    """How each rollout engine generates: `cuda_graph` (the hf engine's CUDA-graph sampler), `plain (<why>)`
+    (transformers' forward in the hf engine's own loop), or the engine's name (vllm); from the model type
+    (`rlspec.models.presets.generation_path`), read from the preset or the model directory's config.json."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -98,10 +102,35 @@ def compile_plan(spec: Spec, backends: Mapping[str, BackendCaps]) -> RunPlan:
     placement = _placement(spec)
     sync_method = _resolve_sync(spec, caps)
     _check_async(spec, sync_method)
+    _check_free_during_train(spec, caps, sync_method)
     _check_files(spec)
     spec.freeze()
     return RunPlan(backend=spec.backend, spec=spec, batch=batch, placement=placement,
-                   sync_method=sync_method, needs_reference_model=spec.algorithm.kl_coef > 0)
+                   sync_method=sync_method, needs_reference_model=spec.algorithm.kl_coef > 0,
+                   generation_path=_generation_path(spec, placement, sync_method))
+
+
+def _generation_path(spec: Spec, placement: "Placement", sync_method: str) -> str:
+    from ..models.presets import generation_path  # plain data: no torch
+
+    if spec.model.kind == "vla":
+        return "plain (model.kind=vla: actions from its forward, one step of each episode at a time)"
+    return generation_path(_model_type(spec), placement.device, spec.rollout.cuda_graph, spec.rollout.engine,
+                           lora_engine=sync_method == "lora")
+
+
+def _model_type(spec: Spec) -> str | None:
+    """The model type of `model.path`'s config.json (checked readable by `_check_files`, parsed again where the model
+    is built), or of `model.preset`; None where neither says."""
+    from ..models.presets import PRESETS
+
+    model = spec.model
+    if model.path is None:
+        return PRESETS.get(model.preset, {}).get("model_type")
+    try:
+        return json.loads((Path(model.path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # an unreadable config is refused by name where the model is checked (`check_model_spec`)
 
 
 def _supporters(backends: Mapping[str, BackendCaps], ok) -> str:
@@ -309,6 +338,30 @@ def _check_async(spec: Spec, sync_method: str) -> None:
             f"the engine receives weights only every sync.every_n_steps={every} steps, so batches lag up to {every - 1} "
             f"policy versions, more than rollout.max_staleness={rollout.max_staleness} allows (the rollout loop would wait forever)",
             f"set rollout.max_staleness >= {every - 1} or lower sync.every_n_steps")
+
+
+def _check_free_during_train(spec: Spec, caps: BackendCaps, sync_method: str) -> None:
+    """An engine that gives its weights back for the train phase gets them again from the push before its next
+    rollout: there must be one, of the full weights, and no rollout during the train phase."""
+    rollout = spec.rollout
+    if rollout.free_during_train != "kv_cache_and_weights":
+        return
+    key, fix = "rollout.free_during_train", "or set rollout.free_during_train=kv_cache"
+    require(sync_method not in ("shared", "lora"), key,
+            f"kv_cache_and_weights frees the engine's own copy of the weights, but sync.method={sync_method} "
+            + ("shares the trainer's (nothing to free)" if sync_method == "shared" else "pushes adapters only"),
+            f"use a sync method that pushes full weights (checkpoint, nccl, ray, cuda_ipc), {fix}")
+    require(spec.sync.every_n_steps == 1, key,
+            f"kv_cache_and_weights needs a push before every rollout to restore the weights, but sync.every_n_steps="
+            f"{spec.sync.every_n_steps}", f"set sync.every_n_steps=1, {fix}")
+    require(not rollout.agent.enabled, key, "an agent calls the engine several times per rollout step, and the weights "
+            "would be gone after its first call", fix.removeprefix("or ").capitalize())
+    require(rollout.mode == "sync", key, "kv_cache_and_weights frees the engine's weights while the trainer steps, but "
+            "rollout.mode=async samples then", f"set rollout.mode=sync, {fix}")
+    require(rollout.engine == "hf", key, "applies to the hf engine", "use rollout.engine=hf, or rollout.free_during_train=none")
+    served = caps.single_process and (spec.hardware.rollout == "separate" or sync_method == "cuda_ipc")
+    require(not served, key, f"backend {caps.name} samples through a rollout server here (`rlspec serve`), which "
+            "keeps its weights to answer requests between pushes", f"use backend=deepspeed or fsdp colocated, {fix}")
 
 
 def _check_files(spec: Spec) -> None:

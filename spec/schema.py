@@ -23,6 +23,7 @@ MODEL_KINDS = ("causal_lm", "vla")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("hf", "vllm")
 ROLLOUT_MODES = ("sync", "async")
+FREE_DURING_TRAIN = ("none", "kv_cache", "kv_cache_and_weights")
 SYNC_METHODS = ("auto", "shared", "nccl", "ray", "cuda_ipc", "checkpoint", "lora")
 DEVICES = ("cpu", "cuda")
 PLACEMENTS = ("colocated", "separate")
@@ -221,6 +222,12 @@ class RolloutSpec(Section):
     slots x (prompt + max_new_tokens) tokens). A decode step's cost grows far less than its rows (0.5B shape, one
     H100: 1.40 ms at 64 rows with a 384-token cache, 2.99 ms at 256 rows with 1,152), so starting every sample
     at once is faster: the long-tailed 32 x 8 bench generated in 1.74 s with 256 slots, 2.06 s with 64."""
+    free_during_train: str = "kv_cache"
+    """hf engine: what it gives back after each rollout, for the train phase. none: its K/V cache and graphs go to its
+    process's allocator cache (a trainer in the same process reuses them; an engine process of its own keeps holding
+    them); kv_cache: an engine in a process of its own also hands that memory back to the device; kv_cache_and_weights:
+    and its own copy of the weights, restored by the next push (needs sync.every_n_steps=1 and a sync method that
+    pushes full weights). docs/models.md has the measured cost."""
     gpu_memory_fraction: float = 0.5
     """vllm: fraction of GPU memory the engine may take."""
     tensor_parallel_size: int = 1
@@ -257,6 +264,7 @@ class RolloutSpec(Section):
                 f"must be in (0, 1], got {self.gpu_memory_fraction}", "e.g. 0.5")
         positive(self.tensor_parallel_size, f"{p}.tensor_parallel_size")
         one_of(self.mode, ROLLOUT_MODES, f"{p}.mode")
+        one_of(self.free_during_train, FREE_DURING_TRAIN, f"{p}.free_during_train")
         non_negative(self.max_staleness, f"{p}.max_staleness")
         if self.server_url is not None:
             require(self.server_url.startswith(("http://", "https://")), f"{p}.server_url",

@@ -28,6 +28,7 @@ from ...core.trainer import build_optimizer
 from ...core.weights import gather_groups
 from ...models.factory import load_model, load_tokenizer, read_safetensors_dir, save_gathered
 from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
+from ...runtime.metrics import gpu_used_gb
 from ...spec import RunPlan
 
 ZERO_DIR = "optimizer_zero3"
@@ -217,6 +218,7 @@ class DeepSpeedWorker(RankWorker):
                                boundary=engine.set_gradient_accumulation_boundary)
         if self.device.type == "cuda":
             stats["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            stats["gpu_used_gb"] = gpu_used_gb(self.device)
         return stats
 
     def optimizer_step(self) -> float:

@@ -29,6 +29,7 @@ from ...core.weights import gather_groups
 from ...models.base import DTYPES
 from ...models.factory import apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_gathered
 from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
+from ...runtime.metrics import gpu_used_gb
 from ...spec import RunPlan
 
 STATE_DIR = "optimizer_dcp"
@@ -167,6 +168,7 @@ class FSDPWorker(RankWorker):
         self.trained = True
         if self.device.type == "cuda":
             stats["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            stats["gpu_used_gb"] = gpu_used_gb(self.device)
         return stats
 
     def optimizer_step(self) -> float:

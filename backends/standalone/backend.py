@@ -68,7 +68,11 @@ class StandaloneBackend:
             # The engine holds a plain copy (LoRA merged away): it receives full weights by base-model name.
             engine_model = load_model(spec.model, spec.algorithm.seed, device).to(device).eval().requires_grad_(False)
             copy_weights(engine_model, self.trainer.export_weights())
-        self.engine = HFEngine(engine_model, self.trainer.tokenizer, spec.rollout, device, spec.algorithm.micro_batch_size)
+        # In this process the engine's freed K/V blocks go straight to the trainer (no own_process: the allocator keeps
+        # them cached); with its own copy of the weights, kv_cache_and_weights frees that too.
+        release = spec.rollout.free_during_train if plan.sync_method != "shared" else "none"
+        self.engine = HFEngine(engine_model, self.trainer.tokenizer, spec.rollout, device,
+                               spec.algorithm.micro_batch_size, free_during_train=release)
 
     def _served_engine(self, plan: RunPlan):
         """One `ServedEngine` per server (started, or joined: `rollout.server_url(s)`); several behind

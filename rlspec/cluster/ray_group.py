@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..core.batch import TrainBatch
 from ..core.grpo import LossNorm
-from ..core.policy import add_stats, batch_logprobs
+from ..core.policy import PEAK_STATS, add_stats, batch_logprobs
 from ..errors import RunError
 from ..runtime.stall import StackReporter
 from ..spec import RunPlan, SpecError
@@ -174,10 +174,9 @@ class RankGroup:
         else:
             args = [(batch.shard(r, world), norm, None) for r in range(world)]
         stats = self.call("forward_backward", args)
-        peak = max((s.pop("peak_mem_gb", 0.0) for s in stats), default=0.0)
+        peaks = {key: max((s.pop(key, 0.0) for s in stats), default=0.0) for key in PEAK_STATS}
         total = add_stats(*stats)
-        if peak:
-            total["peak_mem_gb"] = peak
+        total.update({key: peak for key, peak in peaks.items() if peak})
         return total
 
     def weight_source(self):

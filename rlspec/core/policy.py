@@ -49,6 +49,8 @@ from .batch import TrainBatch, position_ids
 from .grpo import LossConfig, LossNorm, policy_loss, token_logprobs_and_entropy
 from .packing import PACKED_SDPA, Packing, chunk_sizes, use_packed_sdpa
 
+PEAK_STATS = ("peak_mem_gb", "gpu_used_gb")
+"""Memory statistics of a train phase (GB): maxima over mini-batches and ranks, not sums."""
 STAT_KEYS = ("loss", "clipped_tokens", "kl_sum", "tokens", "entropy_sum", "is_ratio_sum", "is_clipped_tokens")
 
 

@@ -18,12 +18,13 @@ import torch
 
 from ..errors import RunError
 from ..rollout.base import collate, engine_logprobs_tensor
-from ..runtime.metrics import PhaseTimer, peak_memory_gb
+from ..runtime.metrics import PhaseTimer, gpu_used_gb, peak_memory_gb
 from ..spec import RunPlan
 from ..tasks import Scores, Task, score
 from .backend import Backend
 from .batch import TrainBatch
 from .grpo import LossNorm, group_advantages, kept_samples, ragged_group_advantages
+from .policy import PEAK_STATS
 
 if TYPE_CHECKING:
     from ..agent.gateway import AgentGateway
@@ -118,7 +119,11 @@ def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
         stats = backend.forward_backward(mini, norm)
         grad_norms.append(backend.optimizer_step())
         for key, value in stats.items():  # sums over mini-batches; a peak is a peak
-            totals[key] = max(totals.get(key, 0.0), value) if key == "peak_mem_gb" else totals.get(key, 0.0) + value
+            totals[key] = max(totals.get(key, 0.0), value) if key in PEAK_STATS else totals.get(key, 0.0) + value
+        if "gpu_used_gb" not in stats and plan.placement.device == "cuda" and torch.cuda.is_initialized():
+            # a trainer in this process (the driver of a Ray backend starts no CUDA context)
+            used = gpu_used_gb(plan.placement.trainer_devices[0])
+            totals["gpu_used_gb"] = max(totals.get("gpu_used_gb", 0.0), used)
     return StepResult(batch, totals, grad_norms, skipped=len(starts) - len(todo), skip_reason=reason)
 
 
@@ -166,6 +171,7 @@ def metrics_row(plan: RunPlan, step: int, result: StepResult, timer: PhaseTimer,
         "sync/bytes": sync_bytes,
         "sync/gb_per_s": sync_bytes / 1e9 / timer["sync"] if sync_bytes and timer.get("sync") else 0.0,
         "mem/peak_gb": stats.get("peak_mem_gb") or peak_memory_gb(plan.placement.device),
+        "mem/gpu_used_gb": stats.get("gpu_used_gb"),
         "tis/ratio_mean": stats["is_ratio_sum"] / tokens if tis else None,
         "tis/clipped_frac": stats["is_clipped_tokens"] / tokens if tis and plan.spec.algorithm.tis_cap is not None else None,
         "train/skipped_updates": result.skipped,

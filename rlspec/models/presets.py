@@ -1,5 +1,6 @@
-"""The model presets' shapes (random-init from a config): plain data, importable without torch or transformers, so
-that `rlspec plan` checks `model.preset` without loading either."""
+"""The model presets' shapes (random-init from a config) and the model types the fast engine runs: plain data,
+importable without torch or transformers, so that `rlspec plan` checks `model.preset` and says which path generation
+takes without loading either."""
 
 from __future__ import annotations
 
@@ -28,6 +29,42 @@ PRESETS: dict[str, dict] = {
     "qwen2_24l_tiny": dict(model_type="qwen2", vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
                            num_hidden_layers=24, num_attention_heads=4, num_key_value_heads=2,
                            max_position_embeddings=512, tie_word_embeddings=True),
+    # Qwen3 dense: RMS norms on each head's q and k; head_dim set apart from hidden / heads (as Qwen3's own configs).
+    "tiny_qwen3": dict(model_type="qwen3", vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       max_position_embeddings=512, tie_word_embeddings=True),
+    # The published Qwen3-0.6B and Qwen3-1.7B shapes (random weights).
+    "qwen3_0p6b_shape": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                             num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                             max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen3_1p7b_shape": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                             num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                             max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # Gemma 3 (text): sliding-window layers (a window of 4 here, so CPU tests reach it) between full ones, each kind
+    # with its own RoPE base, (1 + w) RMS norms before and after attention and the MLP and on q and k, GeGLU,
+    # embeddings scaled by sqrt(hidden), and a query scale other than head_dim's.
+    "tiny_gemma3": dict(model_type="gemma3_text", vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        query_pre_attn_scalar=24, sliding_window=4,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        max_position_embeddings=512, rope_theta=1e6, rope_local_base_freq=1e4,
+                        tie_word_embeddings=True),
+    # The published Gemma-3-1B shape (random weights): 26 layers, five sliding (512) to one full, 262k vocabulary.
+    "gemma3_1b_shape": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                            num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                            query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768,
+                            rope_theta=1e6, rope_local_base_freq=1e4, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # Gemma 2: as Gemma 3 without the q/k norms, with soft-capped attention scores and final logits.
+    "tiny_gemma2": dict(model_type="gemma2", vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        query_pre_attn_scalar=24, sliding_window=4, attn_logit_softcapping=50.0,
+                        final_logit_softcapping=30.0, max_position_embeddings=512, tie_word_embeddings=True),
+    # Llama 3.x: its RoPE scaling ("llama3": low frequencies stretched by `factor`), untied head.
+    "tiny_llama3": dict(model_type="llama", vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                        rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                        tie_word_embeddings=False),
 }
 
 # Shapes only; weights are random. The vision patch equals one 8-pixel grid cell of a MiniGrid view, so a
@@ -40,3 +77,24 @@ VLA_PRESETS: dict[str, dict] = {
                   num_key_value_heads=2, max_position_embeddings=512),
     ),
 }
+
+FAST_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text")
+"""Model types the `hf` engine's CUDA-graph sampler runs (`rlspec.rollout.architecture`); others take the plain
+transformers loop."""
+
+
+def generation_path(model_type: str | None, device: str, cuda_graph: bool, engine: str, lora_engine: bool) -> str:
+    """Which path an engine's generation takes, from what a plan knows (no model is built): `cuda_graph`, or
+    `plain (<why>)` (transformers' forward in rlspec's own sampling loop), or the engine's name for vllm. A model's
+    own settings (a RoPE kind the sampler lacks) may still send it to the plain loop at start, which says so."""
+    if engine != "hf":
+        return engine
+    if device != "cuda":
+        return "plain (not on CUDA)"
+    if not cuda_graph:
+        return "plain (rollout.cuda_graph is false)"
+    if lora_engine:
+        return "plain (the engine carries LoRA adapters)"
+    if model_type not in FAST_MODEL_TYPES:
+        return f"plain (model_type {model_type!r} is not one of {', '.join(FAST_MODEL_TYPES)})"
+    return "cuda_graph"

@@ -8,7 +8,8 @@ step pays for compilation, allocator growth and connection set-up.
 Columns: `perf/completion_tokens_per_s` (sampled tokens per second of the whole step: the headline),
 `perf/tokens_per_s` (prompt + completion tokens per step second), `perf/train_tokens_per_s` (the same tokens
 per second of the train phase alone; padding is not counted, whether or not the trainer computes on it), the
-step's time split, peak memory, and `perf/train_mfu`, the train phase's model FLOPs utilisation:
+step's time split, peak memory (`mem/peak_gb`: the trainer's allocator; `mem/gpu_used_gb`: the whole device at the train
+phase's end, a colocated engine's holdings included), and `perf/train_mfu`, the train phase's model FLOPs utilisation:
 
     train FLOPs = (3 + passes_no_grad) * tokens * (2 * N + 2 * n_layers * s * d_attn)
 
@@ -61,7 +62,8 @@ PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, 
 
 COLUMNS = ("perf/completion_tokens_per_s", "perf/tokens_per_s", "perf/train_tokens_per_s", "perf/train_mfu",
            "perf/samples_per_s", "perf/tokens_per_s_per_gpu", "perf/samples_per_s_per_gpu", "timing_s/step",
-           "timing_s/gen", "timing_s/train", "timing_s/sync", "sync/bytes", "mem/peak_gb")
+           "timing_s/gen", "timing_s/train", "timing_s/sync", "sync/bytes", "mem/peak_gb",
+           "mem/gpu_used_gb")
 GPU_COLUMNS = ("gpus/trainer", "gpus/engine", "gpus/total")
 LENGTH_COLUMNS = ("response_len/mean", "response_len/p50", "response_len/p90", "response_len/max")
 

@@ -1,7 +1,8 @@
 """`StaticDecoder`: the forward pass the CUDA-graph sampler (`rlspec.rollout.static`) runs.
 
-A small forward for Llama-style decoders (Qwen2, Llama, Mistral without a sliding window) that reads the
-transformers module's own weight tensors — weights still arrive by HF name through `HFEngine.load_weights`,
+A small forward for the decoders of `rlspec.rollout.architecture` (Llama-style: Qwen2, Llama, Mistral; Qwen3;
+Gemma 2 and 3; its docstring lists what differs between them) that reads the transformers module's own weight
+tensors — weights still arrive by HF name through `HFEngine.load_weights`,
 and a colocated trainer's in-place optimizer steps are seen directly. Without `sdpa` its attention follows
 transformers' eager attention (scores in the model dtype, softmax in fp32); with it (the CUDA default) it is
 `scaled_dot_product_attention`, and a decode step (one token a row) on CUDA attends with the Triton kernel of
@@ -28,6 +29,8 @@ from torch import Tensor
 from . import gated_mlp as gated
 from . import live_attention as live
 from . import sampled_head as head_kernel
+from .architecture import architecture, rope_attributes
+from .architecture import unsupported_reason  # noqa: F401 - callers ask here whether the decoder runs a model
 from .noise import keyed_exponential
 from .sampling import exponential_race
 from .skinny_linear import skinny_linear
@@ -35,24 +38,9 @@ from .skinny_linear import skinny_linear
 SKINNY_ROWS = 64  # decode steps of at most this many rows run the output and down projections split-K
 GATED_MLP_ROWS = SKINNY_ROWS  # ... and gate/up with silu(gate) * up in one kernel (`gated_mlp`)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
-
-
-def unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why `StaticDecoder` cannot run `model` (None when it can)."""
-    if hasattr(model, "peft_config"):
-        return "the model carries LoRA adapters"
-    config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {getattr(config, 'model_type', None)!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return "the model uses sliding-window layers"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r} is not silu"
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if rotary is None or getattr(rotary, "rope_type", "default") != "default":
-        return "the model's RoPE is not the default kind"
-    return None
+LIVE_HEAD_DIM_MAX = 128
+"""`live_attention` runs head dims up to this (the sizes its tiles were measured at); wider heads (Gemma 3's 256)
+attend with SDPA."""
 
 
 class StaticDecoder:
@@ -67,20 +55,29 @@ class StaticDecoder:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
         config = model.config
         self.model = model
+        self.arch = arch = architecture(model)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = arch.scaling
         self.eps = config.rms_norm_eps
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
-        self.rotary = model.model.rotary_emb
-        self.sdpa = sdpa
+        # One RoPE per distinct layer type (Gemma 3: local and global bases), computed once per forward.
+        kinds = tuple(dict.fromkeys(arch.layer_types))
+        self._ropes = tuple(rope_attributes(model.model, kind) for kind in kinds)
+        self._rope_index = tuple(kinds.index(t) for t in arch.layer_types)
+        self._embed_scale = (None if arch.embed_scale is None
+                             else float(torch.tensor(arch.embed_scale, dtype=self.dtype)))  # as transformers rounds it
+        # SDPA and `live_attention` take no soft-capping of the scores (Gemma 2): the eager attention does it.
+        self.sdpa = sdpa and arch.attn_softcap is None
         device = model.get_input_embeddings().weight.device
-        usable = live.available(self.head_dim, device)
+        usable = (live.available(self.head_dim, device) and self.head_dim <= LIVE_HEAD_DIM_MAX
+                  and arch.attn_softcap is None)
         if live_attention and not usable:
-            raise ValueError("live_attention needs Triton, a CUDA model and a power-of-two head dim")
+            raise ValueError("live_attention needs Triton, a CUDA model, a power-of-two head dim of at most "
+                             f"{LIVE_HEAD_DIM_MAX} and no soft-capped attention")
         # Decode steps (one token a row, given the rows' cache lengths) attend with `live_attention`: only the
         # positions each row has reached are read, instead of SDPA over the whole cache.
         self.live_attention = (usable and sdpa) if live_attention is None else live_attention
@@ -89,13 +86,14 @@ class StaticDecoder:
         # add and the next norm. q/k/v is split only where the attention kernel adds its parts (`skinny_qkv` below):
         # read by the compiled cache write and the attention op, its sum became a kernel of its own and cost more
         # than the split gained. Gate/up is not split (wide enough as it is).
-        self.skinny = (usable and sdpa) if skinny is None else skinny
+        self.skinny = (live.triton_runs_on(device) and sdpa) if skinny is None else skinny
         # ... and, with fused q/k/v weights, take the projection's output as it is: the RoPE of q and of the new k,
         # the new K/V's cache writes and the attention in one kernel (`live_attention_rope`), where the compiled
         # layer ran two element-wise kernels (q's rotation; k's rotation with both cache writes) before it.
-        if rope_attention and not self.live_attention:
-            raise ValueError("rope_attention needs live_attention")
-        self.rope_attention = self.live_attention if rope_attention is None else rope_attention
+        # (Not with q/k norms, which come between the projection and RoPE: those layers rotate in the compiled layer.)
+        if rope_attention and not (self.live_attention and not arch.qk_norm):
+            raise ValueError("rope_attention needs live_attention and a model without q/k norms")
+        self.rope_attention = self.live_attention and not arch.qk_norm if rope_attention is None else rope_attention
         # ... and, at up to `SKINNY_ROWS` rows, that q/k/v projection split-K too: the attention kernel adds its
         # parts (and the bias), so the split costs no kernel of its own there.
         if skinny_qkv and not self.rope_attention:
@@ -103,14 +101,16 @@ class StaticDecoder:
         self.skinny_qkv = self.rope_attention and self.skinny if skinny_qkv is None else skinny_qkv
         # ... and, at up to `GATED_MLP_ROWS` rows with fused weights, run gate/up and silu(gate) * up as one kernel
         # (`gated_mlp`: the SiLU gate in the GEMM's epilogue) instead of a cuBLAS GEMM and an element-wise kernel.
-        if gated_mlp and not gated.available(device):
-            raise ValueError("gated_mlp needs Triton and a CUDA model")
-        self.gated_mlp = (gated.available(device) and sdpa) if gated_mlp is None else gated_mlp
+        if gated_mlp and not (gated.available(device) and arch.activation == "silu"):
+            raise ValueError("gated_mlp needs Triton and a CUDA model, and a SiLU gate")
+        self.gated_mlp = (gated.available(device) and sdpa and arch.activation == "silu") if gated_mlp is None else gated_mlp
         # Sampling without top-p (`sampling.sample_from_hidden`) runs the head GEMM and the race as one kernel
         # (`sampled_head`) where Triton runs on CUDA; False forms the logits and races them as before.
-        if sampled_head and not head_kernel.available(device):
-            raise ValueError("sampled_head needs Triton and a CUDA model")
-        self.sampled_head = head_kernel.available(device) if sampled_head is None else sampled_head
+        # (Not with soft-capped logits, Gemma 2's: the kernel races the head's plain output.)
+        if sampled_head and not (head_kernel.available(device) and arch.final_softcap is None):
+            raise ValueError("sampled_head needs Triton and a CUDA model, and logits without soft-capping")
+        self.sampled_head = (head_kernel.available(device) and arch.final_softcap is None
+                             if sampled_head is None else sampled_head)
         self._compiled = None
         self.race = None  # the compiled `exponential_race` and `keyed_exponential`, with the compiled blocks
         self.noise = None
@@ -191,16 +191,25 @@ class StaticDecoder:
         return total.to(dtype)
 
     def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        """RMSNorm over the last dim: `w * x_normed.to(dtype)`, or Gemma's `(x_normed * (1 + w)).to(dtype)` in fp32."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.arch.offset_norm:
+            return (x * (1.0 + weight.float())).to(dtype)
         return weight * x.to(dtype)
 
-    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = positions[..., None].float() * self.rotary.inv_freq.float()
+    def _rope(self, positions: Tensor, dtype: torch.dtype, names: tuple[str, str, str]) -> tuple[Tensor, Tensor]:
+        rotary = getattr(self.model.model, names[0])
+        inv_freq, scale = getattr(rotary, names[1]), getattr(rotary, names[2])
+        freqs = positions[..., None].float() * inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        scale = self.rotary.attention_scaling
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The LM head on final-normed `hidden`, soft-capped where the model caps its logits (Gemma 2)."""
+        logits = F.linear(hidden, self.head_weight)
+        return softcapped(logits, self.arch.final_softcap)
 
     @staticmethod
     def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -233,15 +242,17 @@ class StaticDecoder:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True)
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(b, self.num_kv_heads, groups * t, d)
-        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling
+        scores = softcapped(torch.matmul(q, keys.transpose(2, 3)) * self.scaling, self.arch.attn_softcap)
         scores = scores.view(b, self.num_kv_heads, groups, t, -1)
         scores = scores.masked_fill(~mask[:, None, None], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs.view(b, self.num_kv_heads, groups * t, -1), values)
         return out.view(b, self.num_heads, t, d)
 
-    def _qkv(self, x: Tensor, norm: Tensor, weights: tuple, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """`weights`: (wq, bq, wk, bk, wv, bv), or the fused (wqkv, bqkv)."""
+    def _qkv(self, x: Tensor, norm: Tensor, weights: tuple, cos: Tensor, sin: Tensor,
+             qk_norms: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """`weights`: (wq, bq, wk, bk, wv, bv), or the fused (wqkv, bqkv); `qk_norms`: the per-head norms' weights of
+        q and k (Qwen3, Gemma 3), applied before RoPE."""
         b, t, _ = x.shape
         h = self._rms_norm(x, norm)
         if len(weights) == 2:
@@ -249,16 +260,19 @@ class StaticDecoder:
         else:
             wq, bq, wk, bk, wv, bv = weights
             q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
-        q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.reshape(b, t, -1, self.head_dim) for z in (q, k, v))
+        if qk_norms is not None:
+            q, k = self._rms_norm(q, qk_norms[0]), self._rms_norm(k, qk_norms[1])
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
 
     def _attention_block(self, x: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, wo: Tensor,
-                         bo: Tensor | None) -> Tensor:
-        return self._attended(x, self._attend(q, keys, values, mask), wo, bo)
+                         bo: Tensor | None, post_norm: Tensor | None = None) -> Tensor:
+        return self._attended(x, self._attend(q, keys, values, mask), wo, bo, post_norm)
 
     def _rope_attention_block(self, x: Tensor, norm: Tensor, weights: tuple, keys: Tensor, values: Tensor,
                               mask: tuple[Tensor, Tensor], slots: Tensor, cos: Tensor, sin: Tensor, wo: Tensor,
-                              bo: Tensor | None) -> Tensor:
+                              bo: Tensor | None, post_norm: Tensor | None = None) -> Tensor:
         """A decode step's attention block from the fused q/k/v GEMM's output (`weights`: (wqkv, bqkv)): RoPE, the
         new K/V's cache writes at `slots` [b, 1] and live attention as one kernel (`live_attention_rope`), which also
         adds the projection's split-K parts (`skinny_qkv`)."""
@@ -270,24 +284,32 @@ class StaticDecoder:
             qkv, bias = F.linear(h, *weights)[:, 0], None
         out = live.live_attention_rope(qkv, bias, cos.reshape(b, -1), sin.reshape(b, -1), keys, values, *mask,
                                        slots[:, 0], self.scaling, self.num_heads)
-        return self._attended(x, out, wo, bo)
+        return self._attended(x, out, wo, bo, post_norm)
 
-    def _attended(self, x: Tensor, out: Tensor, wo: Tensor, bo: Tensor | None) -> Tensor:
-        """The residual stream after the output projection of attention's `out` [b, H, T, D]."""
+    def _attended(self, x: Tensor, out: Tensor, wo: Tensor, bo: Tensor | None, post_norm: Tensor | None = None) -> Tensor:
+        """The residual stream after the output projection of attention's `out` [b, H, T, D] (normed by
+        `post_norm` before the add, where the model norms attention's output: Gemma)."""
         b, t, _ = x.shape
-        return x + self._summed(self._linear_parts(out.transpose(1, 2).reshape(b, t, -1), wo, bo), x.dtype)
+        out = self._summed(self._linear_parts(out.transpose(1, 2).reshape(b, t, -1), wo, bo), x.dtype)
+        return x + (out if post_norm is None else self._rms_norm(out, post_norm))
 
-    def _mlp_block(self, x: Tensor, norm: Tensor, weights: tuple) -> Tensor:
+    def _mlp_block(self, x: Tensor, norm: Tensor, weights: tuple, post_norm: Tensor | None = None) -> Tensor:
         """The MLP's output as parts [splits, b, T, hidden] to be summed (`_linear_parts`; the residual add is
-        left to the caller). `weights`: (w_gate, w_up, w_down), or the fused (w_gate_up, w_down)."""
+        left to the caller), or, with `post_norm` (Gemma), as the one part of its normed sum. `weights`: (w_gate,
+        w_up, w_down), or the fused (w_gate_up, w_down)."""
         h = self._rms_norm(x, norm)
         if len(weights) == 2 and self.gated_mlp and h.dim() == 3 and h.shape[1] == 1 and h.shape[0] <= GATED_MLP_ROWS:
-            return self._linear_parts(gated.gated_mlp(h, weights[0]), weights[-1])
-        if len(weights) == 2:
-            gate, up = F.linear(h, weights[0]).chunk(2, dim=-1)
+            parts = self._linear_parts(gated.gated_mlp(h, weights[0]), weights[-1])
         else:
-            gate, up = F.linear(h, weights[0]), F.linear(h, weights[1])
-        return self._linear_parts(F.silu(gate) * up, weights[-1])
+            if len(weights) == 2:
+                gate, up = F.linear(h, weights[0]).chunk(2, dim=-1)
+            else:
+                gate, up = F.linear(h, weights[0]), F.linear(h, weights[1])
+            act = F.silu(gate) if self.arch.activation == "silu" else F.gelu(gate, approximate="tanh")
+            parts = self._linear_parts(act * up, weights[-1])
+        if post_norm is None:
+            return parts
+        return self._rms_norm(self._summed(parts, x.dtype), post_norm)[None]
 
     def compile_blocks(self, layers: bool = False, autotune: bool = False, ends: bool = True) -> None:
         """Fuse the elementwise work (norms, RoPE, softmax, SiLU, residual adds) with torch.compile; shapes are
@@ -324,21 +346,23 @@ class StaticDecoder:
         attention and this layer's MLP output (as parts). Its K/V go to cache `slots` [b, T] (each row its own).
         `weights` from `_layer_weights`."""
         qkv, attention, mlp, rope_attention = blocks or self._blocks()
-        norm1, qkv_weights, wo, bo, norm2, mlp_weights = weights
+        norm1, qkv_weights, wo, bo, norm2, mlp_weights, (qk_norms, post_attention, post_mlp) = weights
         x = x + self._summed(delta, x.dtype)
         if self.rope_attention and isinstance(mask, tuple) and len(qkv_weights) == 2:
-            x = rope_attention(x, norm1, qkv_weights, k_cache, v_cache, mask, slots, cos, sin, wo, bo)
-            return x, mlp(x, norm2, mlp_weights)
-        q, k, v = qkv(x, norm1, qkv_weights, cos, sin)
+            x = rope_attention(x, norm1, qkv_weights, k_cache, v_cache, mask, slots, cos, sin, wo, bo, post_attention)
+            return x, mlp(x, norm2, mlp_weights, post_mlp)
+        q, k, v = qkv(x, norm1, qkv_weights, cos, sin, qk_norms)
         # An indexed store, not scatter_: compiled, scatter_ became a scatter into a copy of the whole cache and a
         # copy back (two full-cache passes per layer and cache); index_put_ writes only the new positions in place.
         rows = torch.arange(k.shape[0], device=k.device)[:, None]
         k_cache[rows, :, slots] = k.transpose(1, 2)
         v_cache[rows, :, slots] = v.transpose(1, 2)
-        x = attention(x, q, k_cache, v_cache, mask, wo, bo)
-        return x, mlp(x, norm2, mlp_weights)
+        x = attention(x, q, k_cache, v_cache, mask, wo, bo, post_attention)
+        return x, mlp(x, norm2, mlp_weights, post_mlp)
 
     def _layer_weights(self, index: int, layer) -> tuple:
+        """(input norm, q/k/v, o weight, o bias, MLP input norm, MLP, (q/k norms, attention output norm, MLP output
+        norm)), the last three None where the model has none."""
         attn, ffn = layer.self_attn, layer.mlp
         if self._fused is not None:
             wqkv, bqkv, w_gate_up = self._fused[index]
@@ -347,8 +371,13 @@ class StaticDecoder:
             qkv = (attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight,
                    attn.v_proj.bias)
             mlp = (ffn.gate_proj.weight, ffn.up_proj.weight, ffn.down_proj.weight)
-        return (layer.input_layernorm.weight, qkv, attn.o_proj.weight, attn.o_proj.bias,
-                layer.post_attention_layernorm.weight, mlp)
+        qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.arch.qk_norm else None
+        if self.arch.sandwich:  # Gemma: post_attention_layernorm norms attention's output, not the MLP's input
+            norms = (layer.pre_feedforward_layernorm.weight,
+                     (qk_norms, layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight))
+        else:
+            norms = (layer.post_attention_layernorm.weight, (qk_norms, None, None))
+        return (layer.input_layernorm.weight, qkv, attn.o_proj.weight, attn.o_proj.bias, norms[0], mlp, norms[1])
 
     def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
                 keys: list[Tensor], values: list[Tensor], compiled: bool = False,
@@ -366,19 +395,40 @@ class StaticDecoder:
         body = self.model.model
         if slots.dim() == 1:
             slots = slots.expand(ids.shape[0], -1)
-        mask = self.attention_mask(allowed, lengths)
-        x, delta, cos, sin = start(ids, positions)
+        masks = [self.attention_mask(allowed, lengths)]
+        if self.arch.sliding_window is not None:
+            masks.append(self.attention_mask(self.windowed(allowed, slots), lengths))
+        sliding = self.arch.sliding
+        x, delta, ropes = start(ids, positions)
         for index, (layer, k_cache, v_cache) in enumerate(zip(body.layers, keys, values)):
-            x, delta = run(x, delta, self._layer_weights(index, layer), k_cache, v_cache, slots, mask, cos, sin)
+            cos, sin = ropes[self._rope_index[index]]
+            x, delta = run(x, delta, self._layer_weights(index, layer), k_cache, v_cache, slots,
+                           masks[int(sliding[index])], cos, sin)
         x = end(x, delta, body.norm.weight)
-        return F.linear(x, self.head_weight) if head else x
+        return self.logits(x) if head else x
 
-    def _start(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The embedded tokens, a zero MLP delta for the first layer, and the RoPE cos/sin [b, 1, T, D]."""
+    def windowed(self, allowed: Tensor, slots: Tensor) -> Tensor:
+        """`allowed` [b, T, S] of a sliding-window layer: also no key `sliding_window` or more cache slots before the
+        query's (`slots` [b, T]): a row's slots and positions differ by its left padding alone, so this is
+        transformers' `kv_idx > q_idx - sliding_window`."""
+        keys = torch.arange(allowed.shape[-1], device=allowed.device)
+        return allowed & (keys > slots[..., None] - self.arch.sliding_window)
+
+    def _start(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, tuple[tuple[Tensor, Tensor], ...]]:
+        """The embedded tokens, a zero MLP delta for the first layer, and the RoPE (cos, sin) [b, 1, T, D] of each
+        distinct layer type."""
         x = self.model.model.embed_tokens(ids)
-        cos, sin = self._rope(positions, x.dtype)
-        return x, torch.zeros_like(x)[None], cos[:, None], sin[:, None]
+        if self._embed_scale is not None:
+            x = x * self._embed_scale
+        ropes = tuple((cos[:, None], sin[:, None]) for cos, sin in
+                      (self._rope(positions, x.dtype, names) for names in self._ropes))
+        return x, torch.zeros_like(x)[None], ropes
 
     def _end(self, x: Tensor, delta: Tensor, norm: Tensor) -> Tensor:
         """The last position's final-normed hidden: the stream plus the last layer's MLP parts, normed."""
         return self._rms_norm(x[:, -1] + self._summed(delta[:, :, -1], x.dtype), norm)
+
+
+def softcapped(x: Tensor, cap: float | None) -> Tensor:
+    """`cap * tanh(x / cap)` in x's dtype, as transformers soft-caps Gemma 2's scores and logits; x where no cap."""
+    return x if cap is None else torch.tanh(x / cap) * cap

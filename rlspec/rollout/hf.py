@@ -6,11 +6,12 @@ vocabulary floats — 30 GB for 128 x 256 tokens of a 152k vocabulary), and it d
 log-probs exactly as the trainer's: log_softmax(logits / temperature) of the sampled token, before
 top-p truncation.
 
-On CUDA (with `rollout.cuda_graph`, for Llama-style decoders without LoRA) sampling runs through
-`rlspec.rollout.static.GraphSampler`: a slot-indexed KV cache and the decode step captured in CUDA graphs,
-with continuous batching (`rollout.continuous_batching`, `rollout.decode_slots`) and one prefill per prompt.
-Elsewhere, for any other model, and for a request that asks for greedy decoding or the top log-probs of each
-step (`SampleOptions`, sent by a rollout server's OpenAI routes), the plain loop below runs. Both draw sample i's
+On CUDA (with `rollout.cuda_graph`, for the decoders of `rlspec.rollout.architecture` without LoRA: Llama-style,
+Qwen3, Gemma 2/3) sampling runs through `rlspec.rollout.static.GraphSampler`: a slot-indexed KV cache and the
+decode step captured in CUDA graphs, with continuous batching (`rollout.continuous_batching`,
+`rollout.decode_slots`) and one prefill per prompt; a greedy request (`SampleOptions.greedy`) too, at temperature
+0. Elsewhere, for any other model (the engine says so once, at start), and for a request that asks for the top
+log-probs of each step (`SampleOptions`, sent by a rollout server's OpenAI routes), the plain loop below runs. Both draw sample i's
 noise keyed by (seed, i, position) (`rlspec.rollout.noise`), not from a generator shared by the batch: a sample's
 tokens do not depend on the batch it ran in, so a step split over several engines samples what one engine does.
 """
@@ -18,6 +19,7 @@ tokens do not depend on the batch it ran in, so a step split over several engine
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Iterable
 
 import torch
@@ -33,16 +35,29 @@ from .sampling import SampleOptions, next_token
 
 
 class HFEngine:
-    """Samples with a transformers causal LM; can share its module with a colocated trainer."""
+    """Samples with a transformers causal LM; can share its module with a colocated trainer.
+
+    `free_during_train` (`rollout.free_during_train`; a rollout server passes none) says what the engine gives back
+    after each `generate`, for the train phase: `kv_cache`, in an engine that is alone in its process
+    (`own_process`), hands its allocator's cached blocks (the K/V caches and graph pools just dropped) back to the
+    device; `kv_cache_and_weights` also frees its weights' storage, allocated again (uninitialised) by the next call
+    that writes weights (`load_weights`, `receive`, `named_weights`: a push), and refused until then."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, rollout: RolloutSpec, device: torch.device | str,
-                 micro_batch_size: int = 8) -> None:
+                 micro_batch_size: int = 8, free_during_train: str = "none", own_process: bool = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.spec = rollout
         self.device = torch.device(device)
         self.micro_batch_size = micro_batch_size
+        self.free_during_train = free_during_train
+        self.own_process = own_process
+        self._freed: list[tuple[torch.UntypedStorage, int]] | None = None
         self._graph_sampler = None
+        kind = self.sampler_kind()
+        if kind.startswith("plain (") and self.device.type == "cuda" and rollout.cuda_graph:
+            print(f"rlspec: rollout engine: {kind[len('plain ('):-1]}; generation takes the plain transformers loop "
+                  "(HF's forward, no CUDA graphs)", file=sys.stderr, flush=True)
 
     def encode(self, prompts: list[str] | list[list[int]], n: int) -> tuple[list[list[int]], Tensor, Tensor]:
         """Each prompt's token ids `n` times, and the left-padded batch (`input_ids`, `attention_mask`) on the device.
@@ -69,21 +84,24 @@ class HFEngine:
         step split over several engines sends each part with the index of its first sample, so every sample is
         the same whichever engine ran it and however the step was split."""
         options = options or SampleOptions()
+        self._check_weights()
         prompt_ids, input_ids, attention_mask = self.encode(prompts, n)
         was_training = self.model.training
         self.model.eval()
         top = None
         try:
-            sampler = None if options.plain_loop_only else self._fast_sampler()
+            sampler = None if options.top_logprobs else self._fast_sampler()
             if sampler is None:
                 tokens, logps, top = self._sample(input_ids, attention_mask, seed, options, first_sample)
             else:
                 slots = self.spec.decode_slots if self.spec.continuous_batching else None
+                temperature = 0.0 if options.greedy else self.spec.temperature  # the sampler's greedy decoding
                 tokens, logps = sampler.sample(input_ids, attention_mask, seed, self.spec.max_new_tokens,
-                                               self.spec.temperature, self.spec.top_p, self.tokenizer.eos_token_id,
+                                               temperature, self.spec.top_p, self.tokenizer.eos_token_id,
                                                slots=slots, first_sample=first_sample)
         finally:
             self.model.train(was_training)
+            self.free_memory()
         completions, completion_logprobs, texts, tops = [], [], [], []
         vocab, eos = len(self.tokenizer), self.tokenizer.eos_token_id
         for i, (row, row_logp) in enumerate(zip(tokens.tolist(), logps.tolist())):
@@ -109,7 +127,7 @@ class HFEngine:
             return "plain (not on CUDA)"
         if not self.spec.cuda_graph:
             return "plain (rollout.cuda_graph is false)"
-        from .decoder import unsupported_reason
+        from .architecture import unsupported_reason
 
         reason = unsupported_reason(self.model)
         return f"plain ({reason})" if reason else "cuda_graph"
@@ -118,7 +136,7 @@ class HFEngine:
         """The CUDA-graph sampler when it can run this model here, else None (the plain loop)."""
         if self.device.type != "cuda" or not self.spec.cuda_graph:
             return None
-        from .decoder import unsupported_reason
+        from .architecture import unsupported_reason
         from .static import GraphSampler
 
         if self._graph_sampler is None and unsupported_reason(self.model) is None:
@@ -161,14 +179,43 @@ class HFEngine:
         return torch.stack(tokens, dim=1).cpu(), torch.stack(logps, dim=1).float().cpu(), top
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
+        self._check_weights()
         return batch_logprobs(self.model, batch, self.spec.temperature, self.micro_batch_size, self.device)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        self.restore_weights()
         copy_weights(self.model, named_tensors)
 
     def receive(self, fn, payload):
         """Run a sync transport's engine half, `fn(self, payload)`, here; return what it returns (its timings)."""
+        self.restore_weights()
         return fn(self, payload)
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
+        self.restore_weights()
         return self.model.state_dict().items()
+
+    def free_memory(self) -> None:
+        """After a rollout: what `free_during_train` gives back (class docstring)."""
+        if self.free_during_train == "kv_cache_and_weights" and self._freed is None:
+            # Each storage resized to nothing, not replaced: tensors a transport keeps of the weights (cuda_ipc's
+            # receiver holds views of them across pushes) stay views of the same storage when it is resized back.
+            storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in self.model.parameters()}
+            self._freed = [(storage, storage.nbytes()) for storage in storages.values()]  # tied weights once
+            for storage, _ in self._freed:
+                storage.resize_(0)
+        if self.free_during_train != "none" and self.own_process and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def restore_weights(self) -> None:
+        """Storage for weights `free_memory` freed, uninitialised: the caller (a push) writes every one."""
+        if self._freed is None:
+            return
+        for storage, nbytes in self._freed:
+            storage.resize_(nbytes)
+        self._freed = None
+
+    def _check_weights(self) -> None:
+        if self._freed is not None:
+            raise RuntimeError("the rollout engine's weights were freed for the train phase "
+                               "(rollout.free_during_train=kv_cache_and_weights) and no push has restored them")

@@ -46,7 +46,8 @@ class EngineWorker(StackReporter):
             torch.set_num_threads(spec.hardware.num_threads)
         device = "cuda" if self.plan.placement.device == "cuda" else "cpu"  # Ray exposes this actor's GPU as cuda:0
         model = load_model(spec.model, spec.algorithm.seed, device).to(device).eval().requires_grad_(False)
-        self.engine = HFEngine(model, load_tokenizer(spec.model), spec.rollout, device, spec.algorithm.micro_batch_size)
+        self.engine = HFEngine(model, load_tokenizer(spec.model), spec.rollout, device, spec.algorithm.micro_batch_size,
+                               free_during_train=spec.rollout.free_during_train, own_process=True)
         self.engine.engine_index = self.index
         self.engine.num_engines = spec.hardware.num_rollout_engines
 
@@ -76,7 +77,7 @@ class EngineWorker(StackReporter):
         self.engine.load_weights(named_tensors)
 
     def receive(self, fn, payload) -> Any:
-        return fn(self.engine, payload)
+        return self.engine.receive(fn, payload)
 
     def named_weights(self) -> list[tuple[str, Tensor]]:
         return [(name, t.detach().cpu()) for name, t in self.engine.named_weights()]

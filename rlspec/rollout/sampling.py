@@ -16,7 +16,8 @@ from .noise import keyed_exponential
 @dataclass(frozen=True)
 class SampleOptions:
     """What a single request may add to the spec's sampling settings (a rollout server's OpenAI requests).
-    Either one makes the `hf` engine take its plain loop (the CUDA-graph sampler does neither)."""
+    Top log-probs make the `hf` engine take its plain loop; the CUDA-graph sampler decodes greedily at temperature 0
+    (`sample_from_hidden`). A served engine takes neither (`plain_loop_only`)."""
 
     greedy: bool = False
     """Take the argmax instead of sampling; log-probs are then the model's plain log_softmax (temperature 1)."""
@@ -71,17 +72,27 @@ def sample_from_logits(logits: Tensor, temperature: float, top_p: float, keys: T
 
 
 def sample_from_hidden(hidden: Tensor, head_weight: Tensor, temperature: float, top_p: float, keys: Tensor,
-                       steps: Tensor, race=None, noise=None, fused: bool | None = None) -> tuple[Tensor, Tensor]:
-    """`sample_from_logits` on the head's logits `F.linear(hidden, head_weight)`, for the final-normed `hidden`
-    [B, H]. Without top-p and with `fused` (None: wherever `sampled_head.available`), the head GEMM and the race
-    run as one Triton pass over the head's weight (`rlspec.rollout.sampled_head`), which never writes the [B, V]
-    logits: the race over the same logits up to the GEMM's accumulation order. Otherwise the logits are formed and
-    sampled as `sample_from_logits` samples them (`race`, `noise`: its compiled pieces)."""
+                       steps: Tensor, race=None, noise=None, fused: bool | None = None,
+                       softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """`sample_from_logits` on the head's logits `F.linear(hidden, head_weight)` (soft-capped, `cap * tanh(x /
+    cap)`, with `softcap`), for the final-normed `hidden` [B, H]. Without top-p and with `fused` (None: wherever
+    `sampled_head.available`), the head GEMM and the race run as one Triton pass over the head's weight
+    (`rlspec.rollout.sampled_head`), which never writes the [B, V] logits: the race over the same logits up to the
+    GEMM's accumulation order. Otherwise the logits are formed and sampled as `sample_from_logits` samples them
+    (`race`, `noise`: its compiled pieces). `temperature` 0: greedy, the argmax and its plain log_softmax (as
+    `next_token(greedy=True)`)."""
     if fused is None:
         fused = sampled_head.available(hidden.device)
-    if fused and top_p >= 1.0:
+    if fused and top_p >= 1.0 and softcap is None and temperature > 0:
         return sampled_head.sampled_head(hidden, head_weight, keys, steps, temperature)
-    return sample_from_logits(F.linear(hidden, head_weight), temperature, top_p, keys, steps, race, noise)
+    logits = F.linear(hidden, head_weight)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    if temperature == 0:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        token = logp.argmax(dim=-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+    return sample_from_logits(logits, temperature, top_p, keys, steps, race, noise)
 
 
 def exponential_race(logits: Tensor, keys: Tensor, steps: Tensor, temperature: float) -> tuple[Tensor, Tensor]:

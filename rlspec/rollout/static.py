@@ -449,7 +449,8 @@ class GraphSampler:
         slots ride along: their token is `eos`, their counters stay, their record goes to the spare column."""
         decoder = self.decoder
         token, logp = sample_from_hidden(state.hidden, decoder.head_weight, temperature, top_p, state.key, state.step,
-                                         decoder.race, decoder.noise, fused=decoder.sampled_head)
+                                         decoder.race, decoder.noise, fused=decoder.sampled_head,
+                                         softcap=decoder.arch.final_softcap)
         record, advance = self._bookkeeping if self.compiled else (_record, _advance)
         token, slot, lengths, live = record(token, logp, state.done, state.step, state.write, state.valid,
                                             state.out_tokens, state.out_logps, eos)

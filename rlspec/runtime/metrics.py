@@ -18,10 +18,12 @@ METRIC_KEYS = (
     "step", "reward/mean", "reward/std", "loss", "kl", "grad_norm", "clip_frac", "entropy", "response_len/mean",
     "response_len/p50", "response_len/p90", "response_len/max",
     "timing_s/gen", "timing_s/reward", "timing_s/train", "timing_s/sync", "timing_s/step", "perf/tokens_per_s",
-    "perf/completion_tokens_per_s", "sync/bytes", "sync/gb_per_s", "mem/peak_gb", "reward/errors", "reward/dropped",
+    "perf/completion_tokens_per_s", "sync/bytes", "sync/gb_per_s", "mem/peak_gb", "mem/gpu_used_gb", "reward/errors",
+    "reward/dropped",
     "tis/ratio_mean", "tis/clipped_frac", "train/skipped_updates", "update/skipped", "update/skip_reason",
 )
-"""Keys of every row (`update/skipped` is 1 when the step took no optimizer step, `update/skip_reason` says why). `rollout.mode=async` adds `async/staleness_mean`, `async/pool_size`, `timing_s/wait`;
+"""Keys of every row (`update/skipped` is 1 when the step took no optimizer step, `update/skip_reason` says why;
+`mem/gpu_used_gb` is None without CUDA). `rollout.mode=async` adds `async/staleness_mean`, `async/pool_size`, `timing_s/wait`;
 a task may add its own reward counters (the judge's `reward/judge_requests`, `reward/retries`, `reward/fallbacks`; with
 `rollout.task.rewards`, each function's `reward/<name>/mean`); several
 rollout servers (standalone, `hardware.num_rollout_engines` > 1) add per server i `timing_s/gen_replica_<i>`,
@@ -36,6 +38,14 @@ class PhaseTimer(dict):
         start = time.perf_counter()
         yield
         self[name] = self.get(name, 0.0) + time.perf_counter() - start
+
+
+def gpu_used_gb(device: torch.device | str) -> float:
+    """Memory in use on the whole device (every process on it: a trainer's cached blocks, a colocated engine's), from
+    the driver (`cudaMemGetInfo`). Read right after a train phase's last backward, while the trainer's allocator still
+    caches its activations' blocks, it is that phase's peak on the device."""
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return (total - free) / 2**30
 
 
 def peak_memory_gb(device: str) -> float:

@@ -4,7 +4,7 @@
 # `bash tests/gpu/pack_extra.sh` downloads, whose header lists them: the serve stack, the openai client, TRL).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
 # Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
-# scale7b weak15b sync7b engines2 multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f (multigpu: all six).
+# scale7b weak15b sync7b engines2 models offload multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f (multigpu: all six).
 # The multigpu parts (issue 44) each fit one 10-minute call on a 4-GPU machine, one call per part; each row runs under
 # its own timeout and every row refreshes $OUT/multigpu_table.txt (tests/gpu/multigpu_table.py), so a call cut short
 # keeps the rows it finished. On fewer GPUs the rows that need more are skipped and say so.
@@ -394,6 +394,36 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
       for n in 1 2 4; do
         mg_push 7b_ipc_${n}gpu $n --method cuda_ipc --ranks $n
       done ;;
+    models)  # issue 47: per model type (MODELS=, presets), the CUDA-graph engine's completion tokens/s beside transformers'
+      # generate on the same rows (64 prompts x 8 x 256 new tokens, bf16, SDPA), the engine's log-probs against the
+      # trainer's (token_mult_prob_error <= 1.01) and its greedy tokens against generate's (bf16 near ties only: the
+      # logit gap at a row's first difference <= 0.125): a JSON line per preset, "pass" and "speedup" in it (the
+      # engine at its default 256 slots); SLOTS=512 adds "speedup_512" (the 512 rows as one pool: one more compile,
+      # measured last, so with it run one or two presets a call). Each preset in a process of its own, LIMIT= seconds
+      # each (default 170: three fit in one call; a preset cut short keeps the parts it measured, in that order)
+      for m in ${MODELS:-qwen3_0p6b_shape qwen3_1p7b_shape gemma3_1b_shape}; do
+        CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-170} python3 -m rlspec.perf.bench_models --presets $m --slots "${SLOTS:-}" \
+          > $OUT/models_$m.json 2> $OUT/models_$m.log
+        echo "models $m exit $?" >> $OUT/results.txt; tail -1 $OUT/models_$m.json >> $OUT/results.txt
+        tail -3 $OUT/models_$m.log | grep -iE "error|Traceback" >> $OUT/results.txt; cp $OUT/results.txt $FINAL/
+      done ;;
+    offload)  # issue 47: rollout.free_during_train, deepspeed colocated on one GPU (its engine a Ray actor of its own
+      # on the trainer's GPU, weights by cuda_ipc), P prompts x 8 x 256 (default 16), SHAPE= the model preset (default
+      # qwen2_0p5b_shape; qwen3_1p7b_shape for the 1.7B figures), RUNS= the settings compared (default all three, a
+      # deepspeed run each: at the 1.7B shape RUNS="none kv_cache" in one call, RUNS=kv_cache_and_weights in the next),
+      # the train layers not compiled (model.compile_layers=false: the runs start sooner; EXTRA= to change it). The
+      # bench table's mem/gpu_used_gb is the device's memory in use at the
+      # train phase's end (the trainer's cached blocks and what the engine holds); the engine's K/V cache at this
+      # shape is printed first (slots x cache length x layers x 2 x kv heads x head dim x 2 bytes)
+      SHAPE=${SHAPE:-qwen2_0p5b_shape}; P=${P:-16}
+      python3 -c "from rlspec.models.presets import PRESETS as P; c = P['$SHAPE']; d = c.get('head_dim') or c['hidden_size'] // c['num_attention_heads']
+slots = min($P * 8, 256); slots = 1 << (slots - 1).bit_length(); length = -(-(128 + 256) // 128) * 128
+print('kv cache GB (prompts up to 128 tokens):', round(slots * length * c['num_hidden_layers'] * 2 * c['num_key_value_heads'] * d * 2 / 2**30, 3), 'slots', slots, 'cache length', length)" >> $OUT/results.txt
+      runs=""; for r in ${RUNS:-none kv_cache kv_cache_and_weights}; do runs="$runs,deepspeed@rollout.free_during_train=$r"; done
+      CUDA_VISIBLE_DEVICES=0 timeout 560 $RL bench $BENCH model=$SHAPE hardware=gpu1 sync.method=cuda_ipc \
+        rollout.prompts_per_step=$P algorithm.steps=4 model.compile_layers=false ${EXTRA:-} --backends ${runs#,} --out /tmp/b_offload \
+        > $OUT/offload_$SHAPE.log 2>&1; echo "offload $SHAPE exit $?" >> $OUT/results.txt
+      keep offload_$SHAPE /tmp/b_offload; tail -22 $OUT/offload_$SHAPE.log >> $OUT/results.txt ;;
     *) echo "unknown section $section" >> $OUT/results.txt ;;
   esac
   echo "-- $section took $(( $(date +%s) - start )) s" >> $OUT/results.txt

@@ -101,3 +101,21 @@ def test_the_slot_pool_numbers_a_split_step_the_same_way():
     whole = engine.generate(prompts, n=n, seed=11)
     parts = [engine.generate(prompts[:2], n=n, seed=11), engine.generate(prompts[2:], n=n, seed=11, first_sample=2 * n)]
     assert parts[0].completion_ids + parts[1].completion_ids == whole.completion_ids
+
+
+def test_freed_weights_come_back_with_the_next_push():
+    """`free_during_train=kv_cache_and_weights`: after a rollout the engine's weights hold no storage (tied ones
+    freed once), sampling is refused until a push, and a push of the same weights samples what it sampled before."""
+    trainer = load_model(ModelSpec(), seed=0)
+    engine = HFEngine(load_model(ModelSpec(), seed=0), byte_tokenizer(), RolloutSpec(max_new_tokens=8), "cpu",
+                      free_during_train="kv_cache_and_weights")
+    first = engine.generate(["a=", "bcd="], n=2, seed=3)
+    assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
+    views = dict(engine.named_weights())  # restores; a transport may keep these (cuda_ipc's receiver does)
+    engine.free_memory()
+    with pytest.raises(RuntimeError, match="no push has restored them"):
+        engine.generate(["a="], n=1, seed=3)
+    engine.load_weights(trainer.state_dict().items())
+    assert torch.equal(views["model.norm.weight"], trainer.model.norm.weight), "the kept views see the push"
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight, "still tied"
+    assert engine.generate(["a=", "bcd="], n=2, seed=3).completion_ids == first.completion_ids

@@ -163,13 +163,15 @@ def test_zero1_steps_as_zero3_in_bf16_on_two_ranks(ray_session):
 
 
 def test_cli_run_smoke_and_resume(tmp_path):
-    """3 steps through the CLI; then resume from the step-1 checkpoint and land on the same weights."""
+    """3 steps through the CLI; then resume from the step-1 checkpoint and land on the same weights. The engine frees
+    its weights after each rollout (`rollout.free_during_train=kv_cache_and_weights`): each push restores them."""
     import shutil
 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    args = ("algorithm.steps=3", "checkpoint.every_n_steps=2", "checkpoint.keep_last=0")
+    args = ("algorithm.steps=3", "checkpoint.every_n_steps=2", "checkpoint.keep_last=0",
+            "rollout.free_during_train=kv_cache_and_weights")
     proc = rlspec_run("deepspeed", tmp_path / "run", *args)
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-4000:]
