@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 if TYPE_CHECKING:  # torch is imported where rewards become a tensor: checking a task (`rlspec plan`) needs none
     from torch import Tensor
 
-    from .rewards import Rewards
-
 
 @dataclass(frozen=True)
 class Prompt:
@@ -109,9 +107,10 @@ class RecordOrder:
 
 
 class RewardTask:
-    """Prompts (a list of records drawn by `RecordOrder`, or a generator `draw(rng)`) scored by `rewards`."""
+    """Prompts (a list of records drawn by `RecordOrder`, or a generator `draw(rng)`) scored by `rewards` (a
+    `rlspec.tasks.rewards.Rewards`, or None where the LLM judge scores: not imported here, which imports this module)."""
 
-    def __init__(self, name: str, prompts: list[Prompt] | Callable[[random.Random], Prompt], rewards: Rewards | None,
+    def __init__(self, name: str, prompts: list[Prompt] | Callable[[random.Random], Prompt], rewards: Any,
                  seed: int, order_seed: int | None = None) -> None:
         self.name = name
         self._prompts = prompts
