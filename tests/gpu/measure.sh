@@ -271,13 +271,13 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
         echo "threads stage $stage exit $?" >> $OUT/results.txt
       done
       grep -E "^stage|^  " $OUT/threads.log >> $OUT/results.txt ;;
-    servechat)  # issue 20: rlspec serve of the 0.5B-shaped preset answering 64 concurrent streaming chat requests
-      python3 -m rlspec.cli serve $BENCH --port 8123 > $OUT/servechat_server.log 2>&1 & SERVER=$!
-      for i in $(seq 1 120); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break; sleep 1; done
-      timeout 300 python3 -m rlspec.perf.bench_serve --url http://127.0.0.1:8123 --requests 64 --max-tokens 64 \
-        > $OUT/servechat.json 2>> $OUT/servechat_server.log
-      echo "servechat exit $?" >> $OUT/results.txt; cat $OUT/servechat.json >> $OUT/results.txt
-      kill $SERVER; wait $SERVER ;;
+    servechat)  # issue 45 (was issue 20's one burst): rlspec serve of the 0.5B shape under 1, 16, 64, 256 concurrent
+      # streams (32-token prompts, 64 tokens each), each level beside the in-process engine's batched generate of the
+      # same prompts and lengths. SC_LEVELS, SC_PROMPT, SC_OUTPUT, SC_API=chat change them.
+      timeout 590 python3 -m rlspec.perf.bench_serve $BENCH --concurrency ${SC_LEVELS:-1,16,64,256} \
+        --prompt-tokens ${SC_PROMPT:-32} --output-tokens ${SC_OUTPUT:-64} --api ${SC_API:-completions} \
+        --json $OUT/servechat.json > $OUT/servechat.log 2>&1
+      echo "servechat exit $?" >> $OUT/results.txt; grep -v Warning $OUT/servechat.log | tail -16 >> $OUT/results.txt ;;
     scale7b)  # issue 22 (needs 8 GPUs): the 7B shape, bf16, 64 prompts x 8 on the long-tailed lengths, fsdp and deepspeed
       # colocated on 8 GPUs (a trainer rank and an engine per GPU), one bench call
       timeout 590 $RL bench $ROOT/examples/bench_longtail.yaml model=qwen2_7b_shape hardware=gpu8_colocated \
