@@ -323,7 +323,8 @@ class OpenAIRoutes:
         rows. Returns the reply, or the live stream's response."""
         with _prompt_errors():
             if planned.generate is not None:
-                return self._reply(planned, *planned.rollout_choices(*(await self.host.thread.run_async(planned.generate))))
+                return self._reply(planned, *planned.rollout_choices(*(await self.host.thread.run_async(
+                    planned.generate, beside=self.host.thread.outside))))
             sub = self._submit(planned)
             if stream:
                 return StreamingResponse(live_events(planned, sub), media_type="text/event-stream")

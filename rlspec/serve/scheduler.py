@@ -28,7 +28,7 @@ import math
 import queue
 import threading
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -36,6 +36,8 @@ from ..rollout.pool import RowSampling, ServingPool
 
 RETRY_AFTER_S = 1
 """What a refused request is told to wait before it retries."""
+BESIDE_THREADS = 256
+"""Requests in flight at once to an engine outside this process (`Scheduler.run_async(beside=True)`)."""
 
 
 class QueueFull(Exception):
@@ -137,6 +139,9 @@ class Scheduler:
         self.on_submitted_start = on_submitted_start
         self.pool_reason = pool_unsupported(engine)
         """None when requests join the decode batch; else why each runs alone."""
+        self.outside = _outside(engine)
+        """The engine samples in other processes (the agent gateway's view of Ray engines or a server)."""
+        self._beside: ThreadPoolExecutor | None = None
         self.row_budget = row_budget(engine) if self.pool_reason is None else 0
         """Prompt plus max tokens a row of the pool may reach (its cache length)."""
         self.pool: ServingPool | None = None
@@ -170,8 +175,14 @@ class Scheduler:
         self.inbox.put(_Job(fn, args, done))
         return done.result()
 
-    async def run_async(self, fn, *args):
-        """`run` for the event loop: queued now, in arrival order, no worker thread held while it waits."""
+    async def run_async(self, fn, *args, beside: bool = False):
+        """`run` for the event loop: queued now, in arrival order, no worker thread held while it waits. `beside`:
+        run it in a thread of its own instead, at once (an engine outside this process, which serves calls
+        concurrently: the agent gateway's Ray engines or rollout server)."""
+        if beside:
+            if self._beside is None:
+                self._beside = ThreadPoolExecutor(BESIDE_THREADS, thread_name_prefix="rlspec-engine-call")
+            return await asyncio.get_running_loop().run_in_executor(self._beside, fn, *args)
         done: Future = Future()
         self.inbox.put(_Job(fn, args, done))
         return await asyncio.wrap_future(done)
@@ -336,6 +347,12 @@ def _stopped(sub: Submission, i: int) -> bool:
     window = 4 * max(len(s) for s in sub.stops) + 2
     text = sub.stop_window(sub.ids[i][-window:])
     return any(s in text for s in sub.stops)
+
+
+def _outside(engine) -> bool:
+    from ..rollout.hf import HFEngine
+
+    return not isinstance(engine, HFEngine)
 
 
 def pool_unsupported(engine) -> str | None:
