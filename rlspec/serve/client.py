@@ -253,7 +253,8 @@ class ServedEngine:
         out = self._resilient(lambda: self.client.completions(body, self.spec.request_timeout_s))
         choices = sorted(out["choices"], key=lambda c: c["index"])
         return Rollout([c["prompt_token_ids"] for c in choices], [c["token_ids"] for c in choices],
-                       [c["logprobs"]["token_logprobs"] for c in choices], [c["text"] for c in choices])
+                       [c["logprobs"]["token_logprobs"] for c in choices], [c["text"] for c in choices],
+                       weight_version=out.get("weight_version"))
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         return self._resilient(lambda: self.client.call("engine.logprobs", batch, self.spec.request_timeout_s))
