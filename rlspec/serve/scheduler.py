@@ -68,6 +68,7 @@ class Submission:
     admitted: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: threading.Event = field(default_factory=threading.Event)
+    on_cancel: Callable[[], None] | None = None
     _listeners: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -82,6 +83,8 @@ class Submission:
     def cancel(self) -> None:
         """The client is gone: its rows leave at the next step (and rows not started never start)."""
         self.cancelled = True
+        if self.on_cancel is not None:
+            self.on_cancel()
 
     def listen(self) -> asyncio.Event:
         """An event set (on the caller's event loop) whenever rows got tokens or ended."""
@@ -151,6 +154,8 @@ class Scheduler:
         self._count_lock = threading.Lock()
         self._rows: dict[int, tuple[Submission, int]] = {}
         self._ids = itertools.count()
+        self._cancelled = threading.Event()
+        """Set when a client cancels: the next step looks for its rows."""
         self.stats = {"steps": 0, "rows_admitted": 0, "rows_cancelled": 0, "refused": 0, "max_rows_in_flight": 0}
         threading.Thread(target=self._loop, name="rlspec-engine", daemon=True).start()
 
@@ -166,6 +171,7 @@ class Scheduler:
                 self.stats["refused"] += 1
                 raise QueueFull(self.queued_rows, submission.rows, self.max_queued_rows)
             self.queued_rows += submission.rows
+        submission.on_cancel = self._cancelled.set
         self.inbox.put(submission)
         return submission
 
@@ -244,6 +250,9 @@ class Scheduler:
                 self.pool.refresh_weights()
 
     def _drop_cancelled(self) -> None:
+        if not self._cancelled.is_set():
+            return
+        self._cancelled.clear()
         kept = deque()
         for item in self.waiting:
             if isinstance(item, Submission) and item.cancelled:
@@ -265,7 +274,13 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and isinstance(self.waiting[0], Submission):
             if self.pool is None:
-                self.pool = make_pool(self.engine)
+                try:
+                    self.pool = make_pool(self.engine)
+                except BaseException as err:  # noqa: BLE001 - e.g. out of device memory: this request fails
+                    sub = self.waiting.popleft()
+                    self._unqueue(sub.rows)
+                    sub.finish(err)
+                    continue
             free = self.pool.free()
             if not free:
                 return
