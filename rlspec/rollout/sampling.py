@@ -16,7 +16,8 @@ from .noise import keyed_exponential
 @dataclass(frozen=True)
 class SampleOptions:
     """What a single request may add to the spec's sampling settings (a rollout server's OpenAI requests).
-    Either one makes the `hf` engine take its plain loop (the CUDA-graph sampler does neither)."""
+    Either one makes the `hf` engine's `generate` take its plain loop (the CUDA-graph sampler does neither; a rollout
+    server's slot pool, `rlspec.rollout.pool`, does both)."""
 
     greedy: bool = False
     """Take the argmax instead of sampling; log-probs are then the model's plain log_softmax (temperature 1)."""

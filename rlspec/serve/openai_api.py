@@ -13,9 +13,10 @@ What the fields mean here:
 - `stop` (a string or a list): a choice ends at the first token after which its text contains a stop string; the
   text ends before the stop string (as OpenAI's), `token_ids` keep the token that completed it, and
   `finish_reason` is "stop" (also when the model sampled its end-of-sequence token; "length" otherwise).
-- `stream: true`: server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. The engine samples a
-  batch at once, so the chunks are sent after generation, one per token (their texts join to the text the same
-  request returns unstreamed); `stream_options.include_usage` adds the usage chunk.
+- `stream: true`: server-sent events in OpenAI's chunk format, ending with `data: [DONE]`: each choice's text as
+  the decode batch samples it (`live.py`; their texts join to the text the same request returns unstreamed; a
+  choice's finishing chunk carries the `weight_version`); `stream_options.include_usage` adds the usage chunk.
+  A request that runs alone (`scheduler.py`) streams its chunks after sampling, one per token.
 - `tools` (chat): a Qwen/Hermes-style `<tool_call>{"name": ..., "arguments": ...}</tool_call>` in the sampled text
   naming a given tool becomes a `tool_calls` entry (finish_reason "tool_calls"); other `<tool_call>` text stays
   in the content and is counted in the choice's `malformed_tool_calls` (and in `/v1/rlspec/counters`).
@@ -28,8 +29,8 @@ What the fields mean here:
 - Each choice also carries `token_ids` and `prompt_token_ids`; a response carries the `weight_version` it was
   sampled with.
 
-Greedy and top log-probs take the engine's plain sampling loop (the CUDA-graph sampler does neither);
-`stop` and streaming do not change how the engine samples.
+Every request in flight decodes in one batch (`scheduler.py`), each row with its own settings: greedy and top
+log-probs included (the slot pool's `full` step); `stop` and streaming do not change how a row samples.
 """
 
 from __future__ import annotations
