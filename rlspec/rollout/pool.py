@@ -36,7 +36,7 @@ MAX_TOP = 20
 """Top log-probs a row may ask for (the `full` step records this many for every row)."""
 PROMPT_CACHE = 128
 """Distinct prompts whose prefill is kept beyond a full pool's (a group's G requests of one prompt prefill once);
-dropped at a push."""
+dropped at `refresh_weights`."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@
 
 Weight versions: a job that writes weights waits for the rows in flight (admission stops at it, the rows drain,
 then it runs), so a completion's rows are all sampled with one set of weights, and a request reports the version
-the server held when its first row started (`Submission.version`). No completion spans a push.
+the server held when its first row started (`Submission.version`). No completion spans a push. Whenever rows start
+in an idle pool, the pool first refreshes what it derives from the weights (fused copies, kept prefills).
 
 Back-pressure: rows that wait for a slot are counted; a request that would take them past `max_queued_rows` is
 refused (`QueueFull`: 429 with Retry-After) unless nothing waits (a request larger than the bound alone is
@@ -246,8 +247,6 @@ class Scheduler:
                     job.future.set_result(job.fn(*job.args))
                 except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
                     job.future.set_exception(err)
-            if self.pool is not None:  # a job may have written the weights
-                self.pool.refresh_weights()
 
     def _drop_cancelled(self) -> None:
         if not self._cancelled.is_set():
@@ -284,6 +283,10 @@ class Scheduler:
             free = self.pool.free()
             if not free:
                 return
+            if not self.pool.live:
+                # Weights may have changed while the pool was idle: a job (a push), or a colocated trainer's step
+                # on the module an in-process engine shares with it (the agent gateway's).
+                self.pool.refresh_weights()
             sub = self.waiting[0]
             if sub.admitted == 0:
                 sub.version = self.host.weight_version

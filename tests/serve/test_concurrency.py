@@ -178,3 +178,30 @@ def test_past_the_queue_bound_requests_get_429_and_every_accepted_one_is_answere
     with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
         assert http.get("/health").json()["scheduler"]["rows_queued"] == 0
         assert http.post("/v1/completions", json={**body, "seed": 1}).status_code == 200
+
+
+def test_weights_changed_in_place_between_requests_are_the_ones_sampled(server):
+    """A colocated trainer steps the module the agent gateway's engine shares: the next request (the same prompt,
+    whose prefill the pool kept) samples the new weights, as a fresh server over them does."""
+    import httpx
+
+    from rlspec.serve.app import EngineHost
+    from rlspec.serve.openai_api import CompletionRequest, OpenAIRoutes
+
+    url, host = server
+    body = {"model": MODEL, "prompt": "ab=", "n": 2, "seed": 21, "max_tokens": 8, "logprobs": 0}
+    norm = host.engine.model.model.norm.weight
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+        before = _summary(http.post("/v1/completions", json=body).json())
+        original = norm.detach().clone()
+        try:
+            with torch.no_grad():
+                norm.add_(torch.randn(norm.shape, generator=torch.Generator().manual_seed(0)))
+            after = _summary(http.post("/v1/completions", json=body).json())
+            fresh = EngineHost(host.engine, MODEL)  # a pool that never saw the old weights
+            reply = OpenAIRoutes(fresh).completion(CompletionRequest(**body))
+            assert after == _summary(reply.body()) and after != before
+        finally:
+            with torch.no_grad():
+                norm.copy_(original)
+        assert _summary(http.post("/v1/completions", json=body).json()) == before
