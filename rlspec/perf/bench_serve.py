@@ -7,7 +7,7 @@ engine's batched generate of the same tokens.
 With a SPEC it starts the spec's server as a child process (`ServerProcess`), runs the sweep against it, stops it,
 then builds the same engine in this process and times `engine.generate` of the same prompts and lengths (the
 batched rollout a trainer runs; `engine_tokens_per_s`). With `--url` it benches a running server and skips that
-comparison. At each concurrency C: a warm-up burst of C short requests (what a first request at that batch size
+comparison. At each concurrency C: two warm-up bursts of C requests (what a first burst of that size compiles and
 captures), then C streaming requests at once, each its own prompt of `--prompt-tokens` random token ids (or, with
 `--api chat`, a user message of about that many tokens) and `--output-tokens` tokens. Printed per C, one JSON line:
 requests/s and output tokens/s over the burst, time to first token and inter-token latency (a chunk's gap over the
@@ -72,8 +72,9 @@ async def _burst(url: str, api: str, prompts: list[list[int]], max_tokens: int, 
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=600.0, limits=limits) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
-        await asyncio.gather(*(_one(http, api, model, p, 4, seed + i, time.perf_counter())  # warm-up
-                               for i, p in enumerate(prompts)))
+        for warm_tokens in (4, max_tokens):  # warm-up: the pools (and their graphs) this burst's arrivals and ends use
+            await asyncio.gather(*(_one(http, api, model, p, warm_tokens, seed + 7919 + i, time.perf_counter())
+                                   for i, p in enumerate(prompts)))
         started = time.perf_counter()
         results = await asyncio.gather(*(_one(http, api, model, p, max_tokens, seed + i, started)
                                          for i, p in enumerate(prompts)))
