@@ -329,7 +329,7 @@ class OpenAIRoutes:
             sub = self._submit(planned)
             if stream:
                 return StreamingResponse(live_events(planned, sub), media_type="text/event-stream")
-            await sub.wait_async(request.is_disconnected if request is not None else None)
+            await sub.wait_async(request.receive if request is not None else None)
             return self._reply(planned, *planned.submission_choices(sub))
 
     def _submit(self, planned: "_Planned") -> Submission:

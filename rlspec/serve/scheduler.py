@@ -109,17 +109,23 @@ class Submission:
         self.done.set()
         self.notify()
 
-    async def wait_async(self, disconnected: Callable[[], Any] | None = None, poll_s: float = 0.25) -> None:
-        """Until every row has ended; `disconnected` (awaitable) is polled meanwhile: a gone client cancels."""
+    async def wait_async(self, receive: Callable[[], Any] | None = None) -> None:
+        """Until every row has ended. `receive` (the ASGI receive of the request, its body already read) is
+        listened to meanwhile: a client that goes away cancels the request (its rows leave at the next step)."""
+        async def listen_for_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.cancel()
+
         event = self.listen()
-        while not self.done.is_set():
-            try:
-                await asyncio.wait_for(event.wait(), poll_s)
-            except asyncio.TimeoutError:
-                if disconnected is not None and await disconnected():
-                    self.cancel()
-                    raise asyncio.CancelledError("the client disconnected")
-            event.clear()
+        watcher = asyncio.ensure_future(listen_for_disconnect()) if receive is not None else None
+        try:
+            while not self.done.is_set():  # a cancelled request's rows end too (nobody reads its reply)
+                await event.wait()
+                event.clear()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
 
 
 @dataclass

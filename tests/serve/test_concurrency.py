@@ -148,6 +148,23 @@ def test_a_client_that_disconnects_mid_stream_frees_its_rows(server):
         assert out.status_code == 200 and len(out.json()["choices"][0]["token_ids"]) >= 1
 
 
+def test_a_client_that_gives_up_on_an_unstreamed_request_frees_its_rows(server):
+    """The server polls a waiting request's connection: a client gone (here: its timeout) cancels the rows."""
+    import httpx
+
+    url, host = server
+    cancelled = host.thread.stats["rows_cancelled"]
+    body = {"model": MODEL, "prompt": "ab=", "n": 3, "seed": 2, "max_tokens": 300, "temperature": 0}
+    with httpx.Client(base_url=url, timeout=0.3, trust_env=False) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body)
+    deadline = time.monotonic() + 20
+    while host.thread.stats["rows_cancelled"] < cancelled + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert host.thread.stats["rows_cancelled"] >= cancelled + 3, host.thread.stats
+    assert host.thread.describe()["rows_in_flight"] == 0
+
+
 def test_past_the_queue_bound_requests_get_429_and_every_accepted_one_is_answered(server):
     import httpx
 
