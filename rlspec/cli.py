@@ -35,13 +35,17 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--backend")
 
     serve = sub.add_parser("serve", help="run the spec's rollout engine as an HTTP server (OpenAI-compatible completions)",
-                           usage="rlspec serve SPEC [key=value ...] [--host H [--allow-remote]] [--port P] [--backend B]")
+                           usage="rlspec serve SPEC [key=value ...] [--host H [--allow-remote]] [--port P] [--backend B] "
+                                 "[--max-queued-rows N]")
     serve.add_argument("spec")
     serve.add_argument("--backend")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--allow-remote", action="store_true",
                        help="allow a --host that is not a loopback address (other machines can then reach the server)")
+    serve.add_argument("--max-queued-rows", type=int,
+                       help="rows (a request's prompts x n) that may wait for a decode slot; a request past it gets 429 "
+                            "with Retry-After (default 8192)")
     serve.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit when this process dies
     serve.add_argument("--engine-index", type=int, default=0, help=argparse.SUPPRESS)  # a run's server i: its device
 
@@ -114,7 +118,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .serve.process import serve
 
         plan, _ = build_plan(args.spec, args.overrides, args.backend)
-        serve(plan, args.host, args.port, args.parent_pid, args.allow_remote, args.engine_index)
+        serve(plan, args.host, args.port, args.parent_pid, args.allow_remote, args.engine_index, args.max_queued_rows)
         return EXIT_OK
     if args.command == "bench":
         from pathlib import Path

@@ -219,7 +219,8 @@ class AgentSpec(Section):
     max_turns: int = 8
     """Completion requests one trajectory may make; the gateway refuses more and the trajectory fails."""
     concurrency: int = 8
-    """Trajectories whose agents run at the same time (the engine serves their requests one at a time)."""
+    """Trajectories whose agents run at the same time, group after group (their requests join the engine's decode
+    batch together; raise it to group_size x the groups to overlap, e.g. 64)."""
     max_failure_rate: float = 0.25
     """A step whose share of failed trajectories (raised, timed out, invalid) exceeds this fails the run."""
 

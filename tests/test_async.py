@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from rlspec.core.async_loop import Pool, PooledBatch
+from rlspec.core.async_loop import LockedEngine, Pool, PooledBatch
+from rlspec.rollout.base import Rollout
 from rlspec.cli import main
 from rlspec.errors import RunError, SpecError
 from rlspec.runtime.metrics import read_metrics
@@ -29,6 +30,25 @@ def in_thread(fn, *args):
     thread = threading.Thread(target=lambda: out.setdefault("value", fn(*args)), daemon=True)
     thread.start()
     return thread, out
+
+
+def test_the_staleness_counts_the_version_a_server_reports_for_its_samples():
+    """A rollout server labels each completion with the weights it was sampled with (a push waits for the rows in
+    flight): the rollout loop's policy version is that label, and its own push count only where there is none."""
+    class Engine:
+        reported: int | None = None
+
+        def generate(self, prompts, n, seed):
+            return Rollout([[1]], [[2]], [[-0.5]], ["x"], weight_version=self.reported)
+
+    engine = Engine()
+    locked = LockedEngine(engine)
+    locked.version = 4
+    locked.generate(["p"], 1, 0)
+    assert locked.sampled_version == 4  # no label: the version of the last push here
+    engine.reported = 3  # e.g. a joined server that another trainer's push has not reached
+    locked.generate(["p"], 1, 0)
+    assert locked.sampled_version == 3
 
 
 def test_pool_is_bounded_and_closing_wakes_every_waiter():

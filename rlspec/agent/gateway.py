@@ -24,6 +24,10 @@ run is reproducible, and a call samples one completion of one prompt (`n` > 1 is
 and top log-probs are not offered (the run's temperature is used, and only the sampled tokens' log-probs). Requests
 beyond `rollout.agent.max_turns`, or for a trajectory that timed out, are refused (429, 410).
 
+Agents run `rollout.agent.concurrency` at a time, group after group, and the gateway's routes wait for the
+engine without holding a thread: their requests join one decode batch (the scheduler of `rlspec.serve`, in
+front of the in-process engine here or in the rollout server), so the G agents of a group sample together.
+
 A GRPO group is `group_size` trajectories of one prompt. A failed trajectory (see `runner`) is counted
 and dropped, never scored; a group left with fewer than two trajectories is dropped too (GRPO compares
 within a group). A step whose share of failed trajectories exceeds `rollout.agent.max_failure_rate`
@@ -40,7 +44,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from fastapi import HTTPException
+from fastapi import HTTPException, Request
 
 from ..errors import RunError
 from ..rollout.base import Rollout
@@ -169,7 +173,7 @@ class AgentGateway:
             record_of(trajectory)
             return {"object": "list", "data": [{"id": self.host.model_name, "object": "model", "owned_by": "rlspec"}]}
 
-        def serve(trajectory: str, req, sample) -> Reply:
+        async def serve(trajectory: str, req, sample) -> Reply:
             """Fix what the loss depends on (module docstring), sample, record the call."""
             record = record_of(trajectory)
             if req.n != 1:
@@ -186,7 +190,7 @@ class AgentGateway:
             forced.update({"logprobs": True, "top_logprobs": 0, "max_completion_tokens": None}
                           if isinstance(req, ChatRequest) else {"logprobs": 0, "echo": False})
             try:
-                reply = sample(record, req.model_copy(update=forced))
+                reply = await sample(record, req.model_copy(update=forced))
             except HTTPException:
                 raise
             except Exception as err:  # the engine failed: the run's failure, not the agent's (see `rollout`)
@@ -203,23 +207,26 @@ class AgentGateway:
             reply.show_logprobs = wants_logprobs
             return reply
 
+        # Async routes: every agent's request joins the engine's decode batch while it waits, holding no worker
+        # thread (a thread pool would cap the agents served at once at its size).
         @self.app.post("/gateway/{trajectory}/v1/completions")
-        def completions(trajectory: str, req: CompletionRequest):
+        async def completions(trajectory: str, req: CompletionRequest, request: Request):
             if not isinstance(req.prompt, str) and len(req.prompt) != 1 and not all(isinstance(t, int) for t in req.prompt):
                 raise HTTPException(400, detail=[{"loc": ["body", "prompt"], "msg": "send one prompt per request"}])
-            return serve(trajectory, req, lambda record, forced: self.openai.completion(forced)).response()
+            return (await serve(trajectory, req,
+                                lambda record, forced: self.openai.completion_async(forced, request))).response()
 
         @self.app.post("/gateway/{trajectory}/v1/chat/completions")
-        def chat(trajectory: str, req: ChatRequest):
-            def sample(record: _Record, forced: ChatRequest) -> Reply:
+        async def chat(trajectory: str, req: ChatRequest, request: Request):
+            async def sample(record: _Record, forced: ChatRequest) -> Reply:
                 try:
-                    return self.openai.chat(forced, sampled=self._sampled_turns(record, forced.messages))
+                    return await self.openai.chat_async(forced, self._sampled_turns(record, forced.messages), request)
                 except HTTPException as err:
                     if err.status_code == 400 and err.detail[0].get("template_dropped_turn"):
                         record.refused = err.detail[0]["msg"]  # the trajectory cannot be one sequence
                     raise
 
-            return serve(trajectory, req, sample).response()
+            return (await serve(trajectory, req, sample)).response()
 
     def _sampled_turns(self, record: _Record, messages: list[dict]) -> dict[int, list[int]]:
         """The message index -> sampled ids of each assistant message that is a chat reply of this trajectory as

@@ -130,12 +130,16 @@ class LockedEngine:
         self.version = 0
         """Policy version of the engine's weights (written only under the lock)."""
         self.sampled_version = 0
-        """Version of the weights behind the last `generate` (read by the rollout loop, its only caller)."""
+        """Version of the weights behind the last `generate` (read by the rollout loop, its only caller): the one a
+        rollout server reports its samples were drawn with (`Rollout.weight_version`: a push waits for the rows in
+        flight there, so it is exact), else the version of the last push here."""
 
     def generate(self, prompts: list[str], n: int, seed: int):
         with self._lock:
-            self.sampled_version = self.version
-            return self.engine.generate(prompts, n, seed)
+            rollout = self.engine.generate(prompts, n, seed)
+            reported = getattr(rollout, "weight_version", None)
+            self.sampled_version = reported if reported is not None else self.version
+            return rollout
 
     def push(self, transport, weights, version: int) -> int:
         with self._lock:

@@ -1,13 +1,17 @@
-"""`python -m rlspec.perf.bench_serve`: concurrent streaming chat requests against a running `rlspec serve`.
+"""`python -m rlspec.perf.bench_serve`: `rlspec serve` under concurrent streaming requests, beside the in-process
+engine's batched generate of the same tokens.
 
-    rlspec serve examples/tiny.yaml model=qwen2_0p5b_shape hardware=gpu1 --port 8000 &
-    python -m rlspec.perf.bench_serve --url http://127.0.0.1:8000 --requests 64 --max-tokens 64
+    python -m rlspec.perf.bench_serve examples/bench_qwen0p5b.yaml --concurrency 1,16,64,256 \\
+        --prompt-tokens 32 --output-tokens 64 --json out.json
 
-Sends `--requests` streaming chat completions at once (httpx; each its own seed)
-and prints one JSON object: requests/s over the whole batch, p50/p99 time to the first content chunk and to
-the last chunk, the tokens received, and the server's `/health` (whose `sampler` says whether the CUDA-graph
-sampler served them). The server samples one request at a time and streams its tokens after sampling them,
-so the time to first token of a request includes the requests queued before it.
+With a SPEC it starts the spec's server as a child process (`ServerProcess`), runs the sweep against it, stops it,
+then builds the same engine in this process and times `engine.generate` of the same prompts and lengths (the
+batched rollout a trainer runs; `engine_tokens_per_s`). With `--url` it benches a running server and skips that
+comparison. At each concurrency C: two warm-up bursts of C requests (what a first burst of that size compiles and
+captures), then C streaming requests at once, each its own prompt of `--prompt-tokens` random token ids (or, with
+`--api chat`, a user message of about that many tokens) and `--output-tokens` tokens. Printed per C, one JSON line:
+requests/s and output tokens/s over the burst, time to first token and inter-token latency (a chunk's gap over the
+tokens it carries) p50/p99, and the engine's tokens/s beside it (`serve_vs_engine`: the ratio).
 """
 
 from __future__ import annotations
@@ -15,59 +19,164 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
+import sys
 import time
 
 
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
 
 
-async def _one(http, model: str, seed: int, max_tokens: int, started: float) -> tuple[float, float, int]:
-    """(time to the first content chunk, time to the end, content chunks) of one streamed chat request."""
-    first, chunks = None, 0
-    body = {"model": model, "messages": [{"role": "user", "content": f"Count from {seed} onwards."}],
-            "max_tokens": max_tokens, "seed": seed, "stream": True}
-    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+def prompts_for(count: int, prompt_tokens: int, vocab: int, seed: int) -> list[list[int]]:
+    """`count` distinct prompts of random token ids below `vocab` (the first few ids left out: specials in a small one)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(prompt_tokens)] for _ in range(count)]
+
+
+async def _one(http, api: str, model: str, prompt: list[int], max_tokens: int, seed: int,
+               started: float) -> tuple[float, list[float], int]:
+    """(time to the first token, per-token gaps after it, tokens received) of one streamed request."""
+    if api == "chat":
+        body = {"model": model, "messages": [{"role": "user", "content": " ".join(map(str, prompt))}],
+                "max_tokens": max_tokens, "seed": seed, "stream": True, "logprobs": True}
+        path = "/v1/chat/completions"
+    else:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "seed": seed, "stream": True, "logprobs": 0}
+        path = "/v1/completions"
+    first, last, gaps, tokens = None, None, [], 0
+    async with http.stream("POST", path, json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             for choice in json.loads(line[len("data: "):])["choices"]:
-                if choice["delta"].get("content"):
-                    chunks += 1
-                    first = first if first is not None else time.perf_counter() - started
-    return (first if first is not None else time.perf_counter() - started), time.perf_counter() - started, chunks
+                lp = choice.get("logprobs")
+                count = len(lp["content"] if api == "chat" else lp["tokens"]) if lp else 0
+                if not count:
+                    continue
+                now = time.perf_counter()
+                if first is None:
+                    first = now - started
+                else:
+                    gaps += [(now - last) / count] * count
+                last, tokens = now, tokens + count
+    return (first if first is not None else time.perf_counter() - started), gaps, tokens
 
 
-async def _bench(url: str, requests: int, max_tokens: int) -> dict:
+async def _burst(url: str, api: str, prompts: list[list[int]], max_tokens: int, seed: int) -> dict:
     import httpx
 
-    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=600.0,
-                                 limits=httpx.Limits(max_connections=requests + 1)) as http:
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=600.0, limits=limits) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
-        await _one(http, model, 0, 4, time.perf_counter())  # warm-up: what a first request compiles and captures
+        for warm_tokens in (4, max_tokens):  # warm-up: the pools (and their graphs) this burst's arrivals and ends use
+            await asyncio.gather(*(_one(http, api, model, p, warm_tokens, seed + 7919 + i, time.perf_counter())
+                                   for i, p in enumerate(prompts)))
         started = time.perf_counter()
-        results = await asyncio.gather(*(_one(http, model, seed, max_tokens, started) for seed in range(1, requests + 1)))
+        results = await asyncio.gather(*(_one(http, api, model, p, max_tokens, seed + i, started)
+                                         for i, p in enumerate(prompts)))
         wall_s = time.perf_counter() - started
         health = (await http.get("/health")).json()
     ttft = [r[0] for r in results]
-    total = [r[1] for r in results]
-    return {"requests": requests, "max_tokens": max_tokens, "wall_s": round(wall_s, 3),
-            "requests_per_s": round(requests / wall_s, 3), "ttft_p50_s": round(statistics.median(ttft), 4),
-            "ttft_p99_s": round(_quantile(ttft, 0.99), 4), "latency_p50_s": round(statistics.median(total), 4),
-            "latency_p99_s": round(_quantile(total, 0.99), 4), "content_chunks": sum(r[2] for r in results),
-            "sampler": health.get("sampler"), "model": health.get("model")}
+    gaps = [g for r in results for g in r[1]]
+    tokens = sum(r[2] for r in results)
+    return {"concurrency": len(prompts), "wall_s": round(wall_s, 4), "requests_per_s": round(len(prompts) / wall_s, 2),
+            "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall_s, 1),
+            "ttft_p50_ms": round(statistics.median(ttft) * 1e3, 2), "ttft_p99_ms": round(_quantile(ttft, 0.99) * 1e3, 2),
+            "itl_p50_ms": round(_quantile(gaps, 0.5) * 1e3, 3), "itl_p99_ms": round(_quantile(gaps, 0.99) * 1e3, 3),
+            "sampler": health.get("sampler"), "batching": (health.get("scheduler") or {}).get("batching"),
+            "max_rows_in_flight": (health.get("scheduler") or {}).get("max_rows_in_flight")}
+
+
+def engine_tokens_per_s(engine, prompts: list[list[int]], max_tokens: int, seed: int) -> dict:
+    """The in-process engine's batched generate of the same prompts and lengths (after one warm-up call)."""
+    import dataclasses
+
+    import torch
+
+    view = engine.with_spec(dataclasses.replace(engine.spec, max_new_tokens=max_tokens))
+    view.generate(prompts, 1, seed=seed)  # compiles and captures this batch's pools
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    started = time.perf_counter()
+    rollout = view.generate(prompts, 1, seed=seed)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    wall_s = time.perf_counter() - started
+    tokens = sum(len(c) for c in rollout.completion_ids)
+    return {"engine_wall_s": round(wall_s, 4), "engine_output_tokens": tokens,
+            "engine_tokens_per_s": round(tokens / wall_s, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlspec.perf.bench_serve", description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("spec", nargs="?", help="start this spec's server (and time its engine in-process)")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--url", help="bench a running server instead (no in-process comparison)")
+    parser.add_argument("--concurrency", default="1,16,64,256", help="comma-separated stream counts")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--api", choices=("completions", "chat"), default="completions")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
-    print(json.dumps(asyncio.run(_bench(args.url.rstrip("/"), args.requests, args.max_tokens))))
+    if (args.spec is None) == (args.url is None):
+        parser.error("give a SPEC (the bench starts its server) or --url (a running server)")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    plan = server = None
+    if args.spec is not None:
+        from ..run import build_plan
+        from ..serve.client import ServerClient
+        from ..serve.process import ServerProcess
+
+        plan, _ = build_plan(args.spec, args.overrides)
+        server = ServerProcess(plan)
+        server.start()
+        ServerClient(server.url, server.token, 60, server.describe).wait_healthy(600, server.alive)
+    url = (args.url or server.url).rstrip("/")
+    vocab = 256  # a running server's vocabulary is not known here: ids every tokenizer has
+    if plan is not None:
+        from ..models.factory import load_tokenizer
+
+        vocab = min(len(load_tokenizer(plan.spec.model)), 30000)
+    try:
+        for c in levels:
+            prompts = prompts_for(c, args.prompt_tokens, vocab, args.seed + c)
+            row = {"prompt_tokens": args.prompt_tokens, "max_tokens": args.output_tokens, "api": args.api,
+                   **asyncio.run(_burst(url, args.api, prompts, args.output_tokens, args.seed))}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+    if plan is not None:
+        from ..serve.process import build_engine
+
+        engine = build_engine(plan)
+        for row in rows:
+            prompts = prompts_for(row["concurrency"], args.prompt_tokens, vocab, args.seed + row["concurrency"])
+            if args.api == "chat":
+                prompts = [engine.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": " ".join(map(str, p))}], add_generation_prompt=True, tokenize=True)
+                    for p in prompts]
+                prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+            row.update(engine_tokens_per_s(engine, prompts, args.output_tokens, args.seed))
+            row["serve_vs_engine"] = round(row["output_tokens_per_s"] / row["engine_tokens_per_s"], 3)
+            print(json.dumps({"concurrency": row["concurrency"], **{k: v for k, v in row.items() if k.startswith(("engine", "serve_vs"))}}),
+                  flush=True)
+    print("\nstreams  req/s  out tok/s  TTFT p50/p99 ms  ITL p50/p99 ms  engine tok/s  serve/engine", file=sys.stderr)
+    for r in rows:
+        print(f"{r['concurrency']:7d} {r['requests_per_s']:6.1f} {r['output_tokens_per_s']:10.0f} "
+              f"{r['ttft_p50_ms']:8.1f}/{r['ttft_p99_ms']:<8.1f} {r['itl_p50_ms']:7.2f}/{r['itl_p99_ms']:<7.2f} "
+              f"{r.get('engine_tokens_per_s', float('nan')):12.0f} {r.get('serve_vs_engine', float('nan')):8.3f}",
+              file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     return 0
 
 

@@ -29,6 +29,9 @@ class Rollout:
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     """Per completion token, the (id, log-prob) of the most likely tokens, best first, when a request asked for
     them (`rlspec.rollout.sampling.SampleOptions.top_logprobs`)."""
+    weight_version: int | None = None
+    """The weight version (trainer steps) that a rollout server reports every one of these samples was drawn with
+    (the oldest, for parts from several servers); None from an engine that reports none."""
 
 
 class RolloutEngine(Protocol):

@@ -34,6 +34,16 @@ from .noise import sample_keys
 from .sampling import SampleOptions, next_token
 
 
+def prompt_token_ids(tokenizer, prompts: list[str] | list[list[int]], max_prompt_tokens: int) -> list[list[int]]:
+    """Each prompt's token ids: text tokenised, ids taken as they are; `SpecError` for one past `max_prompt_tokens`."""
+    encoded = [tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p) for p in prompts]
+    for text, ids in zip(prompts, encoded):
+        if len(ids) > max_prompt_tokens:
+            raise SpecError("rollout.max_prompt_tokens", f"a prompt has {len(ids)} tokens (> {max_prompt_tokens}): "
+                            f"{text[:60]!r}...", "raise rollout.max_prompt_tokens or shorten the task's prompts")
+    return encoded
+
+
 class HFEngine:
     """Samples with a transformers causal LM; can share its module with a colocated trainer.
 
@@ -62,12 +72,7 @@ class HFEngine:
     def encode(self, prompts: list[str] | list[list[int]], n: int) -> tuple[list[list[int]], Tensor, Tensor]:
         """Each prompt's token ids `n` times, and the left-padded batch (`input_ids`, `attention_mask`) on the device.
         A prompt is text or token ids (taken as they are: a chat turn's ids hold the model's earlier sampled ids)."""
-        encoded = [self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p)
-                   for p in prompts]
-        for text, ids in zip(prompts, encoded):
-            if len(ids) > self.spec.max_prompt_tokens:
-                raise SpecError("rollout.max_prompt_tokens", f"a prompt has {len(ids)} tokens (> {self.spec.max_prompt_tokens}): "
-                                f"{text[:60]!r}...", "raise rollout.max_prompt_tokens or shorten the task's prompts")
+        encoded = prompt_token_ids(self.tokenizer, prompts, self.spec.max_prompt_tokens)
         prompt_ids = [ids for ids in encoded for _ in range(n)]
         width = max(len(ids) for ids in prompt_ids)
         pad = self.tokenizer.pad_token_id

@@ -16,8 +16,8 @@ from .noise import keyed_exponential
 @dataclass(frozen=True)
 class SampleOptions:
     """What a single request may add to the spec's sampling settings (a rollout server's OpenAI requests).
-    Top log-probs make the `hf` engine take its plain loop; the CUDA-graph sampler decodes greedily at temperature 0
-    (`sample_from_hidden`). A served engine takes neither (`plain_loop_only`)."""
+    Top log-probs make the `hf` engine's `generate` take its plain loop; the CUDA-graph sampler decodes greedily at
+    temperature 0 (`sample_from_hidden`); a rollout server's slot pool (`rlspec.rollout.pool`) does both."""
 
     greedy: bool = False
     """Take the argmax instead of sampling; log-probs are then the model's plain log_softmax (temperature 1)."""

@@ -9,8 +9,8 @@ Endpoints:
   of the sampled tokens (log_softmax(logits / temperature), as the trainer computes them).
 - `GET|POST /bridge/weight_version`: the trainer step whose weights the engine serves (null while a push is
   not yet labelled and after a failed sync: the weights are then of unknown version). A completion carries the
-  `weight_version` its tokens were sampled with: weight writes, labels and generations run one after another on
-  the engine thread, so no completion straddles two versions.
+  `weight_version` its tokens were sampled with: a weight write or label waits for the rows in flight
+  (`scheduler.py`), so no completion straddles two versions.
 - `POST /bridge/receive`: a bridge message (`ops.pack`: safetensors whose metadata holds the JSON header
   `{"op": NAME, "payload": ...}`) -> the result, as JSON `{"result": ...}` or, when tensors come back, a
   bridge message; needs `Authorization: Bearer TOKEN`. A pickled body, a malformed one or an unknown operation
@@ -19,7 +19,8 @@ Endpoints:
 A bad request gets a 4xx whose `detail` names the field (and, where a spec setting decides it, e.g. a prompt
 longer than `rollout.max_prompt_tokens`, the `spec_key` and its `fix`, which a trainer's client turns back
 into the `SpecError` the colocated engine raises); a failing bridge call a 500 with the server's
-traceback. All engine work runs on one engine thread, in order; `/health` never waits for it.
+traceback. A request past the scheduler's bound of queued rows gets 429 with `Retry-After`. All engine work runs
+on one engine thread, in order (every request in flight decoding in one batch); `/health` never waits for it.
 """
 
 from __future__ import annotations
@@ -27,18 +28,19 @@ from __future__ import annotations
 import hmac
 import json
 import os
-import queue
-import threading
 import time
 import traceback
-from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel, Field
 
 from . import ops
 from .openai_api import OpenAIRoutes
+from .scheduler import Scheduler
+
+MAX_QUEUED_ROWS = 8192
+"""`rlspec serve --max-queued-rows`'s default: rows that may wait for a decode slot before requests get 429."""
 
 
 class VersionRequest(BaseModel):
@@ -50,82 +52,20 @@ FAULT_ENV = "RLSPEC_SERVE_FAULT"
 return without running (a peer that never joins a group); `hang_start`: the server never becomes healthy."""
 
 
-class EngineThread:
-    """One thread that runs all of the engine's work, in order.
-
-    CUDA state that a CUDA-graph sampler relies on is per thread (the current device and stream; a capture is
-    recorded from the thread that began it), so captures and replays must not hop between the web server's
-    worker threads. Requests and bridge calls queue here instead; `/health` never waits for it.
-    """
-
-    def __init__(self, device, on_submitted_error: Callable[[BaseException], None] | None = None,
-                 on_submitted_start: Callable[[], None] | None = None) -> None:
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.device = device
-        self.on_submitted_error = on_submitted_error
-        self.on_submitted_start = on_submitted_start
-        threading.Thread(target=self._loop, name="rlspec-engine", daemon=True).start()
-
-    def _loop(self) -> None:
-        import torch
-
-        from ..sync.base import bind_engine_thread
-
-        if self.device is not None and torch.device(self.device).type == "cuda":
-            torch.cuda.set_device(torch.device(self.device))
-        bind_engine_thread(self.submit)
-        while True:
-            fn, args, done = self.jobs.get()
-            if done.set_running_or_notify_cancel():
-                try:
-                    done.set_result(fn(*args))
-                except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-                    done.set_exception(err)
-
-    def run(self, fn, *args):
-        """`fn(*args)` on the engine thread; blocks the caller until it returns (or raises)."""
-        done: Future = Future()
-        self.jobs.put((fn, args, done))
-        return done.result()
-
-    async def run_async(self, fn, *args):
-        """`run` for the web server's event loop: the job is queued now, in the order requests arrive, and no
-        worker thread is held while it waits (a bounded thread pool would otherwise reorder requests that
-        wait for a thread, pushes among them, and serve at most its size at once)."""
-        import asyncio
-
-        done: Future = Future()
-        self.jobs.put((fn, args, done))
-        return await asyncio.wrap_future(done)
-
-    def submit(self, fn, *args) -> None:
-        """Queue `fn(*args)` without waiting for it: a sync's engine half that a transport starts on its own
-        (the trainer's bridge call collects the outcome). `on_submitted_start` runs first (such a job writes
-        weights); a failure goes to `on_submitted_error`."""
-        def guarded():
-            if self.on_submitted_start is not None:
-                self.on_submitted_start()
-            try:
-                fn(*args)
-            except BaseException as err:  # noqa: BLE001 - the bridge call reports it; the host marks the weights
-                if self.on_submitted_error is not None:
-                    self.on_submitted_error(err)
-
-        self.jobs.put((guarded, (), Future()))
-
-
 class EngineHost:
-    """The engine behind the app: one job at a time on its own thread, plus the weight version it serves."""
+    """The engine behind the app: its scheduler (one engine thread: every request in flight in one decode batch,
+    bridge jobs between decode steps; `scheduler.py`), plus the weight version it serves."""
 
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str, max_queued_rows: int = MAX_QUEUED_ROWS) -> None:
         fault = os.environ.get(FAULT_ENV, "")
         self.skip = fault.removeprefix("skip:") if fault.startswith("skip:") else None
         self.engine = engine
         self.model_name = model_name
-        self.thread = EngineThread(getattr(engine, "device", None), on_submitted_error=self._weights_unknown,
-                                   on_submitted_start=self._weights_unknown)
         self.weight_version: int | None = 0
-        """Changed only on the engine thread, between jobs: a completion reports the version it sampled with."""
+        """Changed only on the engine thread, by jobs, which run with no row in flight: a completion reports the
+        version all of its tokens were sampled with."""
+        self.thread = Scheduler(engine, self, max_queued_rows, on_submitted_error=self._weights_unknown,
+                                on_submitted_start=self._weights_unknown)
         self.started = time.time()
 
     def _weights_unknown(self, _err: BaseException | None = None) -> None:
@@ -172,7 +112,7 @@ def build_app(host: EngineHost, token: str) -> FastAPI:
     def health() -> dict:
         sampler = getattr(host.engine, "sampler_kind", None)
         return {"status": "ok", "model": host.model_name, "weight_version": host.weight_version, "pid": os.getpid(),
-                "sampler": sampler() if sampler else None,
+                "sampler": sampler() if sampler else None, "scheduler": host.thread.describe(),
                 "uptime_s": round(time.time() - host.started, 3)}
 
     app.state.openai = OpenAIRoutes(host)

@@ -55,6 +55,19 @@ class ServerClient:
         return f"rollout server at {self.url}{via}"
 
     def _call(self, what: str, method: str, path: str, timeout_s: float | None = None, **kwargs):
+        """One request; a 429 (the server's queue is full) is retried after its Retry-After until `timeout_s`."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while True:
+            response = self._call_once(what, method, path, timeout_s, **kwargs)
+            if response.status_code != 429:
+                return response
+            wait_s = float(response.headers.get("retry-after") or 1.0)
+            if time.monotonic() + wait_s > deadline:
+                raise RunError(f"{self.label} refused {what} with 429 (its queue stayed full) for "
+                               f"{timeout_s or self.timeout_s:g} s: {response.text}")
+            time.sleep(wait_s)
+
+    def _call_once(self, what: str, method: str, path: str, timeout_s: float | None = None, **kwargs):
         import httpx
 
         try:
@@ -66,7 +79,7 @@ class ServerClient:
             raise ServerLost(f"{self.label} is unreachable during {what}: {type(err).__name__}: {err}{self.describe()}") from None
         except httpx.HTTPError as err:
             raise RunError(f"{self.label} is unreachable during {what}: {type(err).__name__}: {err}{self.describe()}") from None
-        if 400 <= response.status_code < 500:
+        if 400 <= response.status_code < 500 and response.status_code != 429:
             _raise_spec_error(response, f"{self.label} refused {what}")
             raise RunError(f"{self.label} refused {what} ({response.status_code}): {response.text}")
         return response
@@ -240,7 +253,8 @@ class ServedEngine:
         out = self._resilient(lambda: self.client.completions(body, self.spec.request_timeout_s))
         choices = sorted(out["choices"], key=lambda c: c["index"])
         return Rollout([c["prompt_token_ids"] for c in choices], [c["token_ids"] for c in choices],
-                       [c["logprobs"]["token_logprobs"] for c in choices], [c["text"] for c in choices])
+                       [c["logprobs"]["token_logprobs"] for c in choices], [c["text"] for c in choices],
+                       weight_version=out.get("weight_version"))
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         return self._resilient(lambda: self.client.call("engine.logprobs", batch, self.spec.request_timeout_s))

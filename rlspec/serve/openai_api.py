@@ -13,9 +13,10 @@ What the fields mean here:
 - `stop` (a string or a list): a choice ends at the first token after which its text contains a stop string; the
   text ends before the stop string (as OpenAI's), `token_ids` keep the token that completed it, and
   `finish_reason` is "stop" (also when the model sampled its end-of-sequence token; "length" otherwise).
-- `stream: true`: server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. The engine samples a
-  batch at once, so the chunks are sent after generation, one per token (their texts join to the text the same
-  request returns unstreamed); `stream_options.include_usage` adds the usage chunk.
+- `stream: true`: server-sent events in OpenAI's chunk format, ending with `data: [DONE]`: each choice's text as
+  the decode batch samples it (`live.py`; their texts join to the text the same request returns unstreamed; a
+  choice's finishing chunk carries the `weight_version`); `stream_options.include_usage` adds the usage chunk.
+  A request that runs alone (`scheduler.py`) streams its chunks after sampling, one per token.
 - `tools` (chat): a Qwen/Hermes-style `<tool_call>{"name": ..., "arguments": ...}</tool_call>` in the sampled text
   naming a given tool becomes a `tool_calls` entry (finish_reason "tool_calls"); other `<tool_call>` text stays
   in the content and is counted in the choice's `malformed_tool_calls` (and in `/v1/rlspec/counters`).
@@ -28,8 +29,8 @@ What the fields mean here:
 - Each choice also carries `token_ids` and `prompt_token_ids`; a response carries the `weight_version` it was
   sampled with.
 
-Greedy and top log-probs take the engine's plain sampling loop (the CUDA-graph sampler does neither);
-`stop` and streaming do not change how the engine samples.
+Every request in flight decodes in one batch (`scheduler.py`), each row with its own settings: greedy and top
+log-probs included (the slot pool's `full` step); `stop` and streaming do not change how a row samples.
 """
 
 from __future__ import annotations
@@ -43,13 +44,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Union
 
-from fastapi import APIRouter, HTTPException
+import torch
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
+from ..rollout.hf import prompt_token_ids
+from ..rollout.noise import sample_keys
+from ..rollout.pool import RowSampling
 from ..rollout.sampling import SampleOptions
 from ..spec import SpecError
-from .chat import ChatError, TemplateError, cut_at_stop, decoder, normalize_messages, parse_tool_calls, render, token_pieces
+from .chat import ChatError, TemplateError, decoder, normalize_messages, parse_tool_calls, render, token_pieces
+from .live import Choice, live_events
+from .live import Planned as _Planned
+from .scheduler import QueueFull, Submission
 
 MAX_PROMPTS = 4096
 MAX_TOP_LOGPROBS = 20
@@ -136,21 +144,6 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     if len(stops) > MAX_STOPS or any(not s for s in stops):
         raise bad("stop", f"give 1 to {MAX_STOPS} non-empty stop strings")
     return stops
-
-
-@dataclass
-class Choice:
-    """One sampled choice, cut at its stop string."""
-
-    prompt_ids: list[int]
-    ids: list[int]
-    logprobs: list[float]
-    top: list[list[tuple[int, float]]] | None
-    text: str
-    finish_reason: str
-    message: dict[str, Any] | None = None
-    """Chat: the assistant message (content, tool_calls)."""
-    malformed_tool_calls: int = 0
 
 
 @dataclass
@@ -282,49 +275,70 @@ class OpenAIRoutes:
             raise bad("model", f"this server serves {self.host.model_name!r}", status=404)
 
     def _job(self, prompts: list, n: int, seed: int | None, max_tokens: int, temperature: float, top_p: float,
-             top_logprobs: int, stops: list[str], first_sample: int = 0):
-        """(the engine job, which returns the weight version it sampled with and the rollout; the function that
-        turns those into (version, choices), each choice cut at its stop string)."""
+             top_logprobs: int, stops: list[str], first_sample: int = 0) -> "_Planned":
+        """The request as the scheduler takes it: its rows (each prompt `n` times, each row its noise key, sample
+        `first_sample + i` of `seed`), or, where the decode batch cannot take it, the engine job that samples it
+        alone; and how a row's tokens become a choice cut at its stop string."""
         engine = self.host.engine
+        seed = seed if seed is not None else secrets.randbits(31)
+        planned = _Planned(stops=stops, tokenizer=self.tokenizer)
+        scheduler = self.host.thread
+        with _prompt_errors():
+            encoded = prompt_token_ids(self.tokenizer, prompts, engine.spec.max_prompt_tokens) \
+                if scheduler.pool_reason is None else None
+        if encoded is not None and scheduler.takes(encoded, max_tokens):
+            keys = sample_keys(seed, torch.arange(first_sample, first_sample + len(encoded) * n)).tolist()
+            planned.rows = [ids for ids in encoded for _ in range(n)]
+            planned.samplings = [RowSampling(key, max_tokens, temperature if temperature > 0 else 1.0, top_p,
+                                             temperature == 0, top_logprobs) for key in keys]
+            return planned
         spec = dataclasses.replace(engine.spec, max_new_tokens=max_tokens, top_p=top_p,
                                    temperature=temperature if temperature > 0 else 1.0)
         options = SampleOptions(greedy=temperature == 0, top_logprobs=top_logprobs)
-        seed = seed if seed is not None else secrets.randbits(31)
-
         numbered = {"first_sample": first_sample} if first_sample else {}  # only engines that number samples take it
 
         def generate():
             return self.host.weight_version, engine.with_spec(spec).generate(prompts, n, seed=seed, options=options,
                                                                                 **numbered)
 
-        def choices_of(version, rollout) -> tuple[int | None, list[Choice]]:
-            eos, decode = self.tokenizer.eos_token_id, decoder(self.tokenizer)
-            choices = []
-            for i, (prompt_ids, ids, logps, text) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids,
-                                                                  rollout.completion_logprobs, rollout.texts)):
-                top = rollout.top_logprobs[i] if rollout.top_logprobs is not None else None
-                finish = "stop" if ids and ids[-1] == eos else "length"
-                cut = cut_at_stop(decode, ids, stops)
-                if cut is not None:
-                    kept, text = cut
-                    ids, logps, top, finish = ids[:kept], logps[:kept], top[:kept] if top else top, "stop"
-                choices.append(Choice(prompt_ids, ids, logps, top, text, finish))
-            return version, choices
+        planned.generate = generate
+        return planned
 
-        return generate, choices_of
+    def _reply(self, planned: "_Planned", version: int | None, choices: list[Choice]) -> Reply:
+        for c in choices:
+            planned.finish_choice(c)
+        return planned.reply(version, choices)
 
-    def _run(self, planned):
-        """A planned request (`_completion` / `_chat`) served from a worker thread (the agent gateway)."""
-        generate, finish = planned
+    def _run(self, planned: "_Planned") -> Reply:
+        """A planned request (`_completion` / `_chat`) served from a worker thread (the agent gateway's)."""
         with _prompt_errors():
-            return finish(*self.host.thread.run(generate))
+            if planned.generate is not None:
+                return self._reply(planned, *planned.rollout_choices(*self.host.thread.run(planned.generate)))
+            sub = self._submit(planned)
+            sub.done.wait()
+            return self._reply(planned, *planned.submission_choices(sub))
 
-    async def _run_async(self, planned):
-        """A planned request served from the event loop: it joins the engine thread's queue when it arrives,
-        holding no worker thread meanwhile, so requests and weight pushes run in the order they came."""
-        generate, finish = planned
+    async def _run_async(self, planned: "_Planned", request: Request | None = None, stream: bool = False):
+        """A planned request served from the event loop: it joins the scheduler's queue when it arrives, holding no
+        worker thread; a streamed one sends each row's tokens as they come, a client that disconnects cancels its
+        rows. Returns the reply, or the live stream's response."""
         with _prompt_errors():
-            return finish(*(await self.host.thread.run_async(generate)))
+            if planned.generate is not None:
+                return self._reply(planned, *planned.rollout_choices(*(await self.host.thread.run_async(
+                    planned.generate, beside=self.host.thread.outside))))
+            sub = self._submit(planned)
+            if stream:
+                return StreamingResponse(live_events(planned, sub), media_type="text/event-stream")
+            await sub.wait_async(request.receive if request is not None else None)
+            return self._reply(planned, *planned.submission_choices(sub))
+
+    def _submit(self, planned: "_Planned") -> Submission:
+        sub = Submission(planned.rows, planned.samplings, planned.stops, planned.decode)
+        try:
+            return self.host.thread.submit_rows(sub)
+        except QueueFull as full:
+            raise HTTPException(429, detail=[{"loc": ["server"], "msg": str(full)}],
+                                headers={"Retry-After": str(full.retry_after_s)}) from None
 
     def completion(self, req: CompletionRequest) -> Reply:
         return self._run(self._completion(req))
@@ -333,25 +347,28 @@ class OpenAIRoutes:
         """Render, sample, parse tool calls; `sampled` splices ids for earlier assistant turns (`chat.render`)."""
         return self._run(self._chat(req, sampled))
 
+    async def completion_async(self, req: CompletionRequest, request: Request | None = None) -> Reply:
+        return await self._run_async(self._completion(req), request)
+
+    async def chat_async(self, req: ChatRequest, sampled: dict[int, list[int]] | None = None,
+                         request: Request | None = None) -> Reply:
+        return await self._run_async(self._chat(req, sampled), request)
+
     def _completion(self, req: CompletionRequest):
         _refuse_unsupported(req)
         self._check_model(req.model)
         if req.echo and req.logprobs is not None:
             raise bad("echo", "echo with logprobs is not supported (the prompt's log-probs are not computed)")
         prompts = self._prompts(req.prompt)
-        generate, choices_of = self._job(prompts, req.n, req.seed, req.max_tokens, req.temperature, req.top_p,
-                                         req.logprobs or 0, _stops(req.stop), req.first_sample)
+        planned = self._job(prompts, req.n, req.seed, req.max_tokens, req.temperature, req.top_p, req.logprobs or 0,
+                            _stops(req.stop), req.first_sample)
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
-
-        def finish(version, rollout) -> Reply:
-            version, choices = choices_of(version, rollout)
-            return Reply("completion", self.host.model_name, choices, version, req.n, req.logprobs is not None,
-                         req.logprobs or 0, self.tokenizer, req.stream,
-                         bool(req.stream_options and req.stream_options.include_usage), echo)
-
-        return generate, finish
+        planned.reply = lambda version, choices: Reply(
+            "completion", self.host.model_name, choices, version, req.n, req.logprobs is not None, req.logprobs or 0,
+            self.tokenizer, req.stream, bool(req.stream_options and req.stream_options.include_usage), echo)
+        return planned
 
     def _prompts(self, prompt) -> list:
         if isinstance(prompt, str):
@@ -382,24 +399,25 @@ class OpenAIRoutes:
             refusal.detail[0]["template_dropped_turn"] = isinstance(err, TemplateError)
             raise refusal from None
         max_tokens = req.max_completion_tokens or req.max_tokens or self.host.engine.spec.max_new_tokens
-        generate, choices_of = self._job([prompt_ids], req.n, req.seed, max_tokens, req.temperature, req.top_p,
-                                         req.top_logprobs or 0, _stops(req.stop))
+        planned = self._job([prompt_ids], req.n, req.seed, max_tokens, req.temperature, req.top_p,
+                            req.top_logprobs or 0, _stops(req.stop))
         names = {(t.get("function") or t).get("name") for t in tools or []}
+        planned.tools = bool(tools)
 
-        def finish(version, rollout) -> Reply:
-            version, choices = choices_of(version, rollout)
-            for c in choices:
-                content, calls, c.malformed_tool_calls = parse_tool_calls(c.text, names) if tools else (c.text, [], 0)
-                c.message = {"role": "assistant", "content": content}
-                if calls:
-                    c.message["tool_calls"] = calls
-                    c.finish_reason = "tool_calls"
+        def finish_choice(c: Choice) -> None:
+            content, calls, c.malformed_tool_calls = parse_tool_calls(c.text, names) if tools else (c.text, [], 0)
+            c.message = {"role": "assistant", "content": content}
+            if calls:
+                c.message["tool_calls"] = calls
+                c.finish_reason = "tool_calls"
             with self._lock:
-                self.malformed_tool_calls += sum(c.malformed_tool_calls for c in choices)
-            return Reply("chat", self.host.model_name, choices, version, req.n, req.logprobs, req.top_logprobs or 0,
-                         self.tokenizer, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+                self.malformed_tool_calls += c.malformed_tool_calls
 
-        return generate, finish
+        planned.finish_choice = finish_choice
+        planned.reply = lambda version, choices: Reply(
+            "chat", self.host.model_name, choices, version, req.n, req.logprobs, req.top_logprobs or 0,
+            self.tokenizer, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+        return planned
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -408,13 +426,17 @@ class OpenAIRoutes:
         def models() -> dict:
             return {"object": "list", "data": [{"id": self.host.model_name, "object": "model", "owned_by": "rlspec"}]}
 
+        async def respond(planned: _Planned, request: Request):
+            out = await self._run_async(planned, request, stream=planned.reply(None, []).stream)
+            return out if isinstance(out, StreamingResponse) else out.response()
+
         @router.post("/v1/completions")
-        async def completions(req: CompletionRequest):
-            return (await self._run_async(self._completion(req))).response()
+        async def completions(req: CompletionRequest, request: Request):
+            return await respond(self._completion(req), request)
 
         @router.post("/v1/chat/completions")
-        async def chat(req: ChatRequest):
-            return (await self._run_async(self._chat(req))).response()
+        async def chat(req: ChatRequest, request: Request):
+            return await respond(self._chat(req), request)
 
         @router.get("/v1/rlspec/counters")
         def counters() -> dict:

@@ -91,13 +91,16 @@ def bridge_token(port: int) -> tuple[str, Path | None]:
 
 
 def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, allow_remote: bool = False,
-          engine_index: int = 0) -> None:
+          engine_index: int = 0, max_queued_rows: int | None = None) -> None:
     """Run the server in this process until it is stopped (SIGTERM/SIGINT) or its parent dies."""
     import uvicorn
 
-    from .app import FAULT_ENV, EngineHost, build_app
+    from .app import FAULT_ENV, MAX_QUEUED_ROWS, EngineHost, build_app
 
     check_bind(host, allow_remote)
+    if max_queued_rows is not None and max_queued_rows < 1:
+        raise SpecError("--max-queued-rows", f"must be at least 1, got {max_queued_rows}",
+                        "e.g. --max-queued-rows 8192 (rows waiting for a decode slot before requests get 429)")
     if plan.spec.hardware.num_threads:
         import torch
 
@@ -108,7 +111,7 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
               f"from {TOKEN_FILE_ENV}={token_path} or {TOKEN_ENV}", file=sys.stderr, flush=True)
     spec = plan.spec
     name = spec.model.path or spec.model.preset
-    app = build_app(EngineHost(build_engine(plan, engine_index), name), token)
+    app = build_app(EngineHost(build_engine(plan, engine_index), name, max_queued_rows or MAX_QUEUED_ROWS), token)
     if parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if os.environ.get(FAULT_ENV) == "hang_start":

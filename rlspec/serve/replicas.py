@@ -77,8 +77,10 @@ class ServedReplicas:
             self.last_generate[f"timing_s/gen_replica_{i}"] = seconds
             self.last_generate[f"rollout/samples_replica_{i}"] = float(len(part) * n)
         done = [out for out, _ in outs if out is not None]
+        versions = [o.weight_version for o in done]
         return Rollout(*(sum((getattr(o, f) for o in done), []) for f in
-                         ("prompt_ids", "completion_ids", "completion_logprobs", "texts")))
+                         ("prompt_ids", "completion_ids", "completion_logprobs", "texts")),
+                       weight_version=None if None in versions or not versions else min(versions))
 
     def metrics(self) -> dict[str, float]:
         """Per server: the last step's generation seconds (`timing_s/gen_replica_<i>`: the step's `timing_s/gen`

@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra; under `.devicepkgs/extra` the wheels
 # `bash tests/gpu/pack_extra.sh` downloads, whose header lists them: the serve stack, the openai client, TRL).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
+# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat agents64 train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
 # scale7b weak15b sync7b engines2 models offload multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f (multigpu: all six).
 # The multigpu parts (issue 44) each fit one 10-minute call on a 4-GPU machine, one call per part; each row runs under
 # its own timeout and every row refreshes $OUT/multigpu_table.txt (tests/gpu/multigpu_table.py), so a call cut short
@@ -297,13 +297,25 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
         echo "threads stage $stage exit $?" >> $OUT/results.txt
       done
       grep -E "^stage|^  " $OUT/threads.log >> $OUT/results.txt ;;
-    servechat)  # issue 20: rlspec serve of the 0.5B-shaped preset answering 64 concurrent streaming chat requests
-      python3 -m rlspec.cli serve $BENCH --port 8123 > $OUT/servechat_server.log 2>&1 & SERVER=$!
-      for i in $(seq 1 120); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break; sleep 1; done
-      timeout 300 python3 -m rlspec.perf.bench_serve --url http://127.0.0.1:8123 --requests 64 --max-tokens 64 \
-        > $OUT/servechat.json 2>> $OUT/servechat_server.log
-      echo "servechat exit $?" >> $OUT/results.txt; cat $OUT/servechat.json >> $OUT/results.txt
-      kill $SERVER; wait $SERVER ;;
+    servechat)  # issue 45 (was issue 20's one burst): rlspec serve of the 0.5B shape under 1, 16, 64, 256 concurrent
+      # streams (32-token prompts, 64 tokens each), each level beside the in-process engine's batched generate of the
+      # same prompts and lengths. SC_LEVELS, SC_PROMPT, SC_OUTPUT, SC_API=chat change them.
+      timeout 590 python3 -m rlspec.perf.bench_serve $BENCH --concurrency ${SC_LEVELS:-1,16,64,256} \
+        --prompt-tokens ${SC_PROMPT:-32} --output-tokens ${SC_OUTPUT:-64} --api ${SC_API:-completions} \
+        --json $OUT/servechat.json > $OUT/servechat.log 2>&1
+      echo "servechat exit $?" >> $OUT/results.txt; grep -v Warning $OUT/servechat.log | tail -16 >> $OUT/results.txt ;;
+    agents64)  # issue 45: the chat agent example (two turns of 4 tokens, a tool call between) with 64 agents at once on
+      # one GPU (8 prompts x 8), beside a plain batched rollout of the same prompts and 8 tokens: generation samples/s
+      # (timing_s/gen) over the steps after the first
+      for mode in agent plain; do
+        extra=$([ $mode = plain ] && echo "rollout.agent.function=null rollout.max_new_tokens=8" || echo "rollout.agent.concurrency=64")
+        timeout 280 $RL run $ROOT/examples/agent_chat_tool.yaml hardware=gpu1 rollout.prompts_per_step=8 algorithm.steps=5 \
+          checkpoint.every_n_steps=0 $extra --out /tmp/b_agents64_$mode --no-progress > $OUT/agents64_$mode.log 2>&1
+        echo "agents64 $mode exit $?" >> $OUT/results.txt; cp /tmp/b_agents64_$mode/metrics.jsonl $OUT/agents64_$mode.jsonl
+        python3 -c "import json,sys,statistics as s; rows=[json.loads(l) for l in open(sys.argv[1])][1:]
+print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen'] for r in rows), 1))" \
+          /tmp/b_agents64_$mode/metrics.jsonl $mode >> $OUT/results.txt 2>&1
+      done ;;
     scale7b)  # issue 22 (needs 8 GPUs): the 7B shape, bf16, 64 prompts x 8 on the long-tailed lengths, fsdp and deepspeed
       # colocated on 8 GPUs (a trainer rank and an engine per GPU), one bench call
       timeout 590 $RL bench $ROOT/examples/bench_longtail.yaml model=qwen2_7b_shape hardware=gpu8_colocated \

@@ -1,8 +1,8 @@
 """Load: 256 concurrent completion requests to a real HTTP server while the weights are pushed several times.
 
 Every request is the same (prompt, seed), so its tokens and log-probs are a function of the weights alone: each
-response must equal, bit for bit, the reference sampled in-process from the weights of the `weight_version` it
-reports. A response that
+response must equal, bit for bit, the reference: the same request sent alone to a server holding the weights of the
+`weight_version` it reports. A response that
 straddled a push, or that reports another version than its weights, would match no reference (the test checks
 that the versions' references differ). None may be lost. The p99 latency is printed.
 """
@@ -78,24 +78,28 @@ def test_256_concurrent_requests_during_weight_pushes_each_carry_the_version_the
     import dataclasses
 
     import httpx
+    from fastapi.testclient import TestClient
 
     from rlspec.models.factory import load_model, load_tokenizer
     from rlspec.rollout.hf import HFEngine
+    from rlspec.serve import ops
+    from rlspec.serve.app import EngineHost, build_app
     from rlspec.spec import RolloutSpec
 
     url, spec = server
+
     model = load_model(spec, 0).eval().requires_grad_(False)
     versions = [_weights(model, v) for v in range(VERSIONS + 1)]
     rollout_spec = dataclasses.replace(RolloutSpec(), max_new_tokens=BODY["max_tokens"])
     reference = HFEngine(load_model(spec, 0).eval().requires_grad_(False), load_tokenizer(spec), rollout_spec, "cpu")
     expected = {}
-    for v, named in enumerate(versions):
-        reference.load_weights(named)
-        out = reference.generate(BODY["prompt"], BODY["n"], seed=BODY["seed"])
-        expected[v] = list(zip(out.completion_ids, out.prompt_ids, out.completion_logprobs))  # floats exact via JSON
+    with TestClient(build_app(EngineHost(reference, "tiny_qwen2"), TOKEN)) as solo:  # each version's request alone
+        for v, named in enumerate(versions):
+            pushed_ok = solo.post("/bridge/receive", content=ops.pack({"op": "engine.load_weights"}, named),
+                                  headers={"authorization": f"Bearer {TOKEN}", "content-type": ops.MEDIA_TYPE})
+            assert pushed_ok.status_code == 200, pushed_ok.text
+            expected[v] = _choices(solo.post("/v1/completions", json=BODY).json())  # floats exact via JSON
     assert len({repr(e) for e in expected.values()}) == len(expected), "two versions sample alike: the test cannot tell them apart"
-
-    from rlspec.serve import ops
 
     pushes = {v: ops.pack({"op": "engine.load_weights", "weight_version": v}, versions[v]) for v in versions_range()}
     auth = {"authorization": f"Bearer {TOKEN}", "content-type": ops.MEDIA_TYPE}
@@ -103,7 +107,7 @@ def test_256_concurrent_requests_during_weight_pushes_each_carry_the_version_the
 
     async def flood() -> list[tuple[float, int, dict]]:
         """All requests in flight at once, launched 1 ms apart, with a push launched after every
-        REQUESTS / (VERSIONS + 1) of them: the pushes queue on the engine thread between generations."""
+        REQUESTS / (VERSIONS + 1) of them: the requests decode in one batch, each push waits for the rows in flight."""
         limits = httpx.Limits(max_connections=2 * REQUESTS, max_keepalive_connections=2 * REQUESTS)
         async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits, trust_env=False) as http:
             async def one(delay_s: float):

@@ -1,0 +1,437 @@
+"""A slot pool that stays open: rows join at any decode step and leave as soon as they end (a rollout server's
+scheduler drives it, `rlspec.serve.scheduler`).
+
+It is `static.GraphSampler`'s slot pool (the same decoder, K/V layout, captured decode step, prompt copy into a
+slot, moves between pool sizes), with two differences that a server needs:
+- every row samples with its own settings, held in per-slot tensors the captured step reads: max tokens,
+  temperature, top-p, greedy, and the top log-probs a request asked for;
+- the pool has no end: `admit` starts rows in free slots (growing the pool to the next bucket if needed), `run`
+  decodes a few steps and returns each live row's new tokens, `release` frees rows (a stop string, a client gone).
+
+A step samples each row as it would sample alone: the noise is keyed by (the row's key, its own position)
+(`rlspec.rollout.noise`), and a row's sampler does not depend on the others' settings. Two captured variants of
+the step: `race` when every live row samples the full distribution at its temperature (the exponential race over
+the head's logits), `full` otherwise (top-p, greedy and the top log-probs per row, the race for the other rows,
+selected row by row: a row's token and log-prob are the same in either variant). On CPU (no graphs) the step runs
+eagerly and a row's tokens equal its solo run's exactly (the pool keeps one bucket for up to `floor` rows, and
+each prompt is prefilled alone); on CUDA a near tie can resolve differently between pool sizes (different
+kernels for a different number of rows), as in `GraphSampler`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .noise import keyed_exponential
+from .sampling import exponential_race
+from .static import BATCH_BUCKETS, CACHE_STEP, PREFILL_ROWS, SHRINK_FLOOR, GraphSampler, bucket_for
+
+MAX_TOP = 20
+"""Top log-probs a row may ask for (the `full` step records this many for every row)."""
+PROMPT_CACHE = 128
+"""Distinct prompts whose prefill is kept beyond a full pool's (a group's G requests of one prompt prefill once);
+dropped at `refresh_weights`."""
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How one row samples."""
+
+    key: int
+    """Its noise key (`noise.sample_keys(seed, sample index)`)."""
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    """Argmax; log-probs under the plain log_softmax (temperature 1)."""
+    top_logprobs: int = 0
+
+    @property
+    def plain(self) -> bool:
+        """Samples in the `race` step."""
+        return not self.greedy and self.top_p >= 1.0 and self.top_logprobs == 0
+
+
+@dataclass
+class Delivery:
+    """What one row got from a `run`: its new tokens and log-probs (and top ids/log-probs when it asked)."""
+
+    row_id: int
+    slot: int
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None
+    ended: bool
+
+
+@dataclass
+class _Slots:
+    """The per-slot tensors of one pool size; captured steps read and write only these."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    hidden: Tensor       # [B, H] final-normed hidden the next token is sampled from
+    position: Tensor     # [B] RoPE position of the next token
+    write: Tensor        # [B] cache slot of the next token
+    step: Tensor         # [B] tokens sampled so far by the slot's row (its output column)
+    key: Tensor          # [B] noise key
+    limit: Tensor        # [B] max tokens
+    temperature: Tensor  # [B, 1] float32
+    top_p: Tensor        # [B, 1] float32
+    greedy: Tensor       # [B] bool
+    plain: Tensor        # [B] bool: samples by the race
+    valid: Tensor        # [B, S] cache slots holding a real token
+    done: Tensor         # [B] ended or empty
+    start: Tensor        # [B] `step` when the current `run` began (its new tokens are columns start..step)
+    out_tokens: Tensor   # [B, N + 1] (column N takes ended slots' writes)
+    out_logps: Tensor
+    out_top_ids: Tensor  # [B, N + 1, MAX_TOP]
+    out_top_logps: Tensor
+    graphs: dict
+
+
+class ServingPool:
+    """Rows of any number of requests decoded together; see the module docstring. Not thread-safe: one thread
+    (the server's engine thread) calls everything."""
+
+    PER_ROW = ("hidden", "position", "write", "step", "key", "limit", "temperature", "top_p", "greedy", "plain",
+               "valid", "done", "out_tokens", "out_logps", "out_top_ids", "out_top_logps")
+
+    def __init__(self, sampler: GraphSampler, max_tokens_per_row: int, max_slots: int, eos: int,
+                 check_every: int | None = None, floor: int = SHRINK_FLOOR) -> None:
+        self.sampler = sampler
+        self.decoder = sampler.decoder
+        self.device = sampler.device
+        self.eos = eos
+        self.length = math.ceil(max_tokens_per_row / CACHE_STEP) * CACHE_STEP
+        """Cache positions per slot: a row's prompt plus its max tokens fit in it."""
+        self.max_slots = bucket_for(min(max_slots, BATCH_BUCKETS[-1]))
+        self.floor = min(bucket_for(floor), self.max_slots)
+        self.check_every = check_every or (sampler.check_every if sampler.use_graphs else 1)
+        self._pools: dict[int, _Slots] = {}
+        self._pool: _Slots | None = None
+        self.live: dict[int, int] = {}
+        """slot -> the caller's row id."""
+        self._rows: dict[int, RowSampling] = {}
+        self._sampled: dict[int, int] = {}
+        """slot -> tokens its row has sampled (host side: how many steps a `run` may take)."""
+        self._prompts: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
+        self._pointers: tuple[int, ...] = ()
+        self.refresh_weights()
+
+    # --- the caller's interface ---------------------------------------------------------------------------
+    @property
+    def slots(self) -> int:
+        return 0 if self._pool is None else self._pool.done.shape[0]
+
+    def free(self) -> int:
+        """Rows `admit` can start now."""
+        return self.max_slots - len(self.live)
+
+    def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
+        return prompt_tokens + max_tokens <= self.length
+
+    def refresh_weights(self) -> None:
+        """After the module's weights changed (a push): the fused copies refreshed, cached prefills dropped."""
+        if self.sampler.fuse:
+            self.decoder.fuse_weights()
+        self._prompts.clear()
+        fused = tuple(t.data_ptr() for layer in self.decoder._fused or () for t in layer if t is not None)
+        pointers = self.decoder.weight_pointers() + fused
+        if pointers != self._pointers:  # a weight (or a fused copy) was re-allocated: graphs would read stale memory
+            for pool in self._pools.values():
+                pool.graphs.clear()
+            self._pointers = pointers
+
+    @torch.no_grad()
+    def admit(self, rows: list[tuple[int, list[int], RowSampling]]) -> None:
+        """Start rows (caller's id, prompt ids, sampling) in free slots; at most `free()` of them."""
+        assert len(rows) <= self.free(), (len(rows), self.free())
+        if not rows:
+            return
+        with self._on_device():
+            self._resize(len(self.live) + len(rows))
+            self.prefill([ids for _, ids, _ in rows])
+            pool, dev = self._pool, self.device
+            empty = [b for b in range(self.slots) if b not in self.live][:len(rows)]
+            by_width: dict[int, list[int]] = {}
+            for i, (_, ids, _) in enumerate(rows):
+                by_width.setdefault(len(ids), []).append(i)
+            for width, members in by_width.items():  # the prompts' K/V copied in, one copy per layer and width
+                slot = torch.tensor([empty[i] for i in members], device=dev)
+                stored = [self._prefilled(rows[i][1]) for i in members]
+                for layer, cache in enumerate(pool.keys):
+                    cache[slot, :, :width] = torch.stack([s[0][layer] for s in stored])
+                for layer, cache in enumerate(pool.values):
+                    cache[slot, :, :width] = torch.stack([s[1][layer] for s in stored])
+                pool.hidden[slot] = torch.stack([s[2] for s in stored])
+            slot = torch.tensor(empty, device=dev)
+            widths = torch.tensor([len(ids) for _, ids, _ in rows], device=dev)
+            samplings = [sampling for _, _, sampling in rows]
+
+            def column(values, dtype=torch.long):
+                return torch.tensor(values, dtype=dtype, device=dev)
+
+            pool.valid[slot] = torch.arange(self.length, device=dev)[None, :] < widths[:, None]
+            pool.position[slot] = widths
+            pool.write[slot] = widths
+            pool.step[slot] = 0
+            pool.key[slot] = column([s.key for s in samplings])
+            pool.limit[slot] = column([s.max_tokens for s in samplings])
+            pool.temperature[slot] = column([[1.0 if s.greedy else s.temperature] for s in samplings], torch.float32)
+            pool.top_p[slot] = column([[s.top_p] for s in samplings], torch.float32)
+            pool.greedy[slot] = column([s.greedy for s in samplings], torch.bool)
+            pool.plain[slot] = column([s.plain for s in samplings], torch.bool)
+            pool.done[slot] = False
+        for (row_id, _, sampling), b in zip(rows, empty):
+            self.live[b] = row_id
+            self._rows[b] = sampling
+            self._sampled[b] = 0
+
+    def release(self, slots: list[int]) -> None:
+        """Free rows before they end (the caller drops what they sampled)."""
+        if not slots:
+            return
+        with self._on_device():
+            self._pool.done[torch.tensor(slots, device=self.device)] = True
+        for b in slots:
+            self.live.pop(b, None)
+            self._rows.pop(b, None)
+            self._sampled.pop(b, None)
+
+    @torch.no_grad()
+    def run(self) -> list[Delivery]:
+        """Decode up to `check_every` steps of the live rows; each live row's new tokens (ended rows leave)."""
+        if not self.live:
+            return []
+        with self._on_device():
+            pool = self._pool
+            variant = "race" if all(r.plain for r in self._rows.values()) else "full"
+            left = max(r.max_tokens - self._sampled[b] for b, r in self._rows.items())
+            steps = min(self.check_every, left)
+            pool.start.copy_(pool.step)
+            graph = self._graph(pool, variant)
+            for _ in range(steps):
+                if graph is not None:
+                    graph.replay()
+                else:
+                    self._step(pool, variant)
+            columns = (pool.start[:, None] + torch.arange(steps, device=self.device)).clamp(max=pool.out_tokens.shape[1] - 1)
+            packed = [pool.done.long(), pool.step - pool.start, pool.out_tokens.gather(1, columns)]
+            logps = pool.out_logps.gather(1, columns)
+            top = None
+            if any(r.top_logprobs for r in self._rows.values()):
+                index = columns[:, :, None].expand(-1, -1, MAX_TOP)
+                top = (pool.out_top_ids.gather(1, index).cpu(), pool.out_top_logps.gather(1, index).cpu())
+            ints = torch.cat([packed[0][:, None], packed[1][:, None], packed[2]], dim=1).cpu().tolist()
+            logps = logps.cpu().tolist()
+        deliveries = []
+        for b in sorted(self.live):
+            done, new, *tokens = ints[b]
+            sampling = self._rows[b]
+            k = sampling.top_logprobs
+            row_top = None
+            if k and top is not None:
+                row_top = [list(zip(top[0][b, t, :k].tolist(), top[1][b, t, :k].tolist())) for t in range(new)]
+            deliveries.append(Delivery(self.live[b], b, tokens[:new], logps[b][:new], row_top, bool(done)))
+        for d in deliveries:
+            self._sampled[d.slot] += len(d.tokens)
+            if d.ended:
+                self.live.pop(d.slot)
+                self._rows.pop(d.slot)
+                self._sampled.pop(d.slot)
+        return deliveries
+
+    # --- pool sizes ---------------------------------------------------------------------------------------
+    def _resize(self, rows: int) -> None:
+        """Move the live rows into the pool for `rows` rows: grown to the bucket that holds them, or shrunk once
+        a quarter of the pool or less is live (never below `floor` slots)."""
+        want = max(bucket_for(max(rows, 1)), self.floor)
+        if self._pool is not None and (self.slots >= want and not (self.slots > self.floor and rows * 4 <= self.slots)):
+            return
+        target = self._slots_of(want)
+        if self._pool is not None and target is not self._pool:
+            live = sorted(self.live)
+            if live:
+                moved = torch.tensor(live, device=self.device)
+                into = torch.arange(len(live), device=self.device)
+                for name in ("keys", "values"):
+                    for t, s in zip(getattr(target, name), getattr(self._pool, name)):
+                        t[into] = s[moved]
+                for name in self.PER_ROW:
+                    getattr(target, name)[into] = getattr(self._pool, name)[moved]
+            target.done[len(live):] = True
+            self.live = {i: self.live[b] for i, b in enumerate(live)}
+            self._rows = {i: self._rows[b] for i, b in enumerate(live)}
+            self._sampled = {i: self._sampled[b] for i, b in enumerate(live)}
+        self._pool = target
+
+    def shrink(self) -> None:
+        """Move a mostly empty pool into a smaller one (called between runs)."""
+        if self._pool is not None and self.slots > self.floor and len(self.live) * 4 <= self.slots:
+            with self._on_device():
+                self._resize(len(self.live))
+
+    def _slots_of(self, bucket: int) -> _Slots:
+        if bucket in self._pools:
+            return self._pools[bucket]
+        dev, n = self.device, self.length
+        keys, values = self.decoder.new_cache(bucket, self.length, dev)
+
+        def rows(dtype=torch.long, columns=(), fill=0):
+            return torch.full((bucket, *columns), fill, dtype=dtype, device=dev)
+
+        pool = _Slots(keys=keys, values=values, hidden=rows(self.decoder.dtype, (self.decoder.hidden_size,)),
+                      position=rows(), write=rows(), step=rows(), key=rows(), limit=rows(fill=1),
+                      temperature=rows(torch.float32, (1,), 1.0), top_p=rows(torch.float32, (1,), 1.0),
+                      greedy=rows(torch.bool), plain=rows(torch.bool, fill=True), valid=rows(torch.bool, (n,)),
+                      done=rows(torch.bool, fill=True), start=rows(), out_tokens=rows(torch.long, (n + 1,)),
+                      out_logps=rows(torch.float32, (n + 1,)), out_top_ids=rows(torch.long, (n + 1, MAX_TOP)),
+                      out_top_logps=rows(torch.float32, (n + 1, MAX_TOP)), graphs={})
+        self._pools[bucket] = pool
+        return pool
+
+    def _graph(self, pool: _Slots, variant: str):
+        """The captured step of `pool` in `variant`, captured on first use (None without graphs)."""
+        if not self.sampler.use_graphs:
+            return None
+        if variant not in pool.graphs:
+            pool.graphs[variant] = self._capture(pool, variant)
+        return pool.graphs[variant]
+
+    def _capture(self, pool: _Slots, variant: str):
+        """Capture one step, after warm-up runs on a side stream on copies of the pool's row state (a warm-up
+        step writes K/V and counters: live rows must not advance)."""
+        saved = {name: getattr(pool, name).clone() for name in self.PER_ROW}
+        saved_cache = [t.clone() for t in pool.keys + pool.values] if self.live else None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._step(pool, variant)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.sampler._capture_stream is None:
+            self.sampler._capture_stream = torch.cuda.Stream(self.device)
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(self.sampler._capture_stream):
+            graph.capture_begin()
+            try:
+                self._step(pool, variant)
+            finally:
+                graph.capture_end()
+        torch.cuda.synchronize(self.device)
+        for name, value in saved.items():
+            getattr(pool, name).copy_(value)
+        if saved_cache is not None:
+            for t, s in zip(pool.keys + pool.values, saved_cache):
+                t.copy_(s)
+        return graph
+
+    def warm_up(self, buckets: list[int] | None = None) -> None:
+        """Capture the `race` step of each pool size up front (the first request at a new size pays it else)."""
+        with self._on_device():
+            for bucket in buckets or [b for b in BATCH_BUCKETS if self.floor <= b <= self.max_slots]:
+                pool = self._slots_of(bucket)
+                self._graph(pool, "race")
+
+    # --- one decode step ----------------------------------------------------------------------------------
+    def _step(self, pool: _Slots, variant: str) -> None:
+        decoder = self.decoder
+        logits = F.linear(pool.hidden, decoder.head_weight)
+        race = decoder.race or exponential_race
+        token, logp = race(logits, pool.key, pool.step, pool.temperature)
+        top_ids = top_logps = None
+        if variant == "full":
+            scaled = logits.float() / pool.temperature
+            full = torch.log_softmax(scaled, dim=-1)
+            draws = (decoder.noise or keyed_exponential)(pool.key, pool.step, logits.shape[-1])
+            nucleus = torch.argmax(_top_p_rows(full.exp(), pool.top_p) / draws, dim=-1)
+            chosen = torch.where(pool.greedy, full.argmax(dim=-1), nucleus)
+            token = torch.where(pool.plain, token, chosen)
+            logp = torch.where(pool.plain, logp, full.gather(-1, chosen[:, None])[:, 0])
+            best = full.topk(MAX_TOP, dim=-1)
+            top_ids, top_logps = best.indices, best.values
+        token, slot, lengths, live = _record_rows(token, logp, top_ids, top_logps, pool, self.eos)
+        hidden = decoder.forward(token[:, None], pool.position[:, None], slot, pool.valid[:, None, :], pool.keys,
+                                 pool.values, compiled=self.sampler.compiled, lengths=lengths, head=False)
+        pool.hidden.copy_(hidden)
+        advance = live.long()
+        pool.position.add_(advance)
+        pool.write.add_(advance)
+        pool.step.add_(advance)
+
+    # --- prefill --------------------------------------------------------------------------------------------
+    def _prefilled(self, ids: list[int]) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """(K/V per layer [Hkv, W, D], final-normed hidden [H]) of prompt `ids`, prefilled once while cached."""
+        key = tuple(ids)
+        if key in self._prompts:
+            self._prompts.move_to_end(key)
+            return self._prompts[key]
+        self.prefill([ids])
+        return self._prompts[key]
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]) -> None:
+        """Prefill the distinct prompts not cached yet: on CUDA prompts of one length together (up to
+        `PREFILL_ROWS` a forward), on CPU each alone (a prompt's K/V then do not depend on the others)."""
+        todo = list(dict.fromkeys(tuple(p) for p in prompts if tuple(p) not in self._prompts))
+        by_width: dict[int, list[tuple[int, ...]]] = {}
+        for p in todo:
+            by_width.setdefault(len(p), []).append(p)
+        rows_per_forward = PREFILL_ROWS if self.sampler.use_graphs else 1
+        with self._on_device():
+            for width, group in by_width.items():
+                for start in range(0, len(group), rows_per_forward):
+                    part = group[start:start + rows_per_forward]
+                    self._prefill_part(part, width)
+
+    def _prefill_part(self, part: list[tuple[int, ...]], width: int) -> None:
+        dev = self.device
+        ids = torch.tensor(part, device=dev)
+        count = len(part)
+        keys, values = self.decoder.new_cache(count, width, dev)
+        positions = torch.arange(width, device=dev).expand(count, width)
+        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril().expand(count, width, width)
+        hidden = self.decoder.forward(ids, positions, torch.arange(width, device=dev), causal, keys, values, head=False)
+        for i, p in enumerate(part):
+            self._prompts[p] = ([k[i] for k in keys], [v[i] for v in values], hidden[i])
+            while len(self._prompts) > PROMPT_CACHE + self.max_slots:
+                self._prompts.popitem(last=False)
+
+    def _on_device(self):
+        import contextlib
+
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _top_p_rows(probs: Tensor, top_p: Tensor) -> Tensor:
+    """`sampling.top_p_filter` with a top-p per row ([B, 1])."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
+
+
+def _record_rows(token: Tensor, logp: Tensor, top_ids: Tensor | None, top_logps: Tensor | None, pool: _Slots,
+                 eos: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`static._record` with a token limit per row (and the top log-probs of the `full` step)."""
+    last = pool.out_tokens.shape[1] - 1
+    rows = torch.arange(token.shape[0], device=token.device)
+    live = ~pool.done
+    token = torch.where(live, token, eos)
+    column = torch.where(live, pool.step, last)
+    pool.out_tokens[rows, column] = token
+    pool.out_logps[rows, column] = logp.float()
+    if top_ids is not None:
+        pool.out_top_ids[rows, column] = top_ids
+        pool.out_top_logps[rows, column] = top_logps
+    pool.done.logical_or_((token == eos) | (pool.step >= pool.limit - 1))
+    slot = pool.write.clamp(max=pool.valid.shape[1] - 1)
+    pool.valid[rows, slot] = live.new_ones(())
+    return token, slot[:, None], slot + 1, live

@@ -1,0 +1,197 @@
+"""A request on its way through the scheduler: its plan (`Planned`), the choice each row becomes, and the live
+stream of a streamed request (`live_events`), which sends each row's text as the decode batch samples it.
+
+A streamed row's text goes out as its tokens arrive (on CUDA a few tokens a chunk: the engine reads the batch's
+tokens every few decode steps), held back where it may be the start of a stop string or ends in an incomplete
+character; when the row ends, the rest of its final text (cut at the stop string, as the unstreamed reply's) and
+its finish reason. The chunks' texts join to the unstreamed text. A chat choice with tools is sent when it ends
+(its tool calls are parsed from the whole text). A client that goes away cancels the request: its rows leave the
+batch at the next step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from .chat import cut_at_stop, decoder
+from .scheduler import Submission
+
+
+@dataclass
+class Choice:
+    """One sampled choice, cut at its stop string."""
+
+    prompt_ids: list[int]
+    ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None
+    text: str
+    finish_reason: str
+    message: dict[str, Any] | None = None
+    """Chat: the assistant message (content, tool_calls)."""
+    malformed_tool_calls: int = 0
+
+
+@dataclass
+class Planned:
+    """A request planned by the routes: rows for the decode batch, or `generate`, the engine job that samples it
+    alone (a request the batch cannot take); and how sampled rows become the reply."""
+
+    stops: list[str]
+    tokenizer: Any
+    rows: list[list[int]] | None = None
+    samplings: list | None = None
+    generate: Callable | None = None
+    reply: Callable | None = None
+    """(version, choices) -> the `Reply`."""
+    finish_choice: Callable[[Choice], None] = lambda choice: None
+    """Chat: the assistant message (tool calls parsed) of a finished choice."""
+    tools: bool = False
+    decode: Callable[[list[int]], str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.decode = decoder(self.tokenizer)
+
+    def choice_of(self, prompt_ids: list[int], ids: list[int], logps: list[float], top) -> Choice:
+        """A row's choice: ended by the end token ("stop") or its length, or cut at its first stop string."""
+        finish = "stop" if ids and ids[-1] == self.tokenizer.eos_token_id else "length"
+        cut = cut_at_stop(self.decode, ids, self.stops)
+        if cut is not None:
+            kept, text = cut
+            return Choice(prompt_ids, ids[:kept], logps[:kept], top[:kept] if top else top, text, "stop")
+        return Choice(prompt_ids, ids, logps, top, self.decode(ids), finish)
+
+    def rollout_choices(self, version, rollout) -> tuple[int | None, list[Choice]]:
+        tops = rollout.top_logprobs
+        return version, [self.choice_of(p, ids, logps, tops[i] if tops is not None else None)
+                         for i, (p, ids, logps) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids,
+                                                                 rollout.completion_logprobs))]
+
+    def submission_choices(self, sub: Submission) -> tuple[int | None, list[Choice]]:
+        if sub.error is not None:
+            raise sub.error
+        wants_top = any(s.top_logprobs for s in sub.samplings)
+        return sub.version, [self.choice_of(p, sub.ids[i], sub.logprobs[i], sub.top[i] if wants_top else None)
+                             for i, p in enumerate(sub.prompt_ids)]
+
+
+@dataclass
+class _RowStream:
+    """What a streamed row has sent: its text, and its tokens whose log-probs went out."""
+
+    started: bool = False
+    sent: str = ""
+    tokens_sent: int = 0
+    ended: bool = False
+
+
+def _held(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` to hold back: the longest that starts a stop string, or an incomplete
+    character (decoded as U+FFFD)."""
+    if text.endswith("\ufffd"):
+        return len(text) - len(text.rstrip("\ufffd"))
+    held = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:k]):
+                held = k
+                break
+    return held
+
+
+async def live_events(planned: Planned, sub: Submission) -> AsyncIterator[str]:
+    """The server-sent events of a streamed request, as its rows sample (see the module docstring)."""
+    reply = planned.reply(None, [])
+    kind = reply.kind
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    rows = [_RowStream() for _ in range(sub.rows)]
+    partial = [Choice(p, [], [], [], "", "") for p in sub.prompt_ids]
+    finals: list[Choice | None] = [None] * sub.rows
+    event = sub.listen()
+
+    def chunk(i: int, delta: str | None = None, logprobs=None, finish_reason=None, message: dict | None = None):
+        if kind == "chat":
+            body = {"index": i, "delta": message if message is not None else ({"content": delta} if delta is not None else {}),
+                    "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            body = {"index": i, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        out = {**reply._head(obj), "choices": [body]}
+        if finish_reason is not None:
+            out["weight_version"] = sub.version
+        return f"data: {json.dumps(out)}\n\n"
+
+    def logprobs_of(c: Choice, start: int, end: int):
+        if not reply.show_logprobs or end <= start:
+            return None
+        return {"content": reply._chat_logprobs(c, start, end)} if kind == "chat" else reply._completion_logprobs(c, start, end)
+
+    try:
+        while True:
+            await event.wait()
+            event.clear()
+            with sub.lock:
+                snapshot = [(list(sub.ids[i]), list(sub.logprobs[i]), list(sub.top[i]), sub.ended[i])
+                            for i in range(sub.rows)]
+            if sub.error is not None:
+                raise sub.error
+            for i, (ids, logps, top, ended) in enumerate(snapshot):
+                state, c = rows[i], partial[i]
+                if state.ended or (not ids and not ended):
+                    continue
+                c.ids, c.logprobs, c.top = ids, logps, top or None
+                if not state.started:
+                    state.started = True
+                    if kind == "chat":
+                        yield chunk(i, message={"role": "assistant", "content": ""})
+                    elif reply.echo_texts:
+                        yield chunk(i, reply.echo_texts[i // reply.n])
+                if ended:
+                    state.ended = True
+                    final = planned.choice_of(c.prompt_ids, ids, logps, top or None)
+                    planned.finish_choice(final)
+                    finals[i] = final
+                    for piece in _final_chunks(reply, i, final, state, chunk, logprobs_of, planned.tools):
+                        yield piece
+                    continue
+                if planned.tools:
+                    continue  # a chat choice with tools goes out whole when it ends
+                text = planned.decode(ids)
+                if any(stop in text for stop in planned.stops):
+                    continue  # the row is ending at its stop string: its final text goes out then
+                ready = text[:len(text) - _held(text, planned.stops)]
+                if ready.startswith(state.sent) and len(ready) > len(state.sent):
+                    yield chunk(i, ready[len(state.sent):], logprobs_of(c, state.tokens_sent, len(ids)))
+                    state.sent, state.tokens_sent = ready, len(ids)
+            if all(state.ended for state in rows):
+                break
+        if reply.include_usage:
+            done = planned.reply(sub.version, finals)
+            yield f"data: {json.dumps({**reply._head(obj), 'choices': [], 'usage': done.usage()})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if not all(state.ended for state in rows):
+            sub.cancel()
+
+
+def _final_chunks(reply, i: int, final: Choice, state: _RowStream, chunk, logprobs_of, tools: bool):
+    """The rest of a row that ended: its text not yet sent (or, chat with tool calls, its content and calls), the
+    log-probs not yet sent, then its finish reason."""
+    calls = (final.message or {}).get("tool_calls")
+    if reply.kind == "chat" and (tools or calls):
+        content = final.message.get("content")
+        logprobs = logprobs_of(final, 0, len(final.ids))
+        if content:
+            yield chunk(i, content, logprobs)
+            logprobs = None
+        if calls:
+            yield chunk(i, message={"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]},
+                        logprobs=logprobs)
+    else:
+        text = final.message.get("content") or "" if final.message is not None else final.text
+        rest = text[len(state.sent):] if text.startswith(state.sent) else text
+        logprobs = logprobs_of(final, state.tokens_sent, len(final.ids))
+        if rest or logprobs is not None:
+            yield chunk(i, rest, logprobs)
+    yield chunk(i, None, None, final.finish_reason)

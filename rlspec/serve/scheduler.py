@@ -1,0 +1,406 @@
+"""The server's scheduler: one engine thread that decodes every request in flight in one batch.
+
+    loop on the engine thread:
+        take what arrived (requests' rows, and jobs: bridge operations, weight labels, requests the pool cannot take)
+        a job at the head of the queue runs once no row is in flight (rows behind it wait: the queue's order holds)
+        admit queued rows into free slots of the pool (`rlspec.rollout.pool.ServingPool`), at the next step
+        decode a few steps; hand each row its new tokens; rows that ended (end token, max tokens, a stop
+        string, a client gone) leave at once and their slots take the next rows
+
+Weight versions: a job that writes weights waits for the rows in flight (admission stops at it, the rows drain,
+then it runs), so a completion's rows are all sampled with one set of weights, and a request reports the version
+the server held when its first row started (`Submission.version`). No completion spans a push. Whenever rows start
+in an idle pool, the pool first refreshes what it derives from the weights (fused copies, kept prefills).
+
+Back-pressure: rows that wait for a slot are counted; a request that would take them past `max_queued_rows` is
+refused (`QueueFull`: 429 with Retry-After) unless nothing waits (a request larger than the bound alone is
+accepted). A request accepted is never dropped: only its client can cancel it (`Submission.cancel`, when it
+disconnects), which frees its rows at the next step.
+
+Requests the pool cannot take (an engine that is not in this process, a model the slot pool cannot run, a prompt
+plus max_tokens past the pool's cache length) run as jobs, one at a time, as the server ran every request before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import queue
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..rollout.pool import RowSampling, ServingPool
+
+RETRY_AFTER_S = 1
+"""What a refused request is told to wait before it retries."""
+BESIDE_THREADS = 256
+"""Requests in flight at once to an engine outside this process (`Scheduler.run_async(beside=True)`)."""
+
+
+class QueueFull(Exception):
+    """More rows wait for a slot than the server's bound (`rlspec serve --max-queued-rows`)."""
+
+    def __init__(self, queued: int, asked: int, bound: int) -> None:
+        super().__init__(f"{queued} rows wait for a decode slot; {asked} more would pass this server's bound of {bound} "
+                         f"(rlspec serve --max-queued-rows): retry after {RETRY_AFTER_S} s")
+        self.retry_after_s = RETRY_AFTER_S
+
+
+@dataclass
+class Submission:
+    """One request's rows in the scheduler, and what they have sampled so far (read under `lock`)."""
+
+    prompt_ids: list[list[int]]
+    samplings: list[RowSampling]
+    stops: list[str] = field(default_factory=list)
+    stop_window: Callable[[list[int]], str] | None = None
+    """Decodes a row's last tokens; a row whose recent text holds a stop string leaves (the caller cuts it)."""
+    ids: list[list[int]] = field(init=False)
+    logprobs: list[list[float]] = field(init=False)
+    top: list[list] = field(init=False)
+    ended: list[bool] = field(init=False)
+    version: int | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    admitted: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+    on_cancel: Callable[[], None] | None = None
+    _listeners: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        rows = len(self.samplings)
+        self.ids, self.logprobs, self.top = [[] for _ in range(rows)], [[] for _ in range(rows)], [[] for _ in range(rows)]
+        self.ended = [False] * rows
+
+    @property
+    def rows(self) -> int:
+        return len(self.samplings)
+
+    def cancel(self) -> None:
+        """The client is gone: its rows leave at the next step (and rows not started never start)."""
+        self.cancelled = True
+        if self.on_cancel is not None:
+            self.on_cancel()
+
+    def listen(self) -> asyncio.Event:
+        """An event set (on the caller's event loop) whenever rows got tokens or ended."""
+        loop, event = asyncio.get_running_loop(), asyncio.Event()
+        self._listeners.append((loop, event))
+        if self.done.is_set():
+            event.set()
+        return event
+
+    def notify(self) -> None:
+        for loop, event in self._listeners:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the loop has closed (the server is stopping)
+                pass
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self.lock:
+            self.error = self.error or error
+            self.ended = [True] * self.rows
+        self.done.set()
+        self.notify()
+
+    async def wait_async(self, receive: Callable[[], Any] | None = None) -> None:
+        """Until every row has ended. `receive` (the ASGI receive of the request, its body already read) is
+        listened to meanwhile: a client that goes away cancels the request (its rows leave at the next step)."""
+        async def listen_for_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.cancel()
+
+        event = self.listen()
+        watcher = asyncio.ensure_future(listen_for_disconnect()) if receive is not None else None
+        try:
+            while not self.done.is_set():  # a cancelled request's rows end too (nobody reads its reply)
+                await event.wait()
+                event.clear()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+
+@dataclass
+class _Job:
+    fn: Callable
+    args: tuple
+    future: Future
+
+
+class Scheduler:
+    """The engine thread (see the module docstring). `host` supplies the weight version a request reports."""
+
+    def __init__(self, engine, host, max_queued_rows: int,
+                 on_submitted_error: Callable[[BaseException], None] | None = None,
+                 on_submitted_start: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self.host = host
+        self.device = getattr(engine, "device", None)
+        self.max_queued_rows = max_queued_rows
+        self.on_submitted_error = on_submitted_error
+        self.on_submitted_start = on_submitted_start
+        self.pool_reason = pool_unsupported(engine)
+        """None when requests join the decode batch; else why each runs alone."""
+        self.outside = _outside(engine)
+        """The engine samples in other processes (the agent gateway's view of Ray engines or a server)."""
+        self._beside: ThreadPoolExecutor | None = None
+        self.row_budget = row_budget(engine) if self.pool_reason is None else 0
+        """Prompt plus max tokens a row of the pool may reach (its cache length)."""
+        self.pool: ServingPool | None = None
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting: deque = deque()
+        self.queued_rows = 0
+        self._count_lock = threading.Lock()
+        self._rows: dict[int, tuple[Submission, int]] = {}
+        self._ids = itertools.count()
+        self._cancelled = threading.Event()
+        """Set when a client cancels: the next step looks for its rows."""
+        self.stats = {"steps": 0, "rows_admitted": 0, "rows_cancelled": 0, "refused": 0, "max_rows_in_flight": 0}
+        threading.Thread(target=self._loop, name="rlspec-engine", daemon=True).start()
+
+    # --- what other threads call ------------------------------------------------------------------------
+    def takes(self, prompt_ids: list[list[int]], max_tokens: int) -> bool:
+        """Whether rows of these prompts join the decode batch (else the request runs as a job)."""
+        return self.pool_reason is None and all(len(p) + max_tokens <= self.row_budget for p in prompt_ids)
+
+    def submit_rows(self, submission: Submission) -> Submission:
+        """Queue a request's rows; `QueueFull` past the bound (nothing queued then)."""
+        with self._count_lock:
+            if self.queued_rows and self.queued_rows + submission.rows > self.max_queued_rows:
+                self.stats["refused"] += 1
+                raise QueueFull(self.queued_rows, submission.rows, self.max_queued_rows)
+            self.queued_rows += submission.rows
+        submission.on_cancel = self._cancelled.set
+        self.inbox.put(submission)
+        return submission
+
+    def run(self, fn, *args):
+        """`fn(*args)` on the engine thread once no row is in flight; blocks the caller until it returns."""
+        done: Future = Future()
+        self.inbox.put(_Job(fn, args, done))
+        return done.result()
+
+    async def run_async(self, fn, *args, beside: bool = False):
+        """`run` for the event loop: queued now, in arrival order, no worker thread held while it waits. `beside`:
+        run it in a thread of its own instead, at once (an engine outside this process, which serves calls
+        concurrently: the agent gateway's Ray engines or rollout server)."""
+        if beside:
+            if self._beside is None:
+                self._beside = ThreadPoolExecutor(BESIDE_THREADS, thread_name_prefix="rlspec-engine-call")
+            return await asyncio.get_running_loop().run_in_executor(self._beside, fn, *args)
+        done: Future = Future()
+        self.inbox.put(_Job(fn, args, done))
+        return await asyncio.wrap_future(done)
+
+    def submit(self, fn, *args) -> None:
+        """Queue `fn(*args)` without waiting (a transport's engine half that it starts on its own; the trainer's
+        bridge call collects the outcome). `on_submitted_start` runs first; a failure goes to `on_submitted_error`."""
+        def guarded():
+            if self.on_submitted_start is not None:
+                self.on_submitted_start()
+            try:
+                fn(*args)
+            except BaseException as err:  # noqa: BLE001 - the bridge call reports it; the host marks the weights
+                if self.on_submitted_error is not None:
+                    self.on_submitted_error(err)
+
+        self.inbox.put(_Job(guarded, (), Future()))
+
+    def describe(self) -> dict:
+        return {"batching": "continuous" if self.pool_reason is None else f"one request at a time ({self.pool_reason})",
+                "rows_in_flight": len(self.pool.live) if self.pool else 0, "rows_queued": self.queued_rows,
+                "max_queued_rows": self.max_queued_rows, **self.stats}
+
+    # --- the engine thread ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        import torch
+
+        from ..sync.base import bind_engine_thread
+
+        if self.device is not None and torch.device(self.device).type == "cuda":
+            torch.cuda.set_device(torch.device(self.device))
+        bind_engine_thread(self.submit)
+        while True:
+            self._take(block=not self.waiting and not (self.pool and self.pool.live))
+            self._run_jobs()
+            self._drop_cancelled()
+            self._admit()
+            if self.pool is not None and self.pool.live:
+                self._decode()
+
+    def _take(self, block: bool) -> None:
+        try:
+            self.waiting.append(self.inbox.get(block=block))
+            while True:
+                self.waiting.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _run_jobs(self) -> None:
+        """Jobs at the head of the queue, once the rows in flight have drained."""
+        while self.waiting and isinstance(self.waiting[0], _Job) and not (self.pool and self.pool.live):
+            job = self.waiting.popleft()
+            if job.future.set_running_or_notify_cancel():
+                try:
+                    job.future.set_result(job.fn(*job.args))
+                except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                    job.future.set_exception(err)
+
+    def _drop_cancelled(self) -> None:
+        if not self._cancelled.is_set():
+            return
+        self._cancelled.clear()
+        kept = deque()
+        for item in self.waiting:
+            if isinstance(item, Submission) and item.cancelled:
+                self._unqueue(item.rows - item.admitted)
+                self.stats["rows_cancelled"] += item.rows - item.admitted
+                item.finish()
+            else:
+                kept.append(item)
+        self.waiting = kept
+        if self.pool is None:
+            return
+        gone = [slot for slot, row in self.pool.live.items() if self._rows[row][0].cancelled]
+        if gone:
+            for slot in gone:
+                self._end_row(self.pool.live[slot])
+            self.stats["rows_cancelled"] += len(gone)
+            self.pool.release(gone)
+
+    def _admit(self) -> None:
+        while self.waiting and isinstance(self.waiting[0], Submission):
+            if self.pool is None:
+                try:
+                    self.pool = make_pool(self.engine)
+                except BaseException as err:  # noqa: BLE001 - e.g. out of device memory: this request fails
+                    sub = self.waiting.popleft()
+                    self._unqueue(sub.rows)
+                    sub.finish(err)
+                    continue
+            free = self.pool.free()
+            if not free:
+                return
+            if not self.pool.live:
+                # Weights may have changed while the pool was idle: a job (a push), or a colocated trainer's step
+                # on the module an in-process engine shares with it (the agent gateway's).
+                self.pool.refresh_weights()
+            sub = self.waiting[0]
+            if sub.admitted == 0:
+                sub.version = self.host.weight_version
+            start, stop = sub.admitted, min(sub.rows, sub.admitted + free)
+            rows = []
+            for i in range(start, stop):
+                row = next(self._ids)
+                self._rows[row] = (sub, i)
+                rows.append((row, sub.prompt_ids[i], sub.samplings[i]))
+            try:
+                self.pool.admit(rows)
+            except BaseException as err:  # noqa: BLE001 - this request fails; the server goes on
+                for row, _, _ in rows:
+                    self._rows.pop(row)
+                self.waiting.popleft()
+                self._unqueue(sub.rows - sub.admitted)
+                sub.cancel()  # rows of it already in flight leave at the next step
+                sub.finish(err)
+                continue
+            sub.admitted = stop
+            self._unqueue(stop - start)
+            self.stats["rows_admitted"] += stop - start
+            if sub.admitted == sub.rows:
+                self.waiting.popleft()
+        if self.pool is not None:
+            self.stats["max_rows_in_flight"] = max(self.stats["max_rows_in_flight"], len(self.pool.live))
+
+    def _decode(self) -> None:
+        try:
+            deliveries = self.pool.run()
+        except BaseException as err:  # noqa: BLE001 - the rows in flight fail; the server goes on
+            live = dict(self.pool.live)
+            self.pool.release(list(live))
+            for sub in {self._rows[row][0] for row in live.values()}:
+                sub.finish(err)
+            for row in live.values():
+                self._rows.pop(row, None)
+            return
+        self.stats["steps"] += 1
+        touched, stopped = {}, []
+        for d in deliveries:
+            sub, i = self._rows[d.row_id]
+            with sub.lock:
+                sub.ids[i].extend(d.tokens)
+                sub.logprobs[i].extend(d.logprobs)
+                if d.top is not None:
+                    sub.top[i].extend(d.top)
+            touched[id(sub)] = sub
+            if d.ended:
+                self._end_row(d.row_id)
+            elif sub.stops and sub.stop_window is not None and _stopped(sub, i):
+                stopped.append(d.slot)
+                self._end_row(d.row_id)
+        self.pool.release(stopped)
+        self.pool.shrink()
+        for sub in touched.values():
+            sub.notify()
+
+    def _end_row(self, row: int) -> None:
+        sub, i = self._rows.pop(row)
+        with sub.lock:
+            sub.ended[i] = True
+            last = all(sub.ended)
+        if last and sub.admitted == sub.rows:
+            sub.done.set()
+            sub.notify()
+
+    def _unqueue(self, rows: int) -> None:
+        with self._count_lock:
+            self.queued_rows -= rows
+
+
+def _stopped(sub: Submission, i: int) -> bool:
+    """Whether row `i`'s recent text holds a stop string (its last tokens: a stop of L characters spans at most
+    4 L tokens of a byte-level vocabulary, plus one that completes it)."""
+    window = 4 * max(len(s) for s in sub.stops) + 2
+    text = sub.stop_window(sub.ids[i][-window:])
+    return any(s in text for s in sub.stops)
+
+
+def _outside(engine) -> bool:
+    from ..rollout.hf import HFEngine
+
+    return not isinstance(engine, HFEngine)
+
+
+def pool_unsupported(engine) -> str | None:
+    """Why `engine`'s requests cannot join one decode batch (None when they can)."""
+    from ..rollout.decoder import unsupported_reason
+    from ..rollout.hf import HFEngine
+
+    if not isinstance(engine, HFEngine):
+        return f"the engine ({type(engine).__name__}) samples outside this process"
+    return unsupported_reason(engine.model)
+
+
+def row_budget(engine) -> int:
+    """The pool's cache length: `rollout.max_prompt_tokens + rollout.max_new_tokens`, rounded up as a pool rounds it."""
+    from ..rollout.static import CACHE_STEP
+
+    spec = engine.spec
+    return math.ceil((spec.max_prompt_tokens + spec.max_new_tokens) / CACHE_STEP) * CACHE_STEP
+
+
+def make_pool(engine) -> ServingPool:
+    """The slot pool over `engine`'s model: its CUDA-graph sampler on CUDA (`rollout.cuda_graph`), else the same
+    step run eagerly."""
+    from ..rollout.static import GraphSampler
+
+    sampler = engine._fast_sampler() or GraphSampler(engine.model, engine.device, use_graphs=False)
+    return ServingPool(sampler, row_budget(engine), engine.spec.decode_slots, engine.tokenizer.eos_token_id)

@@ -1,0 +1,224 @@
+"""The scheduler on CPU through a real HTTP server: requests in flight together decode in one batch and each gets
+exactly its solo result; a client that disconnects mid-stream frees its rows; past the queue's bound, 429 with
+Retry-After and every accepted request answered; the server keeps serving after each."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+MODEL = "tiny_qwen2"
+USER = [{"role": "user", "content": "abc="}]
+REQUESTS = [  # (route, body): sampling settings that differ row by row, streamed and not
+    ("completions", {"prompt": ["ab=", "c="], "n": 2, "seed": 3, "max_tokens": 9, "logprobs": 2}),
+    ("completions", {"prompt": "hello=", "seed": 4, "max_tokens": 5, "temperature": 0.7, "top_p": 0.8}),
+    ("completions", {"prompt": "ab=", "n": 3, "seed": 3, "max_tokens": 12, "stream": True, "logprobs": 0}),
+    ("completions", {"prompt": [5, 6, 7, 8], "seed": 9, "max_tokens": 7, "temperature": 0, "logprobs": 3}),
+    ("completions", {"prompt": "xyz", "n": 2, "seed": 5, "max_tokens": 16}),  # + a stop string its text holds
+    ("chat", {"messages": USER, "n": 2, "seed": 6, "max_tokens": 8, "logprobs": True, "top_logprobs": 2}),
+    ("chat", {"messages": USER, "seed": 7, "max_tokens": 10, "stream": True, "temperature": 1.3}),
+    ("chat", {"messages": USER, "n": 4, "seed": 8, "max_tokens": 6, "top_p": 0.5}),
+]
+SOLO_ROWS = max(body.get("n", 1) * (len(body["prompt"]) if isinstance(body.get("prompt"), list)
+                                    and isinstance(body["prompt"][0], str) else 1) for _, body in REQUESTS)
+
+
+@pytest.fixture(scope="module")
+def server():
+    import uvicorn
+
+    from rlspec.models.factory import load_model, load_tokenizer
+    from rlspec.rollout.hf import HFEngine
+    from rlspec.serve.app import EngineHost, build_app
+    from rlspec.serve.process import free_port
+    from rlspec.spec import ModelSpec, RolloutSpec
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # CI's 2 cores: one for the engine, one for the web server and the clients
+    spec = ModelSpec()
+    engine = HFEngine(load_model(spec, 0).eval().requires_grad_(False), load_tokenizer(spec),
+                      RolloutSpec(max_new_tokens=32), "cpu")
+    host = EngineHost(engine, MODEL)
+    port = free_port()
+    web = uvicorn.Server(uvicorn.Config(build_app(host, "tok"), host="127.0.0.1", port=port, log_level="warning",
+                                        access_log=False))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not web.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", host
+    web.should_exit = True
+    thread.join(10)
+    torch.set_num_threads(threads)
+
+
+async def _send(http, route: str, body: dict) -> dict:
+    """The response as one JSON body; a streamed one rebuilt from its chunks (text, token log-probs, finish)."""
+    path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
+    if not body.get("stream"):
+        response = await http.post(path, json={"model": MODEL, **body})
+        assert response.status_code == 200, response.text
+        return response.json()
+    choices: dict[int, dict] = {}
+    async with http.stream("POST", path, json={"model": MODEL, **body}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                got = choices.setdefault(c["index"], {"index": c["index"], "text": "", "finish_reason": None, "logprobs": []})
+                got["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+                got["finish_reason"] = c["finish_reason"] or got["finish_reason"]
+                lp = c.get("logprobs")
+                if lp:
+                    got["logprobs"] += lp["token_logprobs"] if "token_logprobs" in lp else [e["logprob"] for e in lp["content"]]
+    return {"choices": [choices[i] for i in sorted(choices)], "streamed": True}
+
+
+def _summary(out: dict) -> list:
+    """Per choice what must match: tokens, log-probs, text, finish reason (a stream: its text, log-probs, finish)."""
+    rows = []
+    for c in sorted(out["choices"], key=lambda c: c["index"]):
+        text = c["text"] if "text" in c else (c.get("message") or {}).get("content")
+        if out.get("streamed"):
+            rows.append((text, c["logprobs"], c["finish_reason"]))
+            continue
+        lp = c.get("logprobs")
+        logps = None if lp is None else (lp["token_logprobs"] if "token_logprobs" in lp else [e["logprob"] for e in lp["content"]])
+        rows.append((c["token_ids"], logps, text, c["finish_reason"]))
+    return rows
+
+
+def test_concurrent_requests_each_get_their_solo_result_in_one_decode_batch(server):
+    import httpx
+
+    url, host = server
+
+    async def solo_then_together():
+        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
+            free = (await _send(http, *REQUESTS[4]))["choices"][0]["text"]
+            REQUESTS[4][1]["stop"] = [next(ch for ch in free[2:] if ch.isascii() and ch.isalnum()), "\n"]
+            alone = [await _send(http, route, body) for route, body in REQUESTS]
+            peak_alone = host.thread.stats["max_rows_in_flight"]
+            together = await asyncio.gather(*(_send(http, route, body) for route, body in REQUESTS))
+            again = [await _send(http, route, body) for route, body in REQUESTS[:2]]  # still serving, same results
+            return alone, peak_alone, together, again
+
+    alone, peak_alone, together, again = asyncio.run(solo_then_together())
+    assert peak_alone <= SOLO_ROWS
+    for (route, body), a, b in zip(REQUESTS, alone, together):
+        assert _summary(a) == _summary(b), (route, body)  # token for token, log-probs to the bit
+    assert [_summary(o) for o in again] == [_summary(o) for o in alone[:2]]
+    rows = sum(len(o["choices"]) for o in together)
+    assert host.thread.stats["max_rows_in_flight"] > SOLO_ROWS, "the requests never decoded in one batch"
+    stops = REQUESTS[4][1]["stop"]
+    stopped = alone[4]["choices"]
+    assert all(not any(stop in c["text"] for stop in stops) for c in stopped)
+    assert any(c["finish_reason"] == "stop" for c in stopped), "no row met its stop string: the test shows nothing"
+    assert rows == sum(body.get("n", 1) * (len(body["prompt"]) if isinstance(body.get("prompt"), list)
+                                           and isinstance(body["prompt"][0], str) else 1) for _, body in REQUESTS)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_rows(server):
+    import httpx
+
+    url, host = server
+    cancelled = host.thread.stats["rows_cancelled"]
+    # greedy: these rows never sample the end token (a seeded draw could end them before the client leaves)
+    body = {"model": MODEL, "prompt": "ab=", "n": 3, "seed": 1, "max_tokens": 300, "stream": True, "temperature": 0}
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk, then the client goes away
+        deadline = time.monotonic() + 20
+        while host.thread.describe()["rows_in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = http.get("/health").json()["scheduler"]
+        assert health["rows_in_flight"] == 0, health
+        assert host.thread.stats["rows_cancelled"] >= cancelled + 3, host.thread.stats
+        out = http.post("/v1/completions", json={"model": MODEL, "prompt": "c=", "max_tokens": 3, "seed": 2})
+        assert out.status_code == 200 and len(out.json()["choices"][0]["token_ids"]) >= 1
+
+
+def test_a_client_that_gives_up_on_an_unstreamed_request_frees_its_rows(server):
+    """The server polls a waiting request's connection: a client gone (here: its timeout) cancels the rows."""
+    import httpx
+
+    url, host = server
+    cancelled = host.thread.stats["rows_cancelled"]
+    body = {"model": MODEL, "prompt": "ab=", "n": 3, "seed": 2, "max_tokens": 300, "temperature": 0}
+    with httpx.Client(base_url=url, timeout=0.3, trust_env=False) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body)
+    deadline = time.monotonic() + 20
+    while host.thread.stats["rows_cancelled"] < cancelled + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert host.thread.stats["rows_cancelled"] >= cancelled + 3, host.thread.stats
+    assert host.thread.describe()["rows_in_flight"] == 0
+
+
+def test_past_the_queue_bound_requests_get_429_and_every_accepted_one_is_answered(server):
+    import httpx
+
+    url, host = server
+    body = {"model": MODEL, "prompt": "ab=", "n": 4, "max_tokens": 24, "logprobs": 0}
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+        assert http.post("/v1/completions", json={**body, "seed": 0}).status_code == 200  # the pool exists
+    pool = host.thread.pool
+    host.thread.max_queued_rows, pool.max_slots = 8, 8  # two requests decode, two wait, the rest are refused
+
+    async def flood():
+        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json={**body, "seed": s}) for s in range(100)))
+
+    try:
+        responses = asyncio.run(flood())
+    finally:
+        host.thread.max_queued_rows, pool.max_slots = 8192, 256
+    refused = [r for r in responses if r.status_code == 429]
+    accepted = [r for r in responses if r.status_code == 200]
+    assert len(refused) + len(accepted) == len(responses), {r.status_code for r in responses}
+    assert refused and accepted, (len(refused), len(accepted))
+    assert all(r.headers["retry-after"] == "1" and "--max-queued-rows" in r.text for r in refused)
+    for r in accepted:  # nothing accepted is lost: every row answered in full
+        choices = r.json()["choices"]
+        assert len(choices) == 4 and all(c["token_ids"] and len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"])
+                                         for c in choices)
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+        assert http.get("/health").json()["scheduler"]["rows_queued"] == 0
+        assert http.post("/v1/completions", json={**body, "seed": 1}).status_code == 200
+
+
+def test_weights_changed_in_place_between_requests_are_the_ones_sampled(server):
+    """A colocated trainer steps the module the agent gateway's engine shares: the next request (the same prompt,
+    whose prefill the pool kept) samples the new weights, as a fresh server over them does."""
+    import httpx
+
+    from rlspec.serve.app import EngineHost
+    from rlspec.serve.openai_api import CompletionRequest, OpenAIRoutes
+
+    url, host = server
+    body = {"model": MODEL, "prompt": "ab=", "n": 2, "seed": 21, "max_tokens": 8, "logprobs": 0}
+    norm = host.engine.model.model.norm.weight
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+        before = _summary(http.post("/v1/completions", json=body).json())
+        original = norm.detach().clone()
+        try:
+            with torch.no_grad():
+                norm.add_(torch.randn(norm.shape, generator=torch.Generator().manual_seed(0)))
+            after = _summary(http.post("/v1/completions", json=body).json())
+            fresh = EngineHost(host.engine, MODEL)  # a pool that never saw the old weights
+            reply = OpenAIRoutes(fresh).completion(CompletionRequest(**body))
+            assert after == _summary(reply.body()) and after != before
+        finally:
+            with torch.no_grad():
+                norm.copy_(original)
+        assert _summary(http.post("/v1/completions", json=body).json()) == before
