@@ -77,7 +77,8 @@ class EngineWorker(StackReporter):
         self.engine.load_weights(named_tensors)
 
     def receive(self, fn, payload) -> Any:
-        return self.engine.receive(fn, payload)
+        """A transport's engine half here; before `build` (the placement check's fan-out) with no engine yet."""
+        return fn(None, payload) if self.engine is None else self.engine.receive(fn, payload)
 
     def named_weights(self) -> list[tuple[str, Tensor]]:
         return [(name, t.detach().cpu()) for name, t in self.engine.named_weights()]

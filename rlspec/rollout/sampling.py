@@ -17,7 +17,7 @@ from .noise import keyed_exponential
 class SampleOptions:
     """What a single request may add to the spec's sampling settings (a rollout server's OpenAI requests).
     Top log-probs make the `hf` engine's `generate` take its plain loop; the CUDA-graph sampler decodes greedily at
-    temperature 0 (`sample_from_hidden`); a rollout server's slot pool (`rlspec.rollout.pool`) does both."""
+    temperature 0 (`sample_from_hidden`); a rollout server's slot pool (`rlspec.serve.pool`) does both."""
 
     greedy: bool = False
     """Take the argmax instead of sampling; log-probs are then the model's plain log_softmax (temperature 1)."""

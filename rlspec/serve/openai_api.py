@@ -51,7 +51,7 @@ from pydantic import BaseModel, Field
 
 from ..rollout.hf import prompt_token_ids
 from ..rollout.noise import sample_keys
-from ..rollout.pool import RowSampling
+from .pool import RowSampling
 from ..rollout.sampling import SampleOptions
 from ..spec import SpecError
 from .chat import ChatError, TemplateError, decoder, normalize_messages, parse_tool_calls, render, token_pieces

@@ -3,7 +3,7 @@
     loop on the engine thread:
         take what arrived (requests' rows, and jobs: bridge operations, weight labels, requests the pool cannot take)
         a job at the head of the queue runs once no row is in flight (rows behind it wait: the queue's order holds)
-        admit queued rows into free slots of the pool (`rlspec.rollout.pool.ServingPool`), at the next step
+        admit queued rows into free slots of the pool (`rlspec.serve.pool.ServingPool`), at the next step
         decode a few steps; hand each row its new tokens; rows that ended (end token, max tokens, a stop
         string, a client gone) leave at once and their slots take the next rows
 
@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..rollout.pool import RowSampling, ServingPool
+from .pool import RowSampling, ServingPool
 
 RETRY_AFTER_S = 1
 """What a refused request is told to wait before it retries."""

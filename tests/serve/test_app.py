@@ -39,7 +39,7 @@ def test_completions_return_the_engines_tokens_and_logprobs(served):
     for i, choice in enumerate(data["choices"]):
         assert choice["index"] == i and choice["token_ids"] == rollout.completion_ids[i]
         assert choice["prompt_token_ids"] == rollout.prompt_ids[i]
-        # the server decodes in the slot pool (`rollout.pool`), the engine's plain loop through the HF module: the
+        # the server decodes in the slot pool (`rlspec.serve.pool`), the engine's plain loop through the HF module: the
         # same tokens, log-probs within fp32 rounding
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(rollout.completion_logprobs[i], abs=1e-5)
         assert choice["text"] == rollout.texts[i] and choice["finish_reason"] in ("stop", "length")

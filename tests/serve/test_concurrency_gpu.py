@@ -33,7 +33,7 @@ def test_rows_joining_a_captured_pool_sample_what_they_sample_alone():
     waves with their own temperature, top-p, greedy and lengths, against each row alone."""
     from rlspec.models.factory import load_model, load_tokenizer
     from rlspec.rollout.noise import sample_keys
-    from rlspec.rollout.pool import RowSampling, ServingPool
+    from rlspec.serve.pool import RowSampling, ServingPool
     from rlspec.rollout.static import GraphSampler
     from rlspec.spec import ModelSpec
 

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .noise import keyed_exponential
-from .sampling import exponential_race
-from .static import BATCH_BUCKETS, CACHE_STEP, PREFILL_ROWS, SHRINK_FLOOR, GraphSampler, bucket_for
+from ..rollout.noise import keyed_exponential
+from ..rollout.sampling import exponential_race
+from ..rollout.static import BATCH_BUCKETS, CACHE_STEP, PREFILL_ROWS, SHRINK_FLOOR, GraphSampler, bucket_for
 
 MAX_TOP = 20
 """Top log-probs a row may ask for (the `full` step records this many for every row)."""
