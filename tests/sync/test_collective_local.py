@@ -161,10 +161,10 @@ class _ServedLike:
     num_engines = 1
 
     def __init__(self, engine, sent: threading.Event) -> None:
-        from rlspec.serve.app import EngineThread
+        from rlspec.serve.scheduler import Scheduler
 
         self.engine, self.sent = engine, sent
-        self.thread = EngineThread(None)
+        self.thread = Scheduler(engine, None, max_queued_rows=1)  # a rollout server's engine thread
 
     def receive(self, fn, payload):
         from rlspec.sync.collective import CollectiveTransport
