@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import pytest
@@ -30,33 +29,18 @@ SOLO_ROWS = max(body.get("n", 1) * (len(body["prompt"]) if isinstance(body.get("
 
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
-
     from rlspec.models.factory import load_model, load_tokenizer
     from rlspec.rollout.hf import HFEngine
     from rlspec.serve.app import EngineHost, build_app
-    from rlspec.serve.process import free_port
     from rlspec.spec import ModelSpec, RolloutSpec
+    from tests.serve.web import serving
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # CI's 2 cores: one for the engine, one for the web server and the clients
     spec = ModelSpec()
     engine = HFEngine(load_model(spec, 0).eval().requires_grad_(False), load_tokenizer(spec),
                       RolloutSpec(max_new_tokens=32), "cpu")
     host = EngineHost(engine, MODEL)
-    port = free_port()
-    web = uvicorn.Server(uvicorn.Config(build_app(host, "tok"), host="127.0.0.1", port=port, log_level="warning",
-                                        access_log=False))
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not web.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", host
-    web.should_exit = True
-    thread.join(10)
-    torch.set_num_threads(threads)
+    with serving(build_app(host, "tok")) as url:
+        yield url, host
 
 
 async def _send(http, route: str, body: dict) -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import threading
 import time
 
 import pytest
@@ -46,32 +45,17 @@ def _choices(out: dict) -> list:
 
 @pytest.fixture
 def server():
-    import uvicorn
-
     from rlspec.models.factory import load_model, load_tokenizer
     from rlspec.rollout.hf import HFEngine
     from rlspec.serve.app import EngineHost, build_app
-    from rlspec.serve.process import free_port
     from rlspec.spec import ModelSpec, RolloutSpec
+    from tests.serve.web import serving
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # CI's 2 cores: one for the engine, one for the web server and the clients
     spec = ModelSpec()
     engine = HFEngine(load_model(spec, 0).eval().requires_grad_(False), load_tokenizer(spec), RolloutSpec(max_new_tokens=4), "cpu")
-    port = free_port()
-    config = uvicorn.Config(build_app(EngineHost(engine, "tiny_qwen2"), TOKEN), host="127.0.0.1", port=port,
-                            log_level="warning", access_log=False, limit_concurrency=4 * REQUESTS, backlog=4 * REQUESTS)
-    web = uvicorn.Server(config)
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not web.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", spec
-    web.should_exit = True
-    thread.join(10)
-    torch.set_num_threads(threads)
+    with serving(build_app(EngineHost(engine, "tiny_qwen2"), TOKEN), limit_concurrency=4 * REQUESTS,
+                 backlog=4 * REQUESTS) as url:
+        yield url, spec
 
 
 def test_256_concurrent_requests_during_weight_pushes_each_carry_the_version_they_were_sampled_with(server):
