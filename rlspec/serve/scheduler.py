@@ -277,48 +277,55 @@ class Scheduler:
             self.pool.release(gone)
 
     def _admit(self) -> None:
-        while self.waiting and isinstance(self.waiting[0], Submission):
-            if self.pool is None:
-                try:
-                    self.pool = make_pool(self.engine)
-                except BaseException as err:  # noqa: BLE001 - e.g. out of device memory: this request fails
-                    sub = self.waiting.popleft()
-                    self._unqueue(sub.rows)
-                    sub.finish(err)
-                    continue
-            free = self.pool.free()
-            if not free:
-                return
-            if not self.pool.live:
-                # Weights may have changed while the pool was idle: a job (a push), or a colocated trainer's step
-                # on the module an in-process engine shares with it (the agent gateway's).
-                self.pool.refresh_weights()
-            sub = self.waiting[0]
+        """Rows of the requests at the head of the queue into the free slots, all in one `ServingPool.admit` (one
+        batched prefill, one resize of the pool), not a request at a time: requests that arrive together start
+        together."""
+        while self.pool is None and self.waiting and isinstance(self.waiting[0], Submission):
+            try:
+                self.pool = make_pool(self.engine)
+            except BaseException as err:  # noqa: BLE001 - e.g. out of device memory: this request fails
+                sub = self.waiting.popleft()
+                self._unqueue(sub.rows)
+                sub.finish(err)
+        if self.pool is None or not (self.waiting and isinstance(self.waiting[0], Submission)):
+            return
+        free = self.pool.free()
+        if not free:
+            return
+        if not self.pool.live:
+            # Weights may have changed while the pool was idle: a job (a push), or a colocated trainer's step
+            # on the module an in-process engine shares with it (the agent gateway's).
+            self.pool.refresh_weights()
+        rows, taken = [], []  # taken: (submission, its first row admitted now, one past its last)
+        for sub in self.waiting:
+            if not isinstance(sub, Submission) or len(rows) == free:
+                break
             if sub.admitted == 0:
                 sub.version = self.host.weight_version
-            start, stop = sub.admitted, min(sub.rows, sub.admitted + free)
-            rows = []
+            start, stop = sub.admitted, min(sub.rows, sub.admitted + free - len(rows))
             for i in range(start, stop):
                 row = next(self._ids)
                 self._rows[row] = (sub, i)
                 rows.append((row, sub.prompt_ids[i], sub.samplings[i]))
-            try:
-                self.pool.admit(rows)
-            except BaseException as err:  # noqa: BLE001 - this request fails; the server goes on
-                for row, _, _ in rows:
-                    self._rows.pop(row)
-                self.waiting.popleft()
+            taken.append((sub, start, stop))
+        try:
+            self.pool.admit(rows)
+        except BaseException as err:  # noqa: BLE001 - these requests fail; the server goes on
+            for row, _, _ in rows:
+                self._rows.pop(row)
+            for sub, _, _ in taken:
+                self.waiting.remove(sub)
                 self._unqueue(sub.rows - sub.admitted)
                 sub.cancel()  # rows of it already in flight leave at the next step
                 sub.finish(err)
-                continue
+            return
+        for sub, start, stop in taken:
             sub.admitted = stop
             self._unqueue(stop - start)
             self.stats["rows_admitted"] += stop - start
             if sub.admitted == sub.rows:
-                self.waiting.popleft()
-        if self.pool is not None:
-            self.stats["max_rows_in_flight"] = max(self.stats["max_rows_in_flight"], len(self.pool.live))
+                self.waiting.remove(sub)
+        self.stats["max_rows_in_flight"] = max(self.stats["max_rows_in_flight"], len(self.pool.live))
 
     def _decode(self) -> None:
         try:
