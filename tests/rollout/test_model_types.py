@@ -7,16 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlspec.core.policy import batch_logprobs
 from rlspec.models.base import byte_tokenizer
 from rlspec.models.factory import load_model
 from rlspec.rollout.architecture import unsupported_reason
-from rlspec.rollout.base import collate, engine_logprobs_tensor
 from rlspec.rollout.decoder import StaticDecoder
 from rlspec.rollout.hf import HFEngine
 from rlspec.rollout.sampling import SampleOptions
 from rlspec.rollout.static import GraphSampler
 from rlspec.spec import ModelSpec, RolloutSpec
+from tests.rollout.test_static_decode import check_logprobs_match_trainer
 
 PRESETS = ("tiny_qwen3", "tiny_gemma3", "tiny_gemma2", "tiny_llama3")
 
@@ -66,13 +65,7 @@ def test_decoder_matches_transformers_past_the_sliding_window(model):
 
 
 def test_engine_logprobs_match_the_trainer(model):
-    engine = _engine(model, max_new_tokens=12, temperature=0.7, top_p=0.9)
-    rollout = engine.generate(["a=", "bcd=", "hello="], n=3, seed=1)
-    batch = collate(rollout, torch.zeros(9), torch.zeros(9), engine.tokenizer.pad_token_id)
-    trainer = batch_logprobs(model, batch, temperature=0.7, micro_batch_size=4, device="cpu")
-    diff = ((trainer - engine_logprobs_tensor(rollout, batch)) * batch.loss_mask).abs().max().item()
-    assert diff < 1e-5, diff
-    assert engine.generate(["a=", "bcd=", "hello="], n=3, seed=1).completion_ids == rollout.completion_ids
+    check_logprobs_match_trainer(_engine(model, max_new_tokens=12, temperature=0.7, top_p=0.9), model)
 
 
 def test_greedy_tokens_are_generates(model):

@@ -47,17 +47,24 @@ def test_decoder_matches_hf_forward_with_left_padding(model):
     assert (last - expected).abs().max().item() < 1e-5
 
 
-def test_graph_path_logprobs_match_trainer_and_are_reproducible(model):
-    engine = _engine(model, max_new_tokens=12, temperature=0.7, top_p=0.9)
+def check_logprobs_match_trainer(engine: HFEngine, model):
+    """The engine's sampled log-probs (12 tokens, temperature 0.7, top-p 0.9) equal the trainer's within 1e-5, and the
+    same seed samples the same tokens; returns the rollout."""
     rollout = engine.generate(["a=", "bcd=", "hello="], n=3, seed=1)
     batch = collate(rollout, torch.zeros(9), torch.zeros(9), engine.tokenizer.pad_token_id)
     trainer = batch_logprobs(model, batch, temperature=0.7, micro_batch_size=4, device="cpu")
     diff = ((trainer - engine_logprobs_tensor(rollout, batch)) * batch.loss_mask).abs().max().item()
     assert diff < 1e-5, diff
+    assert engine.generate(["a=", "bcd=", "hello="], n=3, seed=1).completion_ids == rollout.completion_ids
+    return rollout
+
+
+def test_graph_path_logprobs_match_trainer_and_are_reproducible(model):
+    engine = _engine(model, max_new_tokens=12, temperature=0.7, top_p=0.9)
+    rollout = check_logprobs_match_trainer(engine, model)
     eos = engine.tokenizer.eos_token_id
     for ids in rollout.completion_ids:
         assert 1 <= len(ids) <= 12 and eos not in ids[:-1]
-    assert engine.generate(["a=", "bcd=", "hello="], n=3, seed=1).completion_ids == rollout.completion_ids
     assert engine.generate(["a=", "bcd=", "hello="], n=3, seed=2).completion_ids != rollout.completion_ids
 
 
