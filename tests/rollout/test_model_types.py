@@ -15,7 +15,7 @@ from rlspec.rollout.hf import HFEngine
 from rlspec.rollout.sampling import SampleOptions
 from rlspec.rollout.static import GraphSampler
 from rlspec.spec import ModelSpec, RolloutSpec
-from tests.rollout.test_static_decode import check_logprobs_match_trainer
+from tests.rollout.test_static_decode import check_compiled_samples_like_plain, check_logprobs_match_trainer
 
 PRESETS = ("tiny_qwen3", "tiny_gemma3", "tiny_gemma2", "tiny_llama3")
 
@@ -104,16 +104,4 @@ def test_models_the_engine_cannot_run_are_named():
 def test_compiled_decode_step_samples_like_the_plain_one(preset):
     """The CUDA path's decode step (fused weights, one torch.compile'd function per layer, SDPA where the model
     allows it) run on CPU without graphs: the plain blocks' tokens and log-probs. Slow (Inductor compiles)."""
-    model = _model(preset)
-
-    def run(sampler):
-        engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=10, temperature=0.8), "cpu")
-        engine._fast_sampler = lambda: sampler
-        return engine.generate(["a=", "bcd=", "hello="], n=2, seed=3)
-
-    plain = run(GraphSampler(model, "cpu", use_graphs=False))
-    compiled = run(GraphSampler(model, "cpu", use_graphs=False, compile_blocks=True, fuse_weights=True,
-                                compile_layers=True, sdpa=True))
-    assert compiled.completion_ids == plain.completion_ids
-    diff = max(abs(a - b) for x, y in zip(compiled.completion_logprobs, plain.completion_logprobs) for a, b in zip(x, y))
-    assert diff < 1e-5, diff
+    check_compiled_samples_like_plain(_model(preset), compile_layers=True, sdpa=True)

@@ -145,19 +145,24 @@ def test_fused_weights_and_sdpa_give_the_same_samples(model, fuse, sdpa):
                     p.copy_(saved[n])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layers", [True, False])
-def test_compiled_decoder_samples_like_the_plain_one(model, layers):
-    """The torch.compile'd decode step (per layer, or per block) that the CUDA path uses, run on CPU without
-    graphs: the same tokens and log-probs as the plain blocks. Slow (Inductor compiles for about 30 s)."""
+def check_compiled_samples_like_plain(model, **compiled) -> None:
+    """The CUDA path's compiled decode step (`GraphSampler` with fused weights and compiled blocks, plus `compiled`),
+    run on CPU without graphs, samples the plain blocks' tokens, and their log-probs within 1e-5."""
     def run(sampler):
         engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=10, temperature=0.8), "cpu")
         engine._fast_sampler = lambda: sampler
         return engine.generate(["a=", "bcd=", "hello="], n=2, seed=3)
 
     plain = run(GraphSampler(model, "cpu", use_graphs=False))
-    compiled = run(GraphSampler(model, "cpu", use_graphs=False, compile_blocks=True, fuse_weights=True,
-                                compile_layers=layers))
-    assert compiled.completion_ids == plain.completion_ids
-    diff = max(abs(a - b) for x, y in zip(compiled.completion_logprobs, plain.completion_logprobs) for a, b in zip(x, y))
+    fast = run(GraphSampler(model, "cpu", use_graphs=False, compile_blocks=True, fuse_weights=True, **compiled))
+    assert fast.completion_ids == plain.completion_ids
+    diff = max(abs(a - b) for x, y in zip(fast.completion_logprobs, plain.completion_logprobs) for a, b in zip(x, y))
     assert diff < 1e-5, diff
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers", [True, False])
+def test_compiled_decoder_samples_like_the_plain_one(model, layers):
+    """The torch.compile'd decode step (per layer, or per block) that the CUDA path uses, run on CPU without
+    graphs: the same tokens and log-probs as the plain blocks. Slow (Inductor compiles for about 30 s)."""
+    check_compiled_samples_like_plain(model, compile_layers=layers)
