@@ -14,7 +14,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["qwen3_0p6b_shape", "gemma3_1b_shape", "tiny_gemma2"])
 def test_graph_engine_per_model_type(preset):
     from rlspec.models.base import byte_tokenizer
-    from rlspec.perf.bench_models import GREEDY_GAP_MAX, MULT_PROB_ERROR_MAX, build, greedy_gaps, mult_prob_error
+    from rlspec.perf.bench_models import (GREEDY_GAP_MAX, MULT_PROB_ERROR_MAX, build, greedy_gaps, mult_prob_error,
+                                          reference_errors)
     from rlspec.rollout.hf import HFEngine
     from rlspec.spec import RolloutSpec
 
@@ -28,7 +29,8 @@ def test_graph_engine_per_model_type(preset):
     error, worst = mult_prob_error(model, rollout, 0.9)
     gaps = greedy_gaps(engine, prompts, 32)
     print(f"{preset}: token_mult_prob_error {error:.5f} (max |diff| {worst:.3e}); greedy rows identical to generate's "
-          f"{sum(g == 0 for g in gaps)}/{len(gaps)}, first-difference logit gaps {[round(g, 4) for g in gaps if g]}")
+          f"{sum(g == 0 for g in gaps)}/{len(gaps)}, first-difference logit gaps {[round(g, 4) for g in gaps if g]}; "
+          f"{reference_errors(model, rollout, 0.9)}")
     assert error <= MULT_PROB_ERROR_MAX
     assert max(gaps) <= GREEDY_GAP_MAX, gaps  # random weights: near ties are common, so rows may part at one
 

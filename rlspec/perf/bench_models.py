@@ -9,7 +9,9 @@ For each preset (random init, bf16, SDPA), a JSON line after each part, the last
   same rows at temperature 1 (`top_k=0`, the second call), and `speedup`, their ratio; `--slots 512`: the engine
   again with that many slots (`engine_tokens_per_s_512`, `speedup_512`: 64 x 8 rows decode as one pool);
 - `token_mult_prob_error`: mean over completion tokens of exp(|trainer - engine|) (the trainer's log-probs,
-  `batch_logprobs`, of the engine's samples), and `max_abs_logprob_diff`;
+  `batch_logprobs`, of the engine's samples), and `max_abs_logprob_diff`; beside it, on the first 64 rows
+  (`reference_errors`), `hf_cached_error`: the same measure for transformers' own KV-cached decode of those
+  samples, and each of engine, trainer and that decode against the trainer's forward in fp32 (`*_vs_fp32`);
 - greedy decoding of `--greedy-rows` prompts for `--greedy-tokens` tokens, engine (temperature 0) against
   `generate(do_sample=False)`: `greedy_identical` rows, and for each row that differs the logit gap at its first
   difference (transformers' top logit less that of the engine's token, from one forward of the prefix both share):
@@ -65,6 +67,74 @@ def mult_prob_error(model, rollout, temperature: float, micro_batch_size: int = 
     trainer = batch_logprobs(model, batch, temperature, micro_batch_size, model.device)
     diff = (trainer - engine_logprobs_tensor(rollout, batch)).abs()[batch.loss_mask > 0]
     return diff.exp().mean().item(), diff.max().item()
+
+
+@torch.no_grad()
+def cached_decode_logprobs(model, rollout, temperature: float, rows: int | None = None) -> list[list[float]]:
+    """transformers' own KV-cached decode of the rollout's first `rows` rows (every row without `rows`),
+    teacher-forced: the prompts left-padded and prefilled together, then one forward per completion token, as
+    `generate` runs; each sampled token's log-prob at `temperature`. The baseline for the engine's
+    `token_mult_prob_error`: how far a cached decode of this model type lands from the trainer's full forward in
+    this dtype."""
+    from transformers import DynamicCache
+
+    prompts = rollout.prompt_ids[:rows]
+    completions = rollout.completion_ids[:rows]
+    device, n = model.device, len(prompts)
+    width, steps = max(len(p) for p in prompts), max(len(c) for c in completions)
+    ids = torch.zeros(n, width, dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    tokens = torch.zeros(n, steps, dtype=torch.long)
+    for i, c in enumerate(completions):
+        tokens[i, :len(c)] = torch.tensor(c)
+    ids, mask, tokens = ids.to(device), mask.to(device), tokens.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()  # filled in place, as the `hf` engine's own decode loop uses it
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True).logits[:, -1]
+    logps = []
+    for t in range(steps):
+        logps.append(torch.log_softmax(logits.float() / temperature, -1).gather(-1, tokens[:, t:t + 1])[:, 0])
+        mask = torch.cat([mask, mask.new_ones(n, 1)], 1)
+        positions = positions[:, -1:] + 1
+        logits = model(input_ids=tokens[:, t:t + 1], attention_mask=mask, position_ids=positions,
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+    table = torch.stack(logps, 1).cpu()
+    return [table[i, :len(c)].tolist() for i, c in enumerate(completions)]
+
+
+@torch.no_grad()
+def reference_errors(model, rollout, temperature: float, rows: int = 64) -> dict:
+    """token_mult_prob_error against the trainer's log-probs (`batch_logprobs` in the model's dtype) of the rollout's
+    first `rows` rows, for transformers' KV-cached decode (`cached_decode_logprobs`: `hf_cached_error`), and of
+    the engine, the trainer and that cached decode against the trainer's forward in fp32 (`*_vs_fp32`): whether the
+    engine lands as far from the trainer as transformers' own decode does, and which is nearer the fp32 value."""
+    import copy
+
+    from ..core.policy import batch_logprobs
+    from ..rollout.base import Rollout, collate, engine_logprobs_tensor
+
+    head = Rollout(prompt_ids=rollout.prompt_ids[:rows], completion_ids=rollout.completion_ids[:rows],
+                   completion_logprobs=rollout.completion_logprobs[:rows], texts=rollout.texts[:rows])
+    cached = replace(head, completion_logprobs=cached_decode_logprobs(model, head, temperature))
+    batch = collate(head, torch.zeros(len(head.prompt_ids)), torch.zeros(len(head.prompt_ids)), 0)
+    keep = batch.loss_mask > 0
+    trainer = batch_logprobs(model, batch, temperature, 8, model.device)
+    wide = copy.deepcopy(model).float()
+    exact = batch_logprobs(wide, batch, temperature, 8, model.device)
+    del wide
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    def error(a, b) -> float:
+        return round((a - b).abs()[keep].exp().mean().item(), 5)
+
+    engine, hf_cached = engine_logprobs_tensor(head, batch), engine_logprobs_tensor(cached, batch)
+    return {"hf_cached_error": error(hf_cached, trainer), "engine_vs_fp32": error(engine, exact),
+            "trainer_vs_fp32": error(trainer, exact), "hf_cached_vs_fp32": error(hf_cached, exact)}
 
 
 @torch.no_grad()
@@ -135,6 +205,8 @@ def measure(preset: str, num_prompts: int, group: int, tokens: int, greedy_rows:
     result["engine_tokens_per_s"] = round(rate, 1)
     error, worst = mult_prob_error(model, rollout, 1.0)
     result |= {"token_mult_prob_error": round(error, 5), "max_abs_logprob_diff": round(worst, 4)}
+    report(result)
+    result |= reference_errors(model, rollout, 1.0)
     report(result)
     hf_rate = None
     if hf:

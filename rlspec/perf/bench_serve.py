@@ -11,7 +11,9 @@ comparison. At each concurrency C: two warm-up bursts of C requests (what a firs
 captures), then C streaming requests at once, each its own prompt of `--prompt-tokens` random token ids (or, with
 `--api chat`, a user message of about that many tokens) and `--output-tokens` tokens. Printed per C, one JSON line:
 requests/s and output tokens/s over the burst, time to first token and inter-token latency (a chunk's gap over the
-tokens it carries) p50/p99, and the engine's tokens/s beside it (`serve_vs_engine`: the ratio).
+tokens it carries) p50/p99, and the engine's tokens/s beside it (`serve_vs_engine`: the ratio); `server_admits`,
+`server_admit_s`, `server_steps`, `server_decode_s`: what the server's engine thread did during the burst (its
+admissions and decode runs, `GET /health`'s scheduler counters).
 """
 
 from __future__ import annotations
@@ -75,11 +77,15 @@ async def _burst(url: str, api: str, prompts: list[list[int]], max_tokens: int, 
         for warm_tokens in (4, max_tokens):  # warm-up: the pools (and their graphs) this burst's arrivals and ends use
             await asyncio.gather(*(_one(http, api, model, p, warm_tokens, seed + 7919 + i, time.perf_counter())
                                    for i, p in enumerate(prompts)))
+        before = (await http.get("/health")).json().get("scheduler") or {}
         started = time.perf_counter()
         results = await asyncio.gather(*(_one(http, api, model, p, max_tokens, seed + i, started)
                                          for i, p in enumerate(prompts)))
         wall_s = time.perf_counter() - started
         health = (await http.get("/health")).json()
+    after = health.get("scheduler") or {}
+    server = {f"server_{k}": round(after[k] - before.get(k, 0), 4) for k in ("admits", "admit_s", "steps", "decode_s")
+              if k in after}  # the engine thread's admissions and decode runs during the measured burst
     ttft = [r[0] for r in results]
     gaps = [g for r in results for g in r[1]]
     tokens = sum(r[2] for r in results)
@@ -88,7 +94,7 @@ async def _burst(url: str, api: str, prompts: list[list[int]], max_tokens: int, 
             "ttft_p50_ms": round(statistics.median(ttft) * 1e3, 2), "ttft_p99_ms": round(_quantile(ttft, 0.99) * 1e3, 2),
             "itl_p50_ms": round(_quantile(gaps, 0.5) * 1e3, 3), "itl_p99_ms": round(_quantile(gaps, 0.99) * 1e3, 3),
             "sampler": health.get("sampler"), "batching": (health.get("scheduler") or {}).get("batching"),
-            "max_rows_in_flight": (health.get("scheduler") or {}).get("max_rows_in_flight")}
+            "max_rows_in_flight": after.get("max_rows_in_flight"), **server}
 
 
 def engine_tokens_per_s(engine, prompts: list[list[int]], max_tokens: int, seed: int) -> dict:

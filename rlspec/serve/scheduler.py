@@ -28,6 +28,7 @@ import itertools
 import math
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -163,7 +164,11 @@ class Scheduler:
         self._ids = itertools.count()
         self._cancelled = threading.Event()
         """Set when a client cancels: the next step looks for its rows."""
-        self.stats = {"steps": 0, "rows_admitted": 0, "rows_cancelled": 0, "refused": 0, "max_rows_in_flight": 0}
+        self.stats = {"steps": 0, "rows_admitted": 0, "rows_cancelled": 0, "refused": 0, "max_rows_in_flight": 0,
+                      "admits": 0, "admit_s": 0.0, "decode_s": 0.0}
+        """Counters since start; `admit_s`, `decode_s`: the engine thread's seconds in admissions (`admits` of them:
+        prefill, pool resize, copies into slots) and in decode runs (`steps` of them, each up to `check_every`
+        decode steps and the read of their tokens), host clock."""
         threading.Thread(target=self._loop, name="rlspec-engine", daemon=True).start()
 
     # --- what other threads call ------------------------------------------------------------------------
@@ -232,9 +237,14 @@ class Scheduler:
             self._take(block=not self.waiting and not (self.pool and self.pool.live))
             self._run_jobs()
             self._drop_cancelled()
-            self._admit()
+            began = time.perf_counter()
+            if self._admit():
+                self.stats["admits"] += 1
+                self.stats["admit_s"] += time.perf_counter() - began
             if self.pool is not None and self.pool.live:
+                began = time.perf_counter()
                 self._decode()
+                self.stats["decode_s"] += time.perf_counter() - began
 
     def _take(self, block: bool) -> None:
         try:
@@ -276,10 +286,10 @@ class Scheduler:
             self.stats["rows_cancelled"] += len(gone)
             self.pool.release(gone)
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
         """Rows of the requests at the head of the queue into the free slots, all in one `ServingPool.admit` (one
         batched prefill, one resize of the pool), not a request at a time: requests that arrive together start
-        together."""
+        together. Whether any rows were taken."""
         while self.pool is None and self.waiting and isinstance(self.waiting[0], Submission):
             try:
                 self.pool = make_pool(self.engine)
@@ -288,10 +298,10 @@ class Scheduler:
                 self._unqueue(sub.rows)
                 sub.finish(err)
         if self.pool is None or not (self.waiting and isinstance(self.waiting[0], Submission)):
-            return
+            return False
         free = self.pool.free()
         if not free:
-            return
+            return False
         if not self.pool.live:
             # Weights may have changed while the pool was idle: a job (a push), or a colocated trainer's step
             # on the module an in-process engine shares with it (the agent gateway's).
@@ -318,7 +328,7 @@ class Scheduler:
                 self._unqueue(sub.rows - sub.admitted)
                 sub.cancel()  # rows of it already in flight leave at the next step
                 sub.finish(err)
-            return
+            return True
         for sub, start, stop in taken:
             sub.admitted = stop
             self._unqueue(stop - start)
@@ -326,6 +336,7 @@ class Scheduler:
             if sub.admitted == sub.rows:
                 self.waiting.remove(sub)
         self.stats["max_rows_in_flight"] = max(self.stats["max_rows_in_flight"], len(self.pool.live))
+        return True
 
     def _decode(self) -> None:
         try:

@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra; under `.devicepkgs/extra` the wheels
 # `bash tests/gpu/pack_extra.sh` downloads, whose header lists them: the serve stack, the openai client, TRL).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat agents64 train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
+# Sections: install gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat agents64 train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
 # scale7b weak15b sync7b engines2 models offload multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f multigpu_g (multigpu: all seven).
 # The multigpu parts (issue 44) each fit one 10-minute call on a 4-GPU machine, one call per part; each row runs under
 # its own timeout and every row refreshes $OUT/multigpu_table.txt (tests/gpu/multigpu_table.py), so a call cut short
@@ -37,9 +37,16 @@ set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}; mkdir -p "$FINAL"  # a new subfolder of the device tool's $OUT is made here
 # everything lands here, emptied first (a warm machine keeps the last call's); $FINAL gets results.txt and all.tgz
-OUT=/tmp/measure; rm -rf $OUT; mkdir -p $OUT
+# Several measure.sh may run at once on one machine, each on GPUs of its own (CUDA_VISIBLE_DEVICES): each then
+# takes a scratch folder of its own (MEASURE_TMP, default /tmp), and all but the first MEASURE_INSTALLED=1 (the
+# first installs; see the multigpu parts' note below)
+SCRATCH=${MEASURE_TMP:-/tmp}; mkdir -p $SCRATCH
+ONE=${CUDA_VISIBLE_DEVICES:-0}; ONE=${ONE%%,*}  # the one-GPU sections run on the first GPU this call may use
+OUT=$SCRATCH/measure; rm -rf $OUT; mkdir -p $OUT
 source .devicepkgs/install.sh
-if ! ls .devicepkgs/extra/*.whl > /dev/null 2>&1; then
+if [ -n "${MEASURE_INSTALLED:-}" ]; then
+  :  # another measure.sh of this call installed rlspec and the extras
+elif ! ls .devicepkgs/extra/*.whl > /dev/null 2>&1; then
   # without them the server's GPU tests fail on a missing uvicorn and the TRL rows cannot run
   echo "no .devicepkgs/extra: run 'bash tests/gpu/pack_extra.sh' here before the call (serve stack, openai, TRL)" \
     | tee -a $OUT/results.txt
@@ -48,8 +55,10 @@ elif [ ! -f /tmp/site/.extra ]; then  # a warm machine keeps these from the last
     && touch /tmp/site/.extra
 fi
 # rlspec itself every call: the working tree changes between calls
-rm -rf /tmp/site/rlspec /tmp/site/rlspec-*.dist-info build  # a warm machine's build/ would reinstall the last call's files
-python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/site . >> $OUT/install.log 2>&1
+if [ -z "${MEASURE_INSTALLED:-}" ]; then
+  rm -rf /tmp/site/rlspec /tmp/site/rlspec-*.dist-info build  # a warm machine's build/ would reinstall the last call's files
+  python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/site . >> $OUT/install.log 2>&1
+fi
 nvidia-smi -L >> $OUT/install.log
 cd /tmp  # not the project root: its ./rlspec (a source tree) would shadow the installed package
 RL="python3 -m rlspec.cli"
@@ -62,6 +71,7 @@ keep() {  # copy a bench's per-backend metrics next to its log, as they are (ben
 }
 
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && NGPU=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
 mg_done() {  # the multigpu table so far, and everything copied out (kept if the call is cut short)
   python3 $ROOT/tests/gpu/multigpu_table.py $OUT > $OUT/multigpu_table.txt 2>&1
   cp $OUT/results.txt $OUT/multigpu_table.txt $FINAL/; tar -czf $FINAL/all.tgz -C $OUT .
@@ -72,11 +82,11 @@ mg_limit() {  # a bench row's timeout on N GPUs: the 1-GPU row took 142 s on an 
 mg_bench() {  # ROW GPUS TIMEOUT_S BACKEND SPEC [OVERRIDES...]: one bench row of the multigpu table
   local row=$1 need=$2 limit=$3 be=$4; shift 4
   if [ $NGPU -lt $need ]; then echo "$row: skipped, needs $need GPUs ($NGPU here)" >> $OUT/results.txt; return; fi
-  timeout $limit $RL bench "$@" --backends $be --out /tmp/b_mg_$row > $OUT/mg_$row.log 2>&1
+  timeout $limit $RL bench "$@" --backends $be --out $SCRATCH/b_mg_$row > $OUT/mg_$row.log 2>&1
   echo $? > $OUT/mg_$row.exit
-  cp /tmp/b_mg_$row/$be/plan.json $OUT/mg_${row}_plan.json 2>/dev/null
+  cp $SCRATCH/b_mg_$row/$be/plan.json $OUT/mg_${row}_plan.json 2>/dev/null
   echo "$row exit $(cat $OUT/mg_$row.exit)" >> $OUT/results.txt; grep -m3 "Error\|error:" $OUT/mg_$row.log >> $OUT/results.txt
-  keep mg_$row /tmp/b_mg_$row; mg_done
+  keep mg_$row $SCRATCH/b_mg_$row; mg_done
 }
 mg_push() {  # ROW GPUS BENCH_SYNC_ARGS...: one push row (the 7B shape, fsdp ranks and Ray engines)
   local row=$1 need=$2; shift 2
@@ -89,23 +99,25 @@ sections=$(echo "$@" | sed 's/\bmultigpu\b/multigpu_a multigpu_b multigpu_c mult
 
 for section in $sections; do
   start=$(date +%s)
-  rm -rf /tmp/b_* /tmp/ds_*  # a warm machine keeps the last call's runs
+  rm -rf $SCRATCH/b_* $SCRATCH/ds_*  # a warm machine keeps the last call's runs
   echo "== $section" >> $OUT/results.txt
   case $section in
+    install)  # nothing more: rlspec and the carried packages installed (before several measure.sh run at once)
+      ;;
     gputests)  # the GPU-marked tests (engine log-probs vs trainer, sampler distribution, cuda_ipc, the server);
       # GPUTESTS=<paths> runs a subset
       # From a copy of tests/ and examples/: in the project root its ./rlspec source tree would shadow the
       # installed package (the tests start `python -m rlspec.cli` subprocesses there).
-      rm -rf /tmp/gputests; mkdir -p /tmp/gputests; cp -r $ROOT/tests $ROOT/examples $ROOT/pyproject.toml /tmp/gputests/
+      rm -rf $SCRATCH/gputests; mkdir -p $SCRATCH/gputests; cp -r $ROOT/tests $ROOT/examples $ROOT/pyproject.toml $SCRATCH/gputests/
       # Four workers on the one GPU (GPU_WORKERS=1: one at a time): one at a time the whole set ran past 300 s.
-      (cd /tmp/gputests && timeout 500 python3 -m pytest -q -p no:cacheprovider -n ${GPU_WORKERS:-4} -rfEs \
+      (cd $SCRATCH/gputests && timeout 500 python3 -m pytest -q -p no:cacheprovider -p no:logging -n ${GPU_WORKERS:-4} -rfEs \
         --durations=8 -m gpu ${GPUTESTS:-tests} 2>&1 | tail -40) >> $OUT/results.txt ;;
     dsync)  # issue 8: the deepspeed backend colocated on one GPU, its step's sync through cuda_ipc and through ray
       for m in cuda_ipc ray; do
-        CUDA_VISIBLE_DEVICES=0 timeout 200 $RL run $ROOT/examples/tiny.yaml --backend deepspeed model=qwen2_0p5b_shape \
+        CUDA_VISIBLE_DEVICES=$ONE timeout 200 $RL run $ROOT/examples/tiny.yaml --backend deepspeed model=qwen2_0p5b_shape \
           hardware=gpu1 sync.method=$m algorithm.steps=4 rollout.max_new_tokens=16 checkpoint.every_n_steps=0 \
-          checkpoint.save_optimizer=false --out /tmp/ds_$m --no-progress > $OUT/dsync_$m.log 2>&1
-        echo "$m exit $?" >> $OUT/results.txt; cp /tmp/ds_$m/metrics.jsonl $OUT/dsync_$m.jsonl 2>/dev/null
+          checkpoint.save_optimizer=false --out $SCRATCH/ds_$m --no-progress > $OUT/dsync_$m.log 2>&1
+        echo "$m exit $?" >> $OUT/results.txt; cp $SCRATCH/ds_$m/metrics.jsonl $OUT/dsync_$m.jsonl 2>/dev/null
       done ;;
     fsdp1)  # issue 7: the three backends on one GPU (all three take more than one 10-minute device call:
       # BACKENDS=standalone,deepspeed in one, BACKENDS=standalone,fsdp in the next; deepspeed@model.compile_layers=false
@@ -116,53 +128,53 @@ for section in $sections; do
       # BACKENDS="standalone,deepspeed@hardware.deepspeed.zero_stage=1,deepspeed" EXTRA="algorithm.steps=5", then with
       # rollout.prompts_per_step=32 added, one call each; fsdp's (backends/fsdp/README.md,
       # one H200): BACKENDS=standalone,fsdp with the same two EXTRA values, one call each
-      CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $BENCH algorithm.steps=3 ${EXTRA:-} \
+      CUDA_VISIBLE_DEVICES=$ONE timeout 590 $RL bench $BENCH algorithm.steps=3 ${EXTRA:-} \
         --backends ${BACKENDS:-standalone,deepspeed,fsdp} \
-        --out /tmp/b_fsdp1 > $OUT/fsdp1.log 2>&1; echo "exit $?" >> $OUT/results.txt
-      keep fsdp1 /tmp/b_fsdp1; tail -8 $OUT/fsdp1.log >> $OUT/results.txt ;;
+        --out $SCRATCH/b_fsdp1 > $OUT/fsdp1.log 2>&1; echo "exit $?" >> $OUT/results.txt
+      keep fsdp1 $SCRATCH/b_fsdp1; tail -8 $OUT/fsdp1.log >> $OUT/results.txt ;;
     nccl)  # issue 8: the bridge's nccl push across 2 GPUs beside a raw broadcast of the same bytes
       timeout 200 python3 -m rlspec.perf.bench_sync --method nccl --repeats 5 --json $OUT/bench_nccl.json >> $OUT/results.txt 2>&1 ;;
     ipc)  # issue 8: cuda_ipc push on one GPU beside a device-to-device copy of the same bytes
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.bench_sync --method cuda_ipc --repeats 10 \
+      CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 -m rlspec.perf.bench_sync --method cuda_ipc --repeats 10 \
         --json $OUT/bench_ipc.json >> $OUT/results.txt 2>&1 ;;
     bridge)  # issue 8: standalone with its rollout server on GPU 1 (nccl bridge) beside standalone colocated on GPU 0
       for mode in separate colocated; do
         hw=$([ $mode = separate ] && echo "hardware=gpu2_separate sync.method=nccl" || echo "hardware=gpu1")
-        timeout 240 $RL bench $BENCH $hw algorithm.steps=5 --backends standalone --out /tmp/b_$mode > $OUT/bridge_$mode.log 2>&1
-        echo "$mode exit $?" >> $OUT/results.txt; keep bridge_$mode /tmp/b_$mode; tail -4 $OUT/bridge_$mode.log >> $OUT/results.txt
+        timeout 240 $RL bench $BENCH $hw algorithm.steps=5 --backends standalone --out $SCRATCH/b_$mode > $OUT/bridge_$mode.log 2>&1
+        echo "$mode exit $?" >> $OUT/results.txt; keep bridge_$mode $SCRATCH/b_$mode; tail -4 $OUT/bridge_$mode.log >> $OUT/results.txt
       done ;;
     async)  # issue 10: engine on its own GPU, nccl sync, the same spec synchronous and asynchronous
       for mode in sync async; do
         timeout 240 $RL bench $BENCH hardware=gpu2_separate sync.method=nccl algorithm.steps=6 rollout.mode=$mode \
-          rollout.max_staleness=1 --backends fsdp --out /tmp/b_$mode > $OUT/async_$mode.log 2>&1
-        echo "$mode exit $?" >> $OUT/results.txt; keep async_$mode /tmp/b_$mode; tail -4 $OUT/async_$mode.log >> $OUT/results.txt
+          rollout.max_staleness=1 --backends fsdp --out $SCRATCH/b_$mode > $OUT/async_$mode.log 2>&1
+        echo "$mode exit $?" >> $OUT/results.txt; keep async_$mode $SCRATCH/b_$mode; tail -4 $OUT/async_$mode.log >> $OUT/results.txt
       done ;;
     trl8|trl32|trl64)  # issue 9: the standalone engine beside TRL's GRPOTrainer, 8, 32 or 64 prompts x 8 (issue 18:
       # the train phase's MFU at 32 and 64 x 8); BACKENDS= the runs (default standalone; e.g. standalone,standalone@KEY=VALUE)
       p=${section#trl}
-      CUDA_VISIBLE_DEVICES=0 timeout 480 $RL bench $BENCH rollout.prompts_per_step=$p --backends ${BACKENDS:-standalone} ${REFERENCE---reference trl} \
-        --out /tmp/b_$section > $OUT/$section.log 2>&1; echo "exit $?" >> $OUT/results.txt
-      keep $section /tmp/b_$section; tail -8 $OUT/$section.log >> $OUT/results.txt ;;
+      CUDA_VISIBLE_DEVICES=$ONE timeout 480 $RL bench $BENCH rollout.prompts_per_step=$p --backends ${BACKENDS:-standalone} ${REFERENCE---reference trl} \
+        --out $SCRATCH/b_$section > $OUT/$section.log 2>&1; echo "exit $?" >> $OUT/results.txt
+      keep $section $SCRATCH/b_$section; tail -8 $OUT/$section.log >> $OUT/results.txt ;;
     engine)  # issue 9: where the engine's generation time goes (prefill, capture, decode step, kernels), per sampler variant
-      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_engine $BENCH > $OUT/engine_8.txt 2>&1
+      CUDA_VISIBLE_DEVICES=$ONE timeout 300 python3 -m rlspec.perf.profile_engine $BENCH > $OUT/engine_8.txt 2>&1
       echo "engine 8 exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_8.txt | head -14 >> $OUT/results.txt
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH rollout.prompts_per_step=32 \
+      CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 -m rlspec.perf.profile_engine $BENCH rollout.prompts_per_step=32 \
         --variants fused,fused_layers --rows 0 > $OUT/engine_32.txt 2>&1
       echo "engine 32 exit $?" >> $OUT/results.txt; head -8 $OUT/engine_32.txt >> $OUT/results.txt ;;
     longtail)  # issue 19: geometric lengths (median 100, 1,024 budget) at 32 x 8: continuous batching, the static
       # batch and TRL in one bench call (continuous with the default 256 slots and with 64), each with its length
       # histogram (response_len/*) beside its tokens/s; BACKENDS=standalone EXTRA=algorithm.steps=3: the default
       # engine and TRL only, in a shorter call
-      CUDA_VISIBLE_DEVICES=0 timeout 590 $RL bench $ROOT/examples/bench_longtail.yaml ${EXTRA:-} \
+      CUDA_VISIBLE_DEVICES=$ONE timeout 590 $RL bench $ROOT/examples/bench_longtail.yaml ${EXTRA:-} \
         --backends ${BACKENDS:-standalone,standalone@rollout.decode_slots=64,standalone@rollout.continuous_batching=false} \
         ${REFERENCE---reference trl} \
-        --out /tmp/b_longtail > $OUT/longtail.log 2>&1; echo "exit $?" >> $OUT/results.txt
-      keep longtail /tmp/b_longtail; tail -20 $OUT/longtail.log >> $OUT/results.txt ;;
+        --out $SCRATCH/b_longtail > $OUT/longtail.log 2>&1; echo "exit $?" >> $OUT/results.txt
+      keep longtail $SCRATCH/b_longtail; tail -20 $OUT/longtail.log >> $OUT/results.txt ;;
     decode_step)  # issue 19: the fixed 64 x 256 batch's decode step alone, for the profile_engine variants VARIANTS=...
       # (default: the default step, and the same with the work outside the decoder layers run eagerly); EXTRA=
       # overrides (a few rows: EXTRA="rollout.prompts_per_step=1 algorithm.group_size=4 algorithm.micro_batch_size=4"),
       # ROWS=30: the kernel tables
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH ${EXTRA:-} \
+      CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 -m rlspec.perf.profile_engine $BENCH ${EXTRA:-} \
         --variants ${VARIANTS:-fused_layers_sdpa,fused_layers_sdpa_eager_ends} --rows ${ROWS:-0} > $OUT/decode_step.txt 2>&1
       echo "decode step exit $?" >> $OUT/results.txt; head -12 $OUT/decode_step.txt >> $OUT/results.txt ;;
     engine_longtail)  # issue 19: the engine alone on the long-tailed 32 x 8 batch: generate with and without continuous
@@ -170,10 +182,10 @@ for section in $sections; do
       # default pool (the default one, and the same without the decode kernels: VARIANTS=... to change);
       # and the fixed 8 x 8 x 256 batch's decode step (no regression: 1.43 ms on the H200 before issue 19; FIXED_VARIANTS=...
       # to compare variants there too)
-      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_engine $ROOT/examples/bench_longtail.yaml \
+      CUDA_VISIBLE_DEVICES=$ONE timeout 300 python3 -m rlspec.perf.profile_engine $ROOT/examples/bench_longtail.yaml \
         --variants ${VARIANTS:-fused_layers_sdpa,fused_layers_sdpa_masked} --rows 0 > $OUT/engine_longtail.txt 2>&1
       echo "engine longtail exit $?" >> $OUT/results.txt; head -12 $OUT/engine_longtail.txt >> $OUT/results.txt
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_engine $BENCH \
+      CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 -m rlspec.perf.profile_engine $BENCH \
         --variants ${FIXED_VARIANTS:-fused_layers_sdpa} --rows 30 > $OUT/engine_fixed.txt 2>&1
       echo "engine fixed exit $?" >> $OUT/results.txt; grep -v "^ " $OUT/engine_fixed.txt | head -12 >> $OUT/results.txt ;;
     tail)  # issue 19: continuous batching's long tail, the engine alone on the long-tailed 32 x 8 batch: generate with and
@@ -181,23 +193,23 @@ for section in $sections; do
       # time, split too (default: the default, the default before the tail's pools halved down to 16 slots, each
       # captured ahead, and the tail never moving);
       # EXTRA=rollout.prompts_per_step=64: 64 x 8, twice the default pool, so continuous batching refills slots
-      CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-280} python3 -m rlspec.perf.profile_engine $ROOT/examples/bench_longtail.yaml ${EXTRA:-} \
+      CUDA_VISIBLE_DEVICES=$ONE timeout ${LIMIT:-280} python3 -m rlspec.perf.profile_engine $ROOT/examples/bench_longtail.yaml ${EXTRA:-} \
         --variants ${VARIANTS:-fused_layers_sdpa,fused_layers_sdpa_quarter_floor1_no_ahead,fused_layers_sdpa_no_shrink} --rows 0 \
         --timeline > $OUT/tail.txt 2>&1
       echo "tail exit $?" >> $OUT/results.txt; cat $OUT/tail.txt >> $OUT/results.txt ;;
     train_ab)  # issue 18: the train phase alone, padded vs packed vs token budgets, uniform and spread lengths
-      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.bench_train --rows ${ROWS:-64,256} \
+      CUDA_VISIBLE_DEVICES=$ONE timeout 240 python3 -m rlspec.perf.bench_train --rows ${ROWS:-64,256} \
         --json $OUT/train_ab.json > $OUT/train_ab.txt 2>&1; echo "train_ab exit $?" >> $OUT/results.txt
       tail -20 $OUT/train_ab.txt >> $OUT/results.txt ;;
     profile)  # issue 9: where the standalone train phase spends its time (kernels, host syncs, busy share)
       for p in 8 32; do
-        CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=$p --steps 3 \
+        CUDA_VISIBLE_DEVICES=$ONE timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=$p --steps 3 \
           > $OUT/profile_$p.txt 2>&1; echo "profile $p exit $?" >> $OUT/results.txt
       done ;;
     profile_ab)  # issue 18: the packed train phase at 32 x 8 under a 16k-token budget, eager layers against compiled ones
       # (model.compile_layers); PT_EXTRA=<overrides> adds to both; P=64: 64 prompts x 8
       for c in false true; do
-        CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
+        CUDA_VISIBLE_DEVICES=$ONE timeout 300 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
           algorithm.micro_batch_tokens=16384 model.compile_layers=$c ${PT_EXTRA:-} --steps 4 > $OUT/profile_ab_$c.txt 2>&1
         echo "profile compile_layers=$c exit $?" >> $OUT/results.txt; head -4 $OUT/profile_ab_$c.txt >> $OUT/results.txt
       done ;;
@@ -205,22 +217,22 @@ for section in $sections; do
       # the last step's Chrome trace in $OUT/trace<P>.json.gz, to find where the GPU idles (STACKS=--stacks: with
       # Python stacks; EXTRA= more overrides)
       P=${P:-32}
-      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=$P \
-        algorithm.micro_batch_tokens=${BUDGET:-16384} model.compile_layers=true ${EXTRA:-} --steps 4 --rows 40 --trace /tmp/trace$P.json ${STACKS:-} \
+      CUDA_VISIBLE_DEVICES=$ONE timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=$P \
+        algorithm.micro_batch_tokens=${BUDGET:-16384} model.compile_layers=true ${EXTRA:-} --steps 4 --rows 40 --trace $SCRATCH/trace$P.json ${STACKS:-} \
         > $OUT/trace$P.txt 2>&1; echo "trace$P exit $?" >> $OUT/results.txt; head -4 $OUT/trace$P.txt >> $OUT/results.txt
-      gzip -c /tmp/trace$P.json > $OUT/trace$P.json.gz ;;
+      gzip -c $SCRATCH/trace$P.json > $OUT/trace$P.json.gz ;;
     host)  # issue 18: the train phase's host time at P x 8 (default 32): Python's garbage collector paused in the
       # micro-batch loops (the default) or automatic, and the CUDA allocator with expandable segments; 6 steps each
       for run in automatic paused paused@expandable; do
         gcmode=${run%%@*}; alloc=""; [ "$run" != "$gcmode" ] && alloc="expandable_segments:True"
-        PYTORCH_CUDA_ALLOC_CONF=$alloc CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_train $BENCH \
+        PYTORCH_CUDA_ALLOC_CONF=$alloc CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 -m rlspec.perf.profile_train $BENCH \
           rollout.prompts_per_step=${P:-32} --gc $gcmode --steps 6 --rows 10 > $OUT/host_${gcmode}_${alloc%%:*}.txt 2>&1
         echo "host $run exit $?" >> $OUT/results.txt; head -9 $OUT/host_${gcmode}_${alloc%%:*}.txt | grep -v Warn >> $OUT/results.txt
       done ;;
     split)  # issue 18: token-budget micro-batches first-fit against evened out (the default), at P x 8 (default 32)
       # and a 32k budget, the runs interleaved
       for split in first-fit even first-fit even; do
-        CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
+        CUDA_VISIBLE_DEVICES=$ONE timeout 120 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
           algorithm.micro_batch_tokens=32768 --split $split --steps 6 --rows 5 > $OUT/split_$split.txt 2>&1
         echo "split $split exit $?" >> $OUT/results.txt; grep -E "train phase|peak" $OUT/split_$split.txt >> $OUT/results.txt
       done ;;
@@ -228,7 +240,7 @@ for section in $sections; do
       # and as Triton kernels (the default, rlspec.core.fused_head); HEADS= the runs, in order (default: compiled triton);
       # EXTRA= more overrides
       for head in ${HEADS:-compiled triton}; do
-        CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
+        CUDA_VISIBLE_DEVICES=$ONE timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
           ${EXTRA:-} --head $head --steps ${STEPS:-6} --rows 8 > $OUT/headtrain_$head.txt 2>&1
         echo "headtrain $head exit $?" >> $OUT/results.txt; grep -E "train phase|peak|kernel" $OUT/headtrain_$head.txt | head -6 >> $OUT/results.txt
       done ;;
@@ -238,14 +250,14 @@ for section in $sections; do
       i=0
       for run in old new old new; do
         i=$((i + 1)); cp $ROOT/$([ $run = old ] && echo ${AB_OLD:?} || echo ${AB_FILE:?}) /tmp/site/$AB_FILE
-        CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
+        CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-32} \
           ${EXTRA:-} --steps ${STEPS:-6} --rows 8 > $OUT/ab_${i}_$run.txt 2>&1
         echo "ab $i $run exit $?" >> $OUT/results.txt; grep -E "train phase|segments" $OUT/ab_${i}_$run.txt >> $OUT/results.txt
       done
       cp $ROOT/$AB_FILE /tmp/site/$AB_FILE ;;
     few_kernels)  # issue 19: the decode kernels' tiles swept at the tail's few rows (ROWS=4,16), live attention's
       # parts over a 1,152-token cache there, and an empty kernel's floor; one JSON line each
-      CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-420} python3 -m rlspec.perf.bench_decode_kernels --few-rows ${ROWS:-4,16} \
+      CUDA_VISIBLE_DEVICES=$ONE timeout ${LIMIT:-420} python3 -m rlspec.perf.bench_decode_kernels --few-rows ${ROWS:-4,16} \
         > $OUT/few_kernels.txt 2>&1
       echo "few_kernels exit $?" >> $OUT/results.txt; cat $OUT/few_kernels.txt >> $OUT/results.txt ;;
     decode_kernels)  # issue 19: the decode step's Triton kernels beside what they replace (split-K projections, with
@@ -253,11 +265,11 @@ for section in $sections; do
       # against cuDNN's SDPA, the LM head with its sampling race against cuBLAS's head then the compiled race), then
       # the fixed 64 x 256 decode step with all of them and without each (profile_engine variants), with its kernel
       # table
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.bench_decode_kernels > $OUT/decode_kernels.txt 2>&1
+      CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 -m rlspec.perf.bench_decode_kernels > $OUT/decode_kernels.txt 2>&1
       echo "decode_kernels exit $?" >> $OUT/results.txt; cat $OUT/decode_kernels.txt >> $OUT/results.txt
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m rlspec.perf.bench_decode_kernels --head > $OUT/sampled_head.txt 2>&1
+      CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 -m rlspec.perf.bench_decode_kernels --head > $OUT/sampled_head.txt 2>&1
       echo "sampled_head exit $?" >> $OUT/results.txt; cat $OUT/sampled_head.txt >> $OUT/results.txt; cp $OUT/results.txt $FINAL/
-      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m rlspec.perf.profile_engine $BENCH --variants ${VARIANTS:-fused_layers_sdpa,\
+      CUDA_VISIBLE_DEVICES=$ONE timeout 300 python3 -m rlspec.perf.profile_engine $BENCH --variants ${VARIANTS:-fused_layers_sdpa,\
 fused_layers_sdpa_cublas_qkv,fused_layers_sdpa_cache_write,fused_layers_sdpa_ungated,fused_layers_sdpa_logits,\
 fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_masked} \
         --rows 40 > $OUT/engine_decode.txt 2>&1
@@ -265,7 +277,7 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
     head)  # issue 18: the log-prob head at one chunk: the unfused chunk's elementwise kernels by how they are
       # compiled, beside a device copy of the same logits; a whole chunk forward and backward, unfused against the
       # Triton head (rlspec.core.fused_head), beside cuBLAS's logits GEMM; the Triton head's tile sweep
-      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.bench_head --sweep > $OUT/head.json 2>&1
+      CUDA_VISIBLE_DEVICES=$ONE timeout 240 python3 -m rlspec.perf.bench_head --sweep > $OUT/head.json 2>&1
       echo "head exit $?" >> $OUT/results.txt; cat $OUT/head.json >> $OUT/results.txt ;;
     trainers)  # issue 18: each backend's train phase on one GPU, its one rank in this process (profile_train
       # --backend: the kernel table, busy share and the last step's trace in $OUT/trainers_<run>_<P>.json.gz),
@@ -286,10 +298,10 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
       for run in ${RUNS:-standalone fsdp deepspeed}; do
         b=${run%%@*}; extra=""; [ "$run" != "$b" ] && extra=$(echo ${run#*@} | tr , ' ')
         name=$(echo $run | tr '@=,.' '____')
-        CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-8} \
-          $extra --backend $b --steps 4 --trace /tmp/trainers.json > $OUT/trainers_${name}_${P:-8}.txt 2>&1
+        CUDA_VISIBLE_DEVICES=$ONE timeout 240 python3 -m rlspec.perf.profile_train $BENCH rollout.prompts_per_step=${P:-8} \
+          $extra --backend $b --steps 4 --trace $SCRATCH/trainers.json > $OUT/trainers_${name}_${P:-8}.txt 2>&1
         echo "trainers $run P=${P:-8} exit $?" >> $OUT/results.txt; head -4 $OUT/trainers_${name}_${P:-8}.txt >> $OUT/results.txt
-        [ -f /tmp/trainers.json ] && gzip -c /tmp/trainers.json > $OUT/trainers_${name}_${P:-8}.json.gz; rm -f /tmp/trainers.json
+        [ -f $SCRATCH/trainers.json ] && gzip -c $SCRATCH/trainers.json > $OUT/trainers_${name}_${P:-8}.json.gz; rm -f $SCRATCH/trainers.json
         cp $OUT/results.txt $FINAL/  # kept if the call is cut short (a run takes 1.5-2.5 min: three or four fit in one call)
       done ;;
     threads)  # issue 18: the batch-packing CPU ops beside one in-process deepspeed rank (tests/gpu/probe_threads.py),
@@ -313,25 +325,25 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
       for mode in agent plain; do
         extra=$([ $mode = plain ] && echo "rollout.agent.function=null rollout.max_new_tokens=8" || echo "rollout.agent.concurrency=64")
         timeout 280 $RL run $ROOT/examples/agent_chat_tool.yaml hardware=gpu1 rollout.prompts_per_step=8 algorithm.steps=5 \
-          checkpoint.every_n_steps=0 $extra --out /tmp/b_agents64_$mode --no-progress > $OUT/agents64_$mode.log 2>&1
-        echo "agents64 $mode exit $?" >> $OUT/results.txt; cp /tmp/b_agents64_$mode/metrics.jsonl $OUT/agents64_$mode.jsonl
+          checkpoint.every_n_steps=0 $extra --out $SCRATCH/b_agents64_$mode --no-progress > $OUT/agents64_$mode.log 2>&1
+        echo "agents64 $mode exit $?" >> $OUT/results.txt; cp $SCRATCH/b_agents64_$mode/metrics.jsonl $OUT/agents64_$mode.jsonl
         python3 -c "import json,sys,statistics as s; rows=[json.loads(l) for l in open(sys.argv[1])][1:]
 print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen'] for r in rows), 1))" \
-          /tmp/b_agents64_$mode/metrics.jsonl $mode >> $OUT/results.txt 2>&1
+          $SCRATCH/b_agents64_$mode/metrics.jsonl $mode >> $OUT/results.txt 2>&1
       done ;;
     scale7b)  # issue 22 (needs 8 GPUs): the 7B shape, bf16, 64 prompts x 8 on the long-tailed lengths, fsdp and deepspeed
       # colocated on 8 GPUs (a trainer rank and an engine per GPU), one bench call
       timeout 590 $RL bench $ROOT/examples/bench_longtail.yaml model=qwen2_7b_shape hardware=gpu8_colocated \
-        rollout.prompts_per_step=64 algorithm.steps=3 --backends fsdp,deepspeed --out /tmp/b_scale7b \
+        rollout.prompts_per_step=64 algorithm.steps=3 --backends fsdp,deepspeed --out $SCRATCH/b_scale7b \
         > $OUT/scale7b.log 2>&1; echo "exit $?" >> $OUT/results.txt
-      keep scale7b /tmp/b_scale7b; tail -8 $OUT/scale7b.log >> $OUT/results.txt ;;
+      keep scale7b $SCRATCH/b_scale7b; tail -8 $OUT/scale7b.log >> $OUT/results.txt ;;
     weak15b)  # issue 22 (needs 8 GPUs): weak scaling of fsdp, the 1.5B shape, 8 prompts x 8 per GPU on 1, 2, 4, 8 GPUs
       for n in 1 2 4 8; do
         hw=$([ $n = 1 ] && echo "hardware=gpu1" || echo "hardware=gpu${n}_colocated")
         timeout 280 $RL bench $ROOT/examples/bench_longtail.yaml model=qwen2_1p5b_shape $hw \
-          rollout.prompts_per_step=$((8 * n)) algorithm.steps=3 --backends fsdp --out /tmp/b_weak$n \
+          rollout.prompts_per_step=$((8 * n)) algorithm.steps=3 --backends fsdp --out $SCRATCH/b_weak$n \
           > $OUT/weak15b_$n.log 2>&1; echo "weak $n exit $?" >> $OUT/results.txt
-        keep weak15b_$n /tmp/b_weak$n; tail -3 $OUT/weak15b_$n.log >> $OUT/results.txt
+        keep weak15b_$n $SCRATCH/b_weak$n; tail -3 $OUT/weak15b_$n.log >> $OUT/results.txt
       done ;;
     sync7b)  # issue 22: the 7B shape's nccl push to one rollout server beside a raw broadcast of the same bytes (2 GPUs;
       # a push to 8 engines needs a bridge with several receivers, not built yet)
@@ -358,19 +370,19 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
       done
       for n in 1 2; do
         urls=$([ $n = 1 ] && echo "http://127.0.0.1:8201" || echo "http://127.0.0.1:8200,http://127.0.0.1:8201")
-        CUDA_VISIBLE_DEVICES=0 timeout 400 $RL run $E2 hardware=gpu2_separate hardware.num_rollout_engines=$n \
+        CUDA_VISIBLE_DEVICES=$ONE timeout 400 $RL run $E2 hardware=gpu2_separate hardware.num_rollout_engines=$n \
           sync.method=checkpoint "rollout.server_urls=[$urls]" rollout.server_start_timeout_s=300 \
-          --out /tmp/b_engines2_joined$n --no-progress > $OUT/engines2_joined$n.log 2>&1
-        echo "joined $n server(s) exit $?" >> $OUT/results.txt; cp /tmp/b_engines2_joined$n/metrics.jsonl $OUT/engines2_joined$n.jsonl
-        rate /tmp/b_engines2_joined$n/metrics.jsonl "joined $n"; cp $OUT/results.txt $FINAL/  # kept if the call is cut short
+          --out $SCRATCH/b_engines2_joined$n --no-progress > $OUT/engines2_joined$n.log 2>&1
+        echo "joined $n server(s) exit $?" >> $OUT/results.txt; cp $SCRATCH/b_engines2_joined$n/metrics.jsonl $OUT/engines2_joined$n.jsonl
+        rate $SCRATCH/b_engines2_joined$n/metrics.jsonl "joined $n"; cp $OUT/results.txt $FINAL/  # kept if the call is cut short
       done
       kill $E2_SERVER0 $E2_SERVER1; wait $E2_SERVER0 $E2_SERVER1
       if [ $(nvidia-smi -L | wc -l) -ge 3 ]; then
         for n in 1 2; do
           timeout 400 $RL run $E2 hardware=gpu2_separate hardware.num_rollout_engines=$n sync.method=nccl \
-            --out /tmp/b_engines2_started$n --no-progress > $OUT/engines2_started$n.log 2>&1
-          echo "started $n server(s) exit $?" >> $OUT/results.txt; cp /tmp/b_engines2_started$n/metrics.jsonl $OUT/engines2_started$n.jsonl
-          rate /tmp/b_engines2_started$n/metrics.jsonl "started $n (nccl)"
+            --out $SCRATCH/b_engines2_started$n --no-progress > $OUT/engines2_started$n.log 2>&1
+          echo "started $n server(s) exit $?" >> $OUT/results.txt; cp $SCRATCH/b_engines2_started$n/metrics.jsonl $OUT/engines2_started$n.jsonl
+          rate $SCRATCH/b_engines2_started$n/metrics.jsonl "started $n (nccl)"
         done
       else
         echo "started servers with nccl: skipped, needs 3 GPUs (trainer + 2 servers)" >> $OUT/results.txt
@@ -384,7 +396,7 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
         multigpu_b) be=deepspeed; tag=deepspeed_z3; x="hardware.deepspeed.zero_stage=3" ;;
         multigpu_c) be=deepspeed; tag=deepspeed_z1; x="hardware.deepspeed.zero_stage=1" ;;
       esac
-      for n in 1 2 4; do
+      for n in ${MG_GPUS:-1 2 4}; do
         hw=$([ $n = 1 ] && echo "hardware=gpu1" || echo "hardware=gpu${n}_colocated")
         mg_bench ${tag}_${n}gpu $n $(mg_limit $n) $be $BENCH $hw rollout.prompts_per_step=64 algorithm.steps=4 $x
       done ;;
@@ -395,7 +407,7 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
       done ;;
     multigpu_e)  # issue 44: weak scaling, the 1.5B shape on the long-tailed lengths, 8 prompts x 8 per GPU, fsdp colocated
       # on 1, 2 and 4 GPUs
-      for n in 1 2 4; do
+      for n in ${MG_GPUS:-1 2 4}; do
         hw=$([ $n = 1 ] && echo "hardware=gpu1" || echo "hardware=gpu${n}_colocated")
         mg_bench weak_${n}gpu $n $(mg_limit $n) fsdp $ROOT/examples/bench_longtail.yaml model=qwen2_1p5b_shape $hw \
           rollout.prompts_per_step=$((8 * n)) algorithm.steps=4
@@ -407,7 +419,7 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
       done ;;
     multigpu_g)  # issue 44: the 7B shape's push colocated: 1, 2 and 4 ranks each feeding the engine on its GPU by
       # cuda_ipc, beside a device copy of the same bytes
-      for n in 1 2 4; do
+      for n in ${MG_GPUS:-1 2 4}; do
         mg_push 7b_ipc_${n}gpu $n --method cuda_ipc --ranks $n
       done ;;
     models)  # issue 47: per model type (MODELS=, presets), the CUDA-graph engine's completion tokens/s beside transformers'
@@ -418,7 +430,7 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
       # measured last, so with it run one or two presets a call). Each preset in a process of its own, LIMIT= seconds
       # each (default 170: three fit in one call; a preset cut short keeps the parts it measured, in that order)
       for m in ${MODELS:-qwen3_0p6b_shape qwen3_1p7b_shape gemma3_1b_shape}; do
-        CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-170} python3 -m rlspec.perf.bench_models --presets $m --slots "${SLOTS:-}" \
+        CUDA_VISIBLE_DEVICES=$ONE timeout ${LIMIT:-170} python3 -m rlspec.perf.bench_models --presets $m --slots "${SLOTS:-}" \
           > $OUT/models_$m.json 2> $OUT/models_$m.log
         echo "models $m exit $?" >> $OUT/results.txt; tail -1 $OUT/models_$m.json >> $OUT/results.txt
         tail -3 $OUT/models_$m.log | grep -iE "error|Traceback" >> $OUT/results.txt; cp $OUT/results.txt $FINAL/
@@ -436,10 +448,10 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
 slots = min($P * 8, 256); slots = 1 << (slots - 1).bit_length(); length = -(-(128 + 256) // 128) * 128
 print('kv cache GB (prompts up to 128 tokens):', round(slots * length * c['num_hidden_layers'] * 2 * c['num_key_value_heads'] * d * 2 / 2**30, 3), 'slots', slots, 'cache length', length)" >> $OUT/results.txt
       runs=""; for r in ${RUNS:-none kv_cache kv_cache_and_weights}; do runs="$runs,deepspeed@rollout.free_during_train=$r"; done
-      CUDA_VISIBLE_DEVICES=0 timeout 560 $RL bench $BENCH model=$SHAPE hardware=gpu1 sync.method=cuda_ipc \
-        rollout.prompts_per_step=$P algorithm.steps=4 model.compile_layers=false ${EXTRA:-} --backends ${runs#,} --out /tmp/b_offload \
+      CUDA_VISIBLE_DEVICES=$ONE timeout 560 $RL bench $BENCH model=$SHAPE hardware=gpu1 sync.method=cuda_ipc \
+        rollout.prompts_per_step=$P algorithm.steps=4 model.compile_layers=false ${EXTRA:-} --backends ${runs#,} --out $SCRATCH/b_offload \
         > $OUT/offload_$SHAPE.log 2>&1; echo "offload $SHAPE exit $?" >> $OUT/results.txt
-      keep offload_$SHAPE /tmp/b_offload; tail -22 $OUT/offload_$SHAPE.log >> $OUT/results.txt ;;
+      keep offload_$SHAPE $SCRATCH/b_offload; tail -22 $OUT/offload_$SHAPE.log >> $OUT/results.txt ;;
     *) echo "unknown section $section" >> $OUT/results.txt ;;
   esac
   echo "-- $section took $(( $(date +%s) - start )) s" >> $OUT/results.txt

@@ -189,6 +189,17 @@ def _decode_layers(kernels: dict) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     return logits, keys, values
 
 
+def _same_top_up_to_ties(ours: Tensor, theirs: Tensor, tolerance: float) -> None:
+    """Each row's top token is theirs, or a near tie: their logit of our top token within twice `tolerance` (the
+    logits' own bound) of their best. A random-init model's logits are flat (rows with two tokens a few hundredths
+    apart are common), so a share of equal argmaxes depends on the weights drawn, not on the kernels."""
+    mine = ours.argmax(-1)
+    best = theirs.max(-1).values
+    gap = best - theirs.gather(-1, mine[..., None])[..., 0]
+    assert (gap <= 2 * tolerance).all(), f"rows whose top tokens differ by more than a near tie: {gap.max():.4f}"
+    assert (mine == theirs.argmax(-1)).float().mean() > 0.5  # most rows are no tie at all
+
+
 @pytest.mark.gpu
 def test_decode_step_with_the_kernels_matches_the_plain_one_on_cuda():
     """Logits with live attention (RoPE and the cache writes in its kernel), split-K projections and the gated
@@ -196,7 +207,7 @@ def test_decode_step_with_the_kernels_matches_the_plain_one_on_cuda():
     fast = _decode_layers({"live_attention": True, "skinny": True, "gated_mlp": True})
     plain = _decode_layers({"live_attention": False, "skinny": False, "gated_mlp": False})
     torch.testing.assert_close(fast[0], plain[0], atol=0.15, rtol=0.05)
-    assert (fast[0].argmax(-1) == plain[0].argmax(-1)).float().mean() > 0.9
+    _same_top_up_to_ties(fast[0], plain[0], 0.15)
     for ours, theirs in zip(fast[1] + fast[2], plain[1] + plain[2]):
         torch.testing.assert_close(ours, theirs, atol=0.1, rtol=0.05)
 
@@ -217,7 +228,7 @@ def test_rope_attention_matches_the_compiled_rotation_and_cache_writes_on_cuda()
         for ours, theirs in zip(fused[1] + fused[2], apart[1] + apart[2]):
             torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
         torch.testing.assert_close(fused[0], apart[0], atol=0.1, rtol=0.05)
-        assert (fused[0].argmax(-1) == apart[0].argmax(-1)).float().mean() > 0.95
+        _same_top_up_to_ties(fused[0], apart[0], 0.1)
 
 
 @pytest.mark.gpu

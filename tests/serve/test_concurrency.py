@@ -206,3 +206,28 @@ def test_weights_changed_in_place_between_requests_are_the_ones_sampled(server):
             with torch.no_grad():
                 norm.copy_(original)
         assert _summary(http.post("/v1/completions", json=body).json()) == before
+
+
+def test_requests_waiting_together_start_in_one_admission(server):
+    """Requests queued while the engine thread is busy start in one `ServingPool.admit` (one batched prefill, one
+    resize), not one admission each; the engine thread's counters say so."""
+    import threading
+
+    from rlspec.serve.pool import RowSampling
+    from rlspec.serve.scheduler import Submission
+
+    _, host = server
+    scheduler = host.thread
+    busy, release = threading.Event(), threading.Event()
+    scheduler.submit(lambda: (busy.set(), release.wait(60)))
+    assert busy.wait(60)
+    before = dict(scheduler.stats)
+    subs = [scheduler.submit_rows(Submission(prompt_ids=[[5 + i, 6, 7]], samplings=[RowSampling(key=i, max_tokens=4)]))
+            for i in range(5)]
+    release.set()
+    for sub in subs:
+        assert sub.done.wait(60) and sub.error is None
+    assert [len(sub.ids[0]) for sub in subs] == [4] * 5
+    assert scheduler.stats["rows_admitted"] - before["rows_admitted"] == 5
+    assert scheduler.stats["admits"] - before["admits"] == 1
+    assert scheduler.stats["admit_s"] > before["admit_s"] and scheduler.stats["decode_s"] > before["decode_s"]
