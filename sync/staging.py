@@ -115,7 +115,7 @@ def flat_buffers(buckets: Sequence[tuple[torch.dtype, int]], device: torch.devic
 
 
 class BucketChecksums:
-    """`checksums` of fixed tensors (storage that stays put), bucket by bucket.
+    """`checksums` of fixed tensors, bucket by bucket (captured again if their storage moves).
 
     On CUDA each bucket's reductions, one per tensor, are captured once in a CUDA graph and replayed: one launch
     instead of about 60 per bucket. Launching them one by one cost about 3 to 5 ms of host time per 1.26 GB
@@ -127,6 +127,8 @@ class BucketChecksums:
         self.words = [word_views(bucket) for bucket in tensors]
         self.graphs: list | None = None
         self.outs: list[Tensor] = []
+        self.captured: list[tuple[int, ...]] = []
+        """Each bucket's tensors' addresses when captured."""
 
     def __call__(self, bucket: int | None = None) -> Tensor:
         """The checksums of one bucket's tensors, or of all (in entry order), enqueued where they live."""
@@ -136,10 +138,14 @@ class BucketChecksums:
         tensors = self.tensors[bucket]
         if not tensors or tensors[0].device.type != "cuda":
             return checksums(tensors, self.words[bucket])
-        if self.graphs is None:
-            self._capture()
+        if self.graphs is None or self._pointers(bucket) != self.captured[bucket]:
+            self._capture()  # first use, or the tensors were re-allocated (an engine that freed its weights for
+            # the train phase gets new storage back): a graph would read the old addresses
         self.graphs[bucket].replay()
         return self.outs[bucket].clone()  # the next replay overwrites the graph's own output
+
+    def _pointers(self, bucket: int) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self.tensors[bucket])
 
     def _capture(self) -> None:
         device = next(t.device for tensors in self.tensors for t in tensors)
@@ -151,6 +157,7 @@ class BucketChecksums:
                 checksums(tensors, words)
         current.wait_stream(side)
         self.graphs, self.outs = [], []
+        self.captured = [self._pointers(b) for b in range(len(self.tensors))]
         for tensors, words in zip(self.tensors, self.words):
             graph = torch.cuda.CUDAGraph()
             # thread_local: other threads of this process (a server's web workers, a trainer's loops) may touch

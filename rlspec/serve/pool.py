@@ -160,17 +160,20 @@ class ServingPool:
             self.prefill([ids for _, ids, _ in rows])
             pool, dev = self._pool, self.device
             empty = [b for b in range(self.slots) if b not in self.live][:len(rows)]
-            by_width: dict[int, list[int]] = {}
+            # The prompts' K/V copied in: one gather and one indexed store per layer, width and prefill batch they
+            # came from (a few torch ops per layer, not one per row: each op is host time, and the server's event
+            # loop contends for the interpreter while this runs).
+            sources: dict[tuple[int, int], tuple[_Prefill, list[int], list[int]]] = {}
             for i, (_, ids, _) in enumerate(rows):
-                by_width.setdefault(len(ids), []).append(i)
-            for width, members in by_width.items():  # the prompts' K/V copied in, one copy per layer and width
-                slot = torch.tensor([empty[i] for i in members], device=dev)
-                stored = [self._prefilled(rows[i][1]) for i in members]
-                for layer, cache in enumerate(pool.keys):
-                    cache[slot, :, :width] = torch.stack([s[0][layer] for s in stored])
-                for layer, cache in enumerate(pool.values):
-                    cache[slot, :, :width] = torch.stack([s[1][layer] for s in stored])
-                pool.hidden[slot] = torch.stack([s[2] for s in stored])
+                batch, index = self._prefilled(ids)
+                group = sources.setdefault((len(ids), id(batch)), (batch, [], []))
+                group[1].append(empty[i])
+                group[2].append(index)
+            for (width, _), (batch, slots, indices) in sources.items():
+                slot, index = torch.tensor(slots, device=dev), torch.tensor(indices, device=dev)
+                for cache, prefilled in zip(pool.keys + pool.values, batch.keys + batch.values):
+                    cache[slot, :, :width] = prefilled[index]
+                pool.hidden[slot] = batch.hidden[index]
             slot = torch.tensor(empty, device=dev)
             widths = torch.tensor([len(ids) for _, ids, _ in rows], device=dev)
             samplings = [sampling for _, _, sampling in rows]
@@ -368,8 +371,8 @@ class ServingPool:
         pool.step.add_(advance)
 
     # --- prefill --------------------------------------------------------------------------------------------
-    def _prefilled(self, ids: list[int]) -> tuple[list[Tensor], list[Tensor], Tensor]:
-        """(K/V per layer [Hkv, W, D], final-normed hidden [H]) of prompt `ids`, prefilled once while cached."""
+    def _prefilled(self, ids: list[int]) -> tuple["_Prefill", int]:
+        """The prefill batch holding prompt `ids` and its row there (prefilled once while cached)."""
         key = tuple(ids)
         if key in self._prompts:
             self._prompts.move_to_end(key)
@@ -400,8 +403,9 @@ class ServingPool:
         positions = torch.arange(width, device=dev).expand(count, width)
         causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril().expand(count, width, width)
         hidden = self.decoder.forward(ids, positions, torch.arange(width, device=dev), causal, keys, values, head=False)
+        batch = _Prefill(keys, values, hidden)
         for i, p in enumerate(part):
-            self._prompts[p] = ([k[i] for k in keys], [v[i] for v in values], hidden[i])
+            self._prompts[p] = (batch, i)
             while len(self._prompts) > PROMPT_CACHE + self.max_slots:
                 self._prompts.popitem(last=False)
 
@@ -409,6 +413,16 @@ class ServingPool:
         import contextlib
 
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+
+@dataclass
+class _Prefill:
+    """One prefill forward's prompts (of one width): K/V per layer [rows, Hkv, W, D], final-normed hidden [rows, H].
+    Kept while any of its prompts is in the prompt cache."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    hidden: Tensor
 
 
 def _top_p_rows(probs: Tensor, top_p: Tensor) -> Tensor:

@@ -88,3 +88,16 @@ def test_graph_replayed_checksums_equal_launched_ones_and_follow_the_bytes():
     after = sums(0)
     assert torch.equal(after, checksums(tensors[0])) and not torch.equal(after[1], before[1])
     assert torch.equal(after[[0, 2]], before[[0, 2]])
+    # Storage freed and given back (rollout.free_during_train=kv_cache_and_weights) moves the tensors: the graphs
+    # are captured again over the new addresses, not replayed over the freed ones.
+    keep = [t.clone() for t in tensors[0]]
+    moved = [t.data_ptr() for t in tensors[0]]
+    for t in tensors[0]:
+        t.untyped_storage().resize_(0)
+    squat = [torch.zeros_like(k) for k in keep]  # takes the freed blocks: the storage comes back elsewhere
+    for t, k in zip(tensors[0], keep):
+        t.untyped_storage().resize_(k.numel() * k.element_size())
+        t.copy_(k)
+    assert all(t.data_ptr() != old for t, old in zip(tensors[0], moved))
+    assert torch.equal(sums(0), checksums(keep)) and torch.equal(sums(0), after)
+    del squat

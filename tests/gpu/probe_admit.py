@@ -1,0 +1,65 @@
+"""Where a serving pool's admission goes (GPU): the bench spec's engine, its pool (`make_pool`, as `rlspec serve`
+builds it), then `admit` of R new rows (R = 1, 16, 64) of 32-token prompts, timed with the device synced, and
+the parts of one admit of 64 rows under torch.profiler (host time per op, the top lines).
+    python tests/gpu/probe_admit.py examples/bench_qwen0p5b.yaml"""
+
+import random
+import sys
+import time
+
+import torch
+
+from rlspec.run import build_plan
+from rlspec.serve.pool import RowSampling
+from rlspec.serve.process import build_engine
+from rlspec.serve.scheduler import make_pool
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
+    began = time.perf_counter()
+    out = fn()
+    sync()
+    return out, (time.perf_counter() - began) * 1e3
+
+
+plan, _ = build_plan(sys.argv[1], sys.argv[2:])
+engine = build_engine(plan)
+pool = make_pool(engine)
+pool.warm_up()
+rng = random.Random(0)
+vocab = min(len(engine.tokenizer), 30000)
+ids = iter(range(10 ** 6))
+
+
+def rows(count):
+    return [(next(ids), [rng.randrange(4, vocab) for _ in range(32)], RowSampling(key=next(ids), max_tokens=64))
+            for _ in range(count)]
+
+
+def drain():
+    while pool.live:
+        pool.run()
+    pool.shrink()
+
+
+for count in (1, 16, 64, 1, 16, 64):
+    batch = rows(count)
+    _, prefill_ms = timed(lambda: pool.prefill([ids_ for _, ids_, _ in batch]))
+    pool._prompts.clear()
+    _, admit_ms = timed(lambda: pool.admit(batch))
+    _, drain_ms = timed(drain)
+    print(f"rows {count:3d}: prefill alone {prefill_ms:7.1f} ms, admit {admit_ms:7.1f} ms, decode 64 steps "
+          f"{drain_ms:7.1f} ms", flush=True)
+
+batch = rows(64)
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    pool.admit(batch)
+    sync()
+print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
