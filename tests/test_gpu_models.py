@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["qwen3_0p6b_shape", "gemma3_1b_shape", "tiny_gemma2"])
 def test_graph_engine_per_model_type(preset):
     from rlspec.models.base import byte_tokenizer
-    from rlspec.perf.bench_models import (GREEDY_GAP_MAX, MULT_PROB_ERROR_MAX, build, greedy_gaps, mult_prob_error,
+    from rlspec.perf.bench_models import (GREEDY_GAP_MAX, build, error_bound, greedy_gaps, mult_prob_error,
                                           reference_errors)
     from rlspec.rollout.hf import HFEngine
     from rlspec.spec import RolloutSpec
@@ -28,10 +28,14 @@ def test_graph_engine_per_model_type(preset):
     assert engine.generate(prompts, n=4, seed=1).completion_ids != rollout.completion_ids
     error, worst = mult_prob_error(model, rollout, 0.9)
     gaps = greedy_gaps(engine, prompts, 32)
+    references = reference_errors(model, rollout, 0.9)
     print(f"{preset}: token_mult_prob_error {error:.5f} (max |diff| {worst:.3e}); greedy rows identical to generate's "
           f"{sum(g == 0 for g in gaps)}/{len(gaps)}, first-difference logit gaps {[round(g, 4) for g in gaps if g]}; "
-          f"{reference_errors(model, rollout, 0.9)}")
-    assert error <= MULT_PROB_ERROR_MAX
+          f"{references}")
+    # As near the trainer as transformers' own cached decode of the same samples (bench_models.MULT_PROB_ERROR_MAX),
+    # and no farther from the fp32 forward than the bf16 trainer is
+    assert error <= error_bound(references["hf_cached_error"])
+    assert references["engine_vs_fp32"] <= references["trainer_vs_fp32"] + 0.002
     assert max(gaps) <= GREEDY_GAP_MAX, gaps  # random weights: near ties are common, so rows may part at one
 
 

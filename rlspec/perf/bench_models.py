@@ -30,7 +30,11 @@ from dataclasses import replace
 import torch
 
 MULT_PROB_ERROR_MAX = 1.01
-"""token_mult_prob_error at most this (bf16; the 0.5B Qwen2 shape's engine measured ~1.002)."""
+"""token_mult_prob_error at most this (bf16; the 0.5B Qwen2 shape's engine measured ~1.002), or (`error_bound`) at
+most transformers' own KV-cached decode's error on the same samples plus `CACHED_DECODE_SLACK`: on one H200 the
+deeper random-init shapes miss 1.01 with transformers' decode too (Qwen3 1.7B 1.0219, Gemma 3 1B 1.0098 to 1.0112)
+while the engine lands nearer the fp32 forward than the bf16 trainer does."""
+CACHED_DECODE_SLACK = 0.005
 GREEDY_GAP_MAX = 0.125
 """A greedy row may differ from transformers' only where their first different tokens' logits (transformers') are
 within this: a bf16 near tie."""
@@ -237,8 +241,14 @@ def measure(preset: str, num_prompts: int, group: int, tokens: int, greedy_rows:
     return result
 
 
+def error_bound(hf_cached_error: float | None) -> float:
+    """The largest token_mult_prob_error that passes, given transformers' cached decode's on the same samples."""
+    return max(MULT_PROB_ERROR_MAX, (hf_cached_error or 0.0) + CACHED_DECODE_SLACK)
+
+
 def check(result: dict) -> bool:
-    return (result["sampler"] == "cuda_graph" and result["token_mult_prob_error"] <= MULT_PROB_ERROR_MAX
+    return (result["sampler"] == "cuda_graph"
+            and result["token_mult_prob_error"] <= error_bound(result.get("hf_cached_error"))
             and result["greedy_max_gap"] <= GREEDY_GAP_MAX)
 
 
