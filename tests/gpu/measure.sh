@@ -9,6 +9,11 @@
 # its own timeout and every row refreshes $OUT/multigpu_table.txt (tests/gpu/multigpu_table.py), so a call cut short
 # keeps the rows it finished. On fewer GPUs the rows that need more are skipped and say so.
 # Each writes its log and metrics under $OUT.
+# Several at once on one machine, each on GPUs of its own (how the 2-GPU rows ran beside one-GPU sections):
+#   OUT=$OUT/i bash tests/gpu/measure.sh install; export MEASURE_INSTALLED=1
+#   (CUDA_VISIBLE_DEVICES=0,1 MEASURE_TMP=/tmp/m01 MG_GPUS=2 OUT=$OUT/mg bash tests/gpu/measure.sh multigpu_a) &
+#   (CUDA_VISIBLE_DEVICES=2 MEASURE_TMP=/tmp/m2 OUT=$OUT/sc bash tests/gpu/measure.sh servechat) & wait
+# (at most one of them with Ray: two local Ray clusters on one machine are not tried).
 # The bench spec's token budget (algorithm.micro_batch_tokens) was 16k, then 32k, and is 64k now: a figure quoted at
 # an older budget re-runs with it as an override (EXTRA=algorithm.micro_batch_tokens=32768 where a section takes
 # EXTRA, BACKENDS=standalone@algorithm.micro_batch_tokens=32768 for the trl sections).
