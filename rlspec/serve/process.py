@@ -30,7 +30,9 @@ STOP_GRACE_S = 5.0
 
 
 SWITCH_INTERVAL_S = 0.0005
-"""`sys.setswitchinterval` of a server process (Python's default is 0.005 s; see `serve`)."""
+"""`sys.setswitchinterval` of a server process (Python's default is 0.005 s; see `serve`); the environment variable
+`SWITCH_INTERVAL_ENV` sets another (seconds), for measuring."""
+SWITCH_INTERVAL_ENV = "RLSPEC_SERVE_SWITCH_INTERVAL_S"
 
 def build_engine(plan: RunPlan, index: int = 0):
     """The `hf` engine a server runs: the plan's model with its seed (the trainer's initial weights), on the
@@ -112,7 +114,12 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
     # lock and taking it back; while the event loop holds the lock (requests arriving, chunks going out) each
     # take-back can wait up to Python's switch interval (5 ms by default). On one H200 an admission of 64 rows
     # took 28 ms alone and 145 ms on average in the server under 64 streams.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    interval = os.environ.get(SWITCH_INTERVAL_ENV)
+    try:
+        sys.setswitchinterval(SWITCH_INTERVAL_S if interval is None else float(interval))
+    except ValueError:
+        raise SpecError(SWITCH_INTERVAL_ENV, f"must be a positive number of seconds, got {interval!r}",
+                        f"e.g. {SWITCH_INTERVAL_ENV}=0.0005, or unset it") from None
     token, token_path = bridge_token(port)
     if token_path is not None:
         print(f"rlspec serve: bridge token written to {token_path} (mode 0600); a trainer that joins reads it "

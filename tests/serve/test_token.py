@@ -31,6 +31,18 @@ def test_a_non_loopback_host_without_allow_remote_exits_2_naming_the_flag():
     assert "--allow-remote" in proc.stderr and "'0.0.0.0'" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("interval", ["fast", "0"])
+def test_a_bad_switch_interval_exits_2_naming_the_variable(interval):
+    from rlspec.serve.process import SWITCH_INTERVAL_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != "RLSPEC_SERVE_TOKEN"} | {SWITCH_INTERVAL_ENV: interval}
+    proc = subprocess.run(rlspec_cmd("serve", *SPEC, "--port", "1"), cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert SWITCH_INTERVAL_ENV in proc.stderr and repr(interval) in proc.stderr, proc.stderr
+    assert "rlspec serve:" not in proc.stderr  # refused before the server announced anything
+
+
 @pytest.mark.distributed
 def test_a_server_without_a_token_writes_it_to_a_private_file_and_never_prints_it(tmp_path):
     import httpx
