@@ -74,16 +74,15 @@ def mult_prob_error(model, rollout, temperature: float, micro_batch_size: int = 
 
 
 @torch.no_grad()
-def cached_decode_logprobs(model, rollout, temperature: float, rows: int | None = None) -> list[list[float]]:
-    """transformers' own KV-cached decode of the rollout's first `rows` rows (every row without `rows`),
-    teacher-forced: the prompts left-padded and prefilled together, then one forward per completion token, as
-    `generate` runs; each sampled token's log-prob at `temperature`. The baseline for the engine's
+def cached_decode_logprobs(model, rollout, temperature: float) -> list[list[float]]:
+    """transformers' own KV-cached decode of the rollout's rows, teacher-forced: the prompts left-padded and
+    prefilled together, then one forward per completion token, as `generate` runs; each sampled token's log-prob at
+    `temperature`. The baseline for the engine's
     `token_mult_prob_error`: how far a cached decode of this model type lands from the trainer's full forward in
     this dtype."""
     from transformers import DynamicCache
 
-    prompts = rollout.prompt_ids[:rows]
-    completions = rollout.completion_ids[:rows]
+    prompts, completions = rollout.prompt_ids, rollout.completion_ids
     device, n = model.device, len(prompts)
     width, steps = max(len(p) for p in prompts), max(len(c) for c in completions)
     ids = torch.zeros(n, width, dtype=torch.long)

@@ -3,8 +3,8 @@ stream of a streamed request (`live_events`), which sends each row's text as the
 
 A streamed row's text goes out as its tokens arrive (on CUDA a few tokens a chunk: the engine reads the batch's
 tokens every few decode steps), held back where it may be the start of a stop string or ends in an incomplete
-character; when the row ends, the rest of its final text (cut at the stop string, as the unstreamed reply's) and
-its finish reason. The chunks' texts join to the unstreamed text. A chat choice with tools is sent when it ends
+character (tokens that add no text at all send their log-probs at once, with an empty text); when the row ends,
+the rest of its final text (cut at the stop string, as the unstreamed reply's) and its finish reason. The chunks' texts join to the unstreamed text. A chat choice with tools is sent when it ends
 (its tool calls are parsed from the whole text). A client that goes away cancels the request: its rows leave the
 batch at the next step.
 """
@@ -164,6 +164,11 @@ async def live_events(planned: Planned, sub: Submission) -> AsyncIterator[str]:
                 if ready.startswith(state.sent) and len(ready) > len(state.sent):
                     yield chunk(i, ready[len(state.sent):], logprobs_of(c, state.tokens_sent, len(ids)))
                     state.sent, state.tokens_sent = ready, len(ids)
+                elif text == state.sent and len(ids) > state.tokens_sent and reply.show_logprobs:
+                    # Tokens that add no text and hold none back (ids the tokenizer decodes to nothing: special
+                    # tokens, a random-init model's ids past its tokenizer): their log-probs go out now.
+                    yield chunk(i, "", logprobs_of(c, state.tokens_sent, len(ids)))
+                    state.tokens_sent = len(ids)
             if all(state.ended for state in rows):
                 break
         if reply.include_usage:

@@ -34,6 +34,7 @@ SWITCH_INTERVAL_S = 0.0005
 `SWITCH_INTERVAL_ENV` sets another (seconds), for measuring."""
 SWITCH_INTERVAL_ENV = "RLSPEC_SERVE_SWITCH_INTERVAL_S"
 
+
 def build_engine(plan: RunPlan, index: int = 0):
     """The `hf` engine a server runs: the plan's model with its seed (the trainer's initial weights), on the
     plan's engine device `index` (the run's server `index`); with `sync.method=lora`, wrapped with the same

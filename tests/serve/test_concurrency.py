@@ -231,3 +231,32 @@ def test_requests_waiting_together_start_in_one_admission(server):
     assert scheduler.stats["rows_admitted"] - before["rows_admitted"] == 5
     assert scheduler.stats["admits"] - before["admits"] == 1
     assert scheduler.stats["admit_s"] > before["admit_s"] and scheduler.stats["decode_s"] > before["decode_s"]
+
+
+def test_tokens_that_add_no_text_stream_their_logprobs_at_once(server, monkeypatch):
+    """A streamed row whose tokens decode to nothing (special tokens; a random model's ids past its tokenizer, as in
+    the serving bench) sends their log-probs as they are sampled, in chunks of empty text, not all in its last
+    chunk; they join to the unstreamed request's log-probs."""
+    import httpx
+
+    import rlspec.serve.live as live
+
+    url, _ = server
+    body = {"model": MODEL, "prompt": "ab=", "seed": 11, "max_tokens": 12, "logprobs": 0}
+    monkeypatch.setattr(live, "decoder", lambda tokenizer: lambda ids: "")
+
+    async def both():
+        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
+            plain = (await http.post("/v1/completions", json=body)).json()
+            chunks = []
+            async with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunks += json.loads(line[len("data: "):])["choices"]
+            return plain, chunks
+
+    plain, chunks = asyncio.run(both())
+    carrying = [c["logprobs"]["token_logprobs"] for c in chunks if c.get("logprobs")]
+    assert len(carrying) > 1, "every log-prob came in the row's last chunk"
+    assert all(c["text"] == "" for c in chunks)
+    assert [x for part in carrying for x in part] == plain["choices"][0]["logprobs"]["token_logprobs"]
