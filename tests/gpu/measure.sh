@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra; under `.devicepkgs/extra` the wheels
 # `bash tests/gpu/pack_extra.sh` downloads, whose header lists them: the serve stack, the openai client, TRL).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: install gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat agents64 train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
+# Sections: install gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat admit agents64 train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
 # scale7b weak15b sync7b engines2 models offload multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f multigpu_g (multigpu: all seven).
 # The multigpu parts (issue 44) each fit one 10-minute call on a 4-GPU machine, one call per part; each row runs under
 # its own timeout and every row refreshes $OUT/multigpu_table.txt (tests/gpu/multigpu_table.py), so a call cut short
@@ -324,6 +324,10 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
         --prompt-tokens ${SC_PROMPT:-32} --output-tokens ${SC_OUTPUT:-64} --api ${SC_API:-completions} \
         --json $OUT/servechat.json > $OUT/servechat.log 2>&1
       echo "servechat exit $?" >> $OUT/results.txt; grep -v Warning $OUT/servechat.log | tail -16 >> $OUT/results.txt ;;
+    admit)  # issue 45: the serving pool's admission alone (no server), 1, 16 and 64 rows of 32-token prompts, timed with
+      # the device synced, and one 64-row admission under torch.profiler (tests/gpu/probe_admit.py)
+      CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 $ROOT/tests/gpu/probe_admit.py $BENCH > $OUT/admit.txt 2>&1
+      echo "admit exit $?" >> $OUT/results.txt; grep "^rows" $OUT/admit.txt >> $OUT/results.txt ;;
     agents64)  # issue 45: the chat agent example (two turns of 4 tokens, a tool call between) with 64 agents at once on
       # one GPU (8 prompts x 8), beside a plain batched rollout of the same prompts and 8 tokens: generation samples/s
       # (timing_s/gen) over the steps after the first
