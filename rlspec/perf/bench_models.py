@@ -69,7 +69,12 @@ def mult_prob_error(model, rollout, temperature: float, micro_batch_size: int = 
     rows = len(rollout.completion_ids)
     batch = collate(rollout, torch.zeros(rows), torch.zeros(rows), 0)
     trainer = batch_logprobs(model, batch, temperature, micro_batch_size, model.device)
-    diff = (trainer - engine_logprobs_tensor(rollout, batch)).abs()[batch.loss_mask > 0]
+    return _error(trainer, engine_logprobs_tensor(rollout, batch), batch.loss_mask > 0)
+
+
+def _error(a, b, keep) -> tuple[float, float]:
+    """(mean exp|a - b|, max |a - b|) over the `keep` positions."""
+    diff = (a - b).abs()[keep]
     return diff.exp().mean().item(), diff.max().item()
 
 
@@ -133,7 +138,7 @@ def reference_errors(model, rollout, temperature: float, rows: int = 64) -> dict
         torch.cuda.empty_cache()
 
     def error(a, b) -> float:
-        return round((a - b).abs()[keep].exp().mean().item(), 5)
+        return round(_error(a, b, keep)[0], 5)
 
     engine, hf_cached = engine_logprobs_tensor(head, batch), engine_logprobs_tensor(cached, batch)
     return {"hf_cached_error": error(hf_cached, trainer), "engine_vs_fp32": error(engine, exact),

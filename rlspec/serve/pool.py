@@ -160,19 +160,19 @@ class ServingPool:
             self.prefill([ids for _, ids, _ in rows])
             pool, dev = self._pool, self.device
             empty = [b for b in range(self.slots) if b not in self.live][:len(rows)]
-            # The prompts' K/V copied in: one gather and one indexed store per layer, width and prefill batch they
-            # came from (a few torch ops per layer, not one per row: each op is host time, and the server's event
-            # loop contends for the interpreter while this runs).
-            sources: dict[tuple[int, int], tuple[_Prefill, list[int], list[int]]] = {}
+            # The prompts' K/V copied in: one gather and one indexed store per layer and prefill batch they came
+            # from (a few torch ops per layer, not one per row: each op is host time, and the server's event loop
+            # contends for the interpreter while this runs).
+            sources: dict[int, tuple[_Prefill, list[int], list[int]]] = {}
             for i, (_, ids, _) in enumerate(rows):
                 batch, index = self._prefilled(ids)
-                group = sources.setdefault((len(ids), id(batch)), (batch, [], []))
+                group = sources.setdefault(id(batch), (batch, [], []))
                 group[1].append(empty[i])
                 group[2].append(index)
-            for (width, _), (batch, slots, indices) in sources.items():
+            for batch, slots, indices in sources.values():
                 slot, index = torch.tensor(slots, device=dev), torch.tensor(indices, device=dev)
                 for cache, prefilled in zip(pool.keys + pool.values, batch.keys + batch.values):
-                    cache[slot, :, :width] = prefilled[index]
+                    cache[slot, :, :batch.width] = prefilled[index]
                 pool.hidden[slot] = batch.hidden[index]
             slot = torch.tensor(empty, device=dev)
             widths = torch.tensor([len(ids) for _, ids, _ in rows], device=dev)
@@ -423,6 +423,11 @@ class _Prefill:
     keys: list[Tensor]
     values: list[Tensor]
     hidden: Tensor
+
+    @property
+    def width(self) -> int:
+        """The prompts' width W (tokens)."""
+        return self.keys[0].shape[2]
 
 
 def _top_p_rows(probs: Tensor, top_p: Tensor) -> Tensor:
