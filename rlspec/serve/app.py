@@ -99,10 +99,58 @@ class EngineHost:
 
         return await self.thread.run_async(job)
 
+    def state(self) -> dict:
+        """What `/health` says of the engine: its weight version, how it samples, the scheduler's counters."""
+        sampler = getattr(self.engine, "sampler_kind", None)
+        return {"weight_version": self.weight_version, "sampler": sampler() if sampler else None,
+                "scheduler": self.thread.describe()}
 
-def _json(value: dict, status_code: int = 200) -> Response:
-    """JSON that keeps non-finite floats (a sync's timings or a loss may be NaN; `JSONResponse` refuses them)."""
-    return Response(json.dumps(value), status_code=status_code, media_type="application/json")
+    async def bridge(self, body: bytes) -> tuple[int, str, bytes]:
+        return await bridge_call(self, body)
+
+    async def generate_alone(self, *args):
+        """A request the decode batch cannot take, sampled alone on the engine thread (`openai_api.generate_alone`)."""
+        from .openai_api import generate_alone
+
+        return await self.thread.run_async(generate_alone, self, *args, beside=self.thread.outside)
+
+
+def _json(value: dict, status_code: int = 200) -> tuple[int, str, bytes]:
+    """(status, media type, body) of JSON that keeps non-finite floats (a sync's timings or a loss may be NaN;
+    `JSONResponse` refuses them)."""
+    return status_code, "application/json", json.dumps(value).encode()
+
+
+async def bridge_call(host: EngineHost, body: bytes) -> tuple[int, str, bytes]:
+    """`POST /bridge/receive`'s answer to a bridge message (the caller has checked the token): (status, media type,
+    body). Runs where the engine is (`EngineHost.bridge`: this process, or the engine process of its own)."""
+    known = ops.operations()
+    try:
+        header, payload = ops.unpack(body)
+        op = known.get(header.get("op"))
+        if op is None:
+            raise ops.BridgeRequestError(f"unknown bridge operation {header.get('op')!r}; this server runs "
+                                         f"{', '.join(sorted(known))}")
+        version = header.get("weight_version")
+        if version is not None and (not op.writes_weights or not isinstance(version, int) or version < 0):
+            raise ops.BridgeRequestError(f"weight_version={version!r}: only an operation that writes weights "
+                                         "takes one, and it is a step count (an integer >= 0)")
+        if op.unpack is not None:
+            payload = op.unpack(payload)
+    except ops.BridgeRequestError as err:
+        return _json({"detail": [{"loc": ["body"], "msg": str(err)}]}, 400)
+    except (TypeError, ValueError) as err:  # a payload the operation cannot take
+        return _json({"detail": [{"loc": ["body", "payload"], "msg": f"{header.get('op')}: {err}"}]}, 400)
+    try:
+        result = await host.receive(op, payload, version)
+        tensors: dict = {}
+        encoded = ops.encode(result, tensors)
+    except Exception as err:  # noqa: BLE001 - reported to the trainer with the server's traceback
+        return _json({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(),
+                      "sync_error": type(err).__name__ == "SyncError"}, status_code=500)
+    if not tensors:
+        return _json({"result": encoded})
+    return 200, ops.MEDIA_TYPE, ops.frame({"op": op.name, "payload": encoded}, tensors)
 
 
 def build_app(host: EngineHost, token: str) -> FastAPI:
@@ -110,9 +158,7 @@ def build_app(host: EngineHost, token: str) -> FastAPI:
 
     @app.get("/health")
     def health() -> dict:
-        sampler = getattr(host.engine, "sampler_kind", None)
-        return {"status": "ok", "model": host.model_name, "weight_version": host.weight_version, "pid": os.getpid(),
-                "sampler": sampler() if sampler else None, "scheduler": host.thread.describe(),
+        return {"status": "ok", "model": host.model_name, "pid": os.getpid(), **host.state(),
                 "uptime_s": round(time.time() - host.started, 3)}
 
     app.state.openai = OpenAIRoutes(host)
@@ -134,37 +180,10 @@ def build_app(host: EngineHost, token: str) -> FastAPI:
         await host.label(req.version)
         return {"weight_version": req.version}
 
-    known = ops.operations()
-
     @app.post("/bridge/receive")
     async def receive(request: Request) -> Response:
         authorize(request)
-        body = await request.body()
-        try:
-            header, payload = ops.unpack(body)
-            op = known.get(header.get("op"))
-            if op is None:
-                raise ops.BridgeRequestError(f"unknown bridge operation {header.get('op')!r}; this server runs "
-                                             f"{', '.join(sorted(known))}")
-            version = header.get("weight_version")
-            if version is not None and (not op.writes_weights or not isinstance(version, int) or version < 0):
-                raise ops.BridgeRequestError(f"weight_version={version!r}: only an operation that writes weights "
-                                             "takes one, and it is a step count (an integer >= 0)")
-            if op.unpack is not None:
-                payload = op.unpack(payload)
-        except ops.BridgeRequestError as err:
-            raise HTTPException(400, detail=[{"loc": ["body"], "msg": str(err)}]) from None
-        except (TypeError, ValueError) as err:  # a payload the operation cannot take
-            raise HTTPException(400, detail=[{"loc": ["body", "payload"], "msg": f"{header.get('op')}: {err}"}]) from None
-        try:
-            result = await host.receive(op, payload, version)
-            tensors: dict = {}
-            encoded = ops.encode(result, tensors)
-        except Exception as err:  # noqa: BLE001 - reported to the trainer with the server's traceback
-            return _json({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(),
-                          "sync_error": type(err).__name__ == "SyncError"}, status_code=500)
-        if not tensors:
-            return _json({"result": encoded})
-        return Response(ops.frame({"op": op.name, "payload": encoded}, tensors), media_type=ops.MEDIA_TYPE)
+        status, media_type, content = await host.bridge(await request.body())
+        return Response(content, status_code=status, media_type=media_type)
 
     return app

@@ -36,14 +36,15 @@ class Choice:
 
 @dataclass
 class Planned:
-    """A request planned by the routes: rows for the decode batch, or `generate`, the engine job that samples it
-    alone (a request the batch cannot take); and how sampled rows become the reply."""
+    """A request planned by the routes: rows for the decode batch, or `generate`, the arguments of the engine job
+    that samples it alone (`openai_api.generate_alone`: a request the batch cannot take); and how sampled rows become
+    the reply."""
 
     stops: list[str]
     tokenizer: Any
     rows: list[list[int]] | None = None
     samplings: list | None = None
-    generate: Callable | None = None
+    generate: tuple | None = None
     reply: Callable | None = None
     """(version, choices) -> the `Reply`."""
     finish_choice: Callable[[Choice], None] = lambda choice: None

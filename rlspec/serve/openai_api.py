@@ -258,6 +258,15 @@ class Reply:
             yield chunk("", None, c.finish_reason)
 
 
+def generate_alone(host, prompts: list, n: int, seed: int, changes: dict, options: SampleOptions, first_sample: int):
+    """(weight version, rollout) of a request the decode batch cannot take (`OpenAIRoutes._job`), sampled alone by
+    `host`'s engine with its rollout settings `changes`; runs on the engine thread."""
+    engine = host.engine
+    numbered = {"first_sample": first_sample} if first_sample else {}  # only engines that number samples take it
+    return host.weight_version, engine.with_spec(dataclasses.replace(engine.spec, **changes)).generate(
+        prompts, n, seed=seed, options=options, **numbered)
+
+
 class OpenAIRoutes:
     """The routes over an `rlspec.serve.app.EngineHost`; `completion` and `chat` also serve the agent gateway."""
 
@@ -292,16 +301,9 @@ class OpenAIRoutes:
             planned.samplings = [RowSampling(key, max_tokens, temperature if temperature > 0 else 1.0, top_p,
                                              temperature == 0, top_logprobs) for key in keys]
             return planned
-        spec = dataclasses.replace(engine.spec, max_new_tokens=max_tokens, top_p=top_p,
-                                   temperature=temperature if temperature > 0 else 1.0)
-        options = SampleOptions(greedy=temperature == 0, top_logprobs=top_logprobs)
-        numbered = {"first_sample": first_sample} if first_sample else {}  # only engines that number samples take it
-
-        def generate():
-            return self.host.weight_version, engine.with_spec(spec).generate(prompts, n, seed=seed, options=options,
-                                                                                **numbered)
-
-        planned.generate = generate
+        changes = {"max_new_tokens": max_tokens, "top_p": top_p, "temperature": temperature if temperature > 0 else 1.0}
+        planned.generate = (prompts, n, seed, changes, SampleOptions(greedy=temperature == 0, top_logprobs=top_logprobs),
+                            first_sample)
         return planned
 
     def _reply(self, planned: "_Planned", version: int | None, choices: list[Choice]) -> Reply:
@@ -313,7 +315,8 @@ class OpenAIRoutes:
         """A planned request (`_completion` / `_chat`) served from a worker thread (the agent gateway's)."""
         with _prompt_errors():
             if planned.generate is not None:
-                return self._reply(planned, *planned.rollout_choices(*self.host.thread.run(planned.generate)))
+                return self._reply(planned, *planned.rollout_choices(*self.host.thread.run(generate_alone, self.host,
+                                                                                            *planned.generate)))
             sub = self._submit(planned)
             sub.done.wait()
             return self._reply(planned, *planned.submission_choices(sub))
@@ -324,8 +327,8 @@ class OpenAIRoutes:
         rows. Returns the reply, or the live stream's response."""
         with _prompt_errors():
             if planned.generate is not None:
-                return self._reply(planned, *planned.rollout_choices(*(await self.host.thread.run_async(
-                    planned.generate, beside=self.host.thread.outside))))
+                return self._reply(planned, *planned.rollout_choices(*(await self.host.generate_alone(
+                    *planned.generate))))
             sub = self._submit(planned)
             if stream:
                 return StreamingResponse(live_events(planned, sub), media_type="text/event-stream")

@@ -21,6 +21,7 @@ kernels for a different number of rows), as in `GraphSampler`.
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -123,6 +124,8 @@ class ServingPool:
         """slot -> tokens its row has sampled (host side: how many steps a `run` may take)."""
         self._prompts: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
         self._pointers: tuple[int, ...] = ()
+        self.captures, self.capture_s = 0, 0.0
+        """Decode steps captured so far (one per pool size and variant, on first use), and the seconds they took."""
         self.refresh_weights()
 
     # --- the caller's interface ---------------------------------------------------------------------------
@@ -305,7 +308,10 @@ class ServingPool:
         if not self.sampler.use_graphs:
             return None
         if variant not in pool.graphs:
+            began = time.perf_counter()
             pool.graphs[variant] = self._capture(pool, variant)
+            self.captures += 1
+            self.capture_s += time.perf_counter() - began
         return pool.graphs[variant]
 
     def _capture(self, pool: _Slots, variant: str):

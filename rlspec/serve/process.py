@@ -96,9 +96,16 @@ def bridge_token(port: int) -> tuple[str, Path | None]:
     return token, path
 
 
+ENGINE_PROCESS = ("off", "on")
+"""`rlspec serve --engine-process`: `on` runs the engine in a process of its own (`engine_process.py`); `off` (the
+default) on the server's engine thread. Measured on one H100 (docs/serving_concurrency.md), `on` stalled decode runs
+for a second and more at 256 streams, cause not yet found: it stays off until that is understood."""
+
+
 def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, allow_remote: bool = False,
-          engine_index: int = 0, max_queued_rows: int | None = None) -> None:
-    """Run the server in this process until it is stopped (SIGTERM/SIGINT) or its parent dies."""
+          engine_index: int = 0, max_queued_rows: int | None = None, engine_process: str = "off") -> None:
+    """Run the server in this process until it is stopped (SIGTERM/SIGINT) or its parent dies; with `engine_process`
+    (see `ENGINE_PROCESS`) its engine runs in a child process, which ends with it."""
     import uvicorn
 
     from .app import FAULT_ENV, MAX_QUEUED_ROWS, EngineHost, build_app
@@ -115,9 +122,13 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
     # lock and taking it back; while the event loop holds the lock (requests arriving, chunks going out) each
     # take-back can wait up to Python's switch interval (5 ms by default). On one H200 an admission of 64 rows
     # took 28 ms alone and 145 ms on average in the server under 64 streams.
+    if engine_process not in ENGINE_PROCESS:
+        raise SpecError("--engine-process", f"must be one of {', '.join(ENGINE_PROCESS)}, got {engine_process!r}",
+                        "e.g. --engine-process on (the engine in a process of its own)")
     interval = os.environ.get(SWITCH_INTERVAL_ENV)
     try:
-        sys.setswitchinterval(SWITCH_INTERVAL_S if interval is None else float(interval))
+        switch_interval = SWITCH_INTERVAL_S if interval is None else float(interval)
+        sys.setswitchinterval(switch_interval)
     except ValueError:
         raise SpecError(SWITCH_INTERVAL_ENV, f"must be a positive number of seconds, got {interval!r}",
                         f"e.g. {SWITCH_INTERVAL_ENV}=0.0005, or unset it") from None
@@ -127,21 +138,40 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
               f"from {TOKEN_FILE_ENV}={token_path} or {TOKEN_ENV}", file=sys.stderr, flush=True)
     spec = plan.spec
     name = spec.model.path or spec.model.preset
-    app = build_app(EngineHost(build_engine(plan, engine_index), name, max_queued_rows or MAX_QUEUED_ROWS), token)
+    bound = max_queued_rows or MAX_QUEUED_ROWS
+    gone: list[str] = []
+    if engine_process == "on":
+        from .engine_process import RemoteHost
+
+        def engine_gone(why: str) -> None:  # the server stops through its own shutdown; serve then raises
+            gone.append(why)
+            print(f"rlspec serve: {why}; stopping the server", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        engine_host = RemoteHost(plan, engine_index, name, bound, switch_interval, on_exit=engine_gone)
+    else:
+        engine_host = EngineHost(build_engine(plan, engine_index), name, bound)
+    app = build_app(engine_host, token)
     if parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if os.environ.get(FAULT_ENV) == "hang_start":
         while True:
             time.sleep(1)
-    print(f"rlspec serve: {name} on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    where = f"pid {os.getpid()}" + (f", engine process pid {engine_host.engine_pid}"
+                                     if hasattr(engine_host, "engine_pid") else "")
+    print(f"rlspec serve: {name} on http://{host}:{port} ({where})", file=sys.stderr, flush=True)
     if token_path is not None:
         # uvicorn re-raises the SIGTERM it shut down on: exit through Python, so the token file goes with the server.
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
+        if hasattr(engine_host, "stop"):
+            engine_host.stop()
         if token_path is not None:
             shutil.rmtree(token_path.parent, ignore_errors=True)
+    if gone:
+        raise RunError(gone[0])
 
 
 def _exit_on_sigterm(signum, _frame) -> None:
@@ -166,8 +196,9 @@ class ServerProcess:
     """`rlspec serve` as a child process of this one, for one plan (its engine on the plan's engine device `index`);
     `stop()` is idempotent."""
 
-    def __init__(self, plan: RunPlan, host: str = "127.0.0.1", index: int = 0) -> None:
+    def __init__(self, plan: RunPlan, host: str = "127.0.0.1", index: int = 0, engine_process: str = "off") -> None:
         self.plan = plan
+        self.engine_process = engine_process
         self.index = index
         self.host = host
         self.port = free_port(host)
@@ -184,7 +215,7 @@ class ServerProcess:
         spec_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(self.plan.spec)))
         cmd = [sys.executable, "-m", "rlspec.cli", "serve", str(spec_path), "--backend", self.plan.backend,
                "--host", self.host, "--port", str(self.port), "--parent-pid", str(os.getpid()),
-               "--engine-index", str(self.index)]
+               "--engine-index", str(self.index), "--engine-process", self.engine_process]
         env = {**os.environ, TOKEN_ENV: self.token}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

@@ -42,6 +42,25 @@ BESIDE_THREADS = 256
 """Requests in flight at once to an engine outside this process (`Scheduler.run_async(beside=True)`)."""
 
 
+SLOW_DECODE_S = 0.1
+"""A decode run longer than this counts in `slow_decodes` (a run is up to 8 steps: a few ms when nothing stalls it)."""
+
+
+def _count_gc(stats: dict) -> None:
+    """Add the garbage collector's pauses in this process to `stats["gc_s"]`."""
+    import gc
+
+    began = [0.0]
+
+    def callback(phase: str, _info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            stats["gc_s"] += time.perf_counter() - began[0]
+
+    gc.callbacks.append(callback)
+
+
 class QueueFull(Exception):
     """More rows wait for a slot than the server's bound (`rlspec serve --max-queued-rows`)."""
 
@@ -165,10 +184,16 @@ class Scheduler:
         self._cancelled = threading.Event()
         """Set when a client cancels: the next step looks for its rows."""
         self.stats = {"steps": 0, "rows_admitted": 0, "rows_cancelled": 0, "refused": 0, "max_rows_in_flight": 0,
-                      "admits": 0, "admit_s": 0.0, "decode_s": 0.0}
+                      "admits": 0, "admit_s": 0.0, "decode_s": 0.0, "slow_decodes": 0, "gc_s": 0.0}
         """Counters since start; `admit_s`, `decode_s`: the engine thread's seconds in admissions (`admits` of them:
         prefill, pool resize, copies into slots) and in decode runs (`steps` of them, each up to `check_every`
-        decode steps and the read of their tokens), host clock."""
+        decode steps and the read of their tokens), host clock; `slow_decodes`: decode runs over `SLOW_DECODE_S`;
+        `gc_s`: this process's seconds in Python's garbage collector (any thread); `describe` adds the pool's
+        `captures` and `capture_s` (decode steps captured as CUDA graphs, in the decode runs' time)."""
+        _count_gc(self.stats)
+        self.on_iteration: Callable[[], None] | None = None
+        """Called on the engine thread before each turn of its loop (and so before it waits for work): the engine
+        process sends the turn's tokens from it (`engine_process.EngineCore.flush`)."""
         threading.Thread(target=self._loop, name="rlspec-engine", daemon=True).start()
 
     # --- what other threads call ------------------------------------------------------------------------
@@ -222,7 +247,9 @@ class Scheduler:
     def describe(self) -> dict:
         return {"batching": "continuous" if self.pool_reason is None else f"one request at a time ({self.pool_reason})",
                 "rows_in_flight": len(self.pool.live) if self.pool else 0, "rows_queued": self.queued_rows,
-                "max_queued_rows": self.max_queued_rows, **self.stats}
+                "max_queued_rows": self.max_queued_rows, **self.stats,
+                "captures": self.pool.captures if self.pool else 0,
+                "capture_s": round(self.pool.capture_s, 4) if self.pool else 0.0}
 
     # --- the engine thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -234,6 +261,8 @@ class Scheduler:
             torch.cuda.set_device(torch.device(self.device))
         bind_engine_thread(self.submit)
         while True:
+            if self.on_iteration is not None:
+                self.on_iteration()
             self._take(block=not self.waiting and not (self.pool and self.pool.live))
             self._run_jobs()
             self._drop_cancelled()
@@ -244,7 +273,9 @@ class Scheduler:
             if self.pool is not None and self.pool.live:
                 began = time.perf_counter()
                 self._decode()
-                self.stats["decode_s"] += time.perf_counter() - began
+                took = time.perf_counter() - began
+                self.stats["decode_s"] += took
+                self.stats["slow_decodes"] += took > SLOW_DECODE_S
 
     def _take(self, block: bool) -> None:
         try:

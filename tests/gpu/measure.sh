@@ -319,11 +319,17 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
       grep -E "^stage|^  " $OUT/threads.log >> $OUT/results.txt ;;
     servechat)  # issue 45 (was issue 20's one burst): rlspec serve of the 0.5B shape under 1, 16, 64, 256 concurrent
       # streams (32-token prompts, 64 tokens each), each level beside the in-process engine's batched generate of the
-      # same prompts and lengths. SC_LEVELS, SC_PROMPT, SC_OUTPUT, SC_API=chat change them.
-      timeout 590 python3 -m rlspec.perf.bench_serve $BENCH --concurrency ${SC_LEVELS:-1,16,64,256} \
-        --prompt-tokens ${SC_PROMPT:-32} --output-tokens ${SC_OUTPUT:-64} --api ${SC_API:-completions} \
-        --json $OUT/servechat.json > $OUT/servechat.log 2>&1
-      echo "servechat exit $?" >> $OUT/results.txt; grep -v Warning $OUT/servechat.log | tail -16 >> $OUT/results.txt ;;
+      # same prompts and lengths. SC_LEVELS, SC_PROMPT, SC_OUTPUT, SC_API=chat change them; SC_ENGINE_PROCESS the
+      # server's --engine-process, one sweep each, side by side (default "on off": the engine in a process of its
+      # own, the default on CUDA, then in the HTTP process as before), SC_TIMEOUT each sweep's limit (default 590 / count)
+      eps=${SC_ENGINE_PROCESS:-on off}; n_eps=$(echo $eps | wc -w)
+      for ep in $eps; do
+        timeout ${SC_TIMEOUT:-$(( 590 / n_eps ))} python3 -m rlspec.perf.bench_serve $BENCH --concurrency ${SC_LEVELS:-1,16,64,256} \
+          --prompt-tokens ${SC_PROMPT:-32} --output-tokens ${SC_OUTPUT:-64} --api ${SC_API:-completions} \
+          --engine-process $ep --json $OUT/servechat_$ep.json > $OUT/servechat_$ep.log 2>&1
+        echo "servechat --engine-process $ep exit $?" >> $OUT/results.txt
+        grep -v Warning $OUT/servechat_$ep.log | tail -16 >> $OUT/results.txt
+      done ;;
     admit)  # issue 45: the serving pool's admission alone (no server), 1, 16 and 64 rows of 32-token prompts, timed with
       # the device synced, and one 64-row admission under torch.profiler (tests/gpu/probe_admit.py)
       CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 $ROOT/tests/gpu/probe_admit.py $BENCH > $OUT/admit.txt 2>&1

@@ -1,0 +1,406 @@
+"""`rlspec serve`'s engine in a process of its own (`rlspec serve --engine-process on`; off by default: see
+`process.ENGINE_PROCESS`).
+
+In one process the HTTP side (the event loop: requests arriving, chunks going out, tokenizing) and the engine
+thread (admissions: a thousand and more short torch calls; decode runs) take turns at the interpreter lock: on one
+H200 an admission of 64 rows took 18-28 ms alone and 93-145 ms in the server under 64 streams. Here they run in two
+processes joined by a pipe:
+
+    HTTP process (the port, every route)            engine process (the engine, `Scheduler`, `EngineHost`)
+      a request's rows  ---- ("rows", id, ...) --->   queued, admitted, decoded in the one batch
+      a client gone     ---- ("cancel", id) ----->    its rows leave at the next step
+      bridge, label,    ---- ("call", id, ...) --->   run on the engine thread as in one process
+      state (/health)   <--- ("reply", id, ...) ---
+      streams, replies  <--- ("deltas", [...]) ----   every row's new tokens of one decode run, one message
+
+The engine process sends each decode run's new tokens for every request in flight as one message; the HTTP
+process applies them on its event loop. What a request samples, the order of its rows, its weight version and
+every bridge operation are the engine process's, exactly as in one process (`scheduler.py`); the bound of queued
+rows (`--max-queued-rows`, 429) is kept by the HTTP process, which counts a request's rows until the engine reports
+them admitted. A bridge message's body goes through the pipe as it came (no second copy of its tensors).
+
+Ends: the engine process ends when the pipe closes (the HTTP process exited or was killed); the HTTP process stops
+(SIGTERM to itself, the server's own shutdown) when the engine process dies, after failing the requests in flight.
+The engine process ignores SIGINT (a terminal's Ctrl-C reaches both; the HTTP process's shutdown ends it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from ..errors import RunError, SpecError
+from .scheduler import QueueFull, Submission, pool_unsupported, row_budget
+
+STATE_TIMEOUT_S = 30.0
+"""How long a state query (`/health`, the weight version) waits for the engine process's answer."""
+
+
+# --- errors across the pipe ---------------------------------------------------------------------------------
+def _portable(err: BaseException) -> tuple:
+    """An exception as plain data: the HTTP process raises the same kind (bad input stays exit 2)."""
+    if isinstance(err, SpecError):
+        return ("spec", err.where, err.problem, err.fix)
+    return ("run", f"{type(err).__name__}: {err}", traceback.format_exc() if err.__traceback__ else None)
+
+
+def _raise_portable(data: tuple) -> BaseException:
+    if data[0] == "spec":
+        return SpecError(*data[1:])
+    return RunError(data[1], data[2])
+
+
+# --- the engine process -------------------------------------------------------------------------------------
+class _Forwarded(Submission):
+    """A request's rows in the engine process: what they sample is sent back at the end of each step."""
+
+    rid: int = -1
+    core: "EngineCore | None" = None
+
+    def notify(self) -> None:
+        self.core.touched(self)
+
+
+class EngineCore:
+    """The engine process's side of the pipe: `EngineHost`'s scheduler takes the rows; one reader thread takes the
+    HTTP process's messages; the engine thread sends each step's deltas (`flush`)."""
+
+    def __init__(self, conn, host) -> None:
+        from .chat import decoder
+
+        self.conn = conn
+        self.host = host
+        self.decode = decoder(host.engine.tokenizer)
+        self.subs: dict[int, _Forwarded] = {}
+        self.sent: dict[int, list[int]] = {}
+        """Per request, per row: tokens already sent."""
+        self._touched: dict[int, _Forwarded] = {}
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        host.thread.on_iteration = self.flush
+
+    def send(self, message) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+    def touched(self, sub: _Forwarded) -> None:
+        with self._lock:
+            self._touched[sub.rid] = sub
+
+    def flush(self) -> None:
+        """On the engine thread, after each step: every touched request's new tokens, one message."""
+        with self._lock:
+            touched, self._touched = self._touched, {}
+        if not touched:
+            return
+        deltas = []
+        for rid, sub in touched.items():
+            sent = self.sent[rid]
+            with sub.lock:
+                rows = []
+                for i in range(sub.rows):
+                    start = sent[i]  # -1: the row's end was sent
+                    if start >= 0 and (len(sub.ids[i]) > start or sub.ended[i]):
+                        rows.append((i, sub.ids[i][start:], sub.logprobs[i][start:],
+                                     sub.top[i][start:] if sub.top[i] else None, sub.ended[i]))
+                        sent[i] = -1 if sub.ended[i] else len(sub.ids[i])
+                done = sub.done.is_set()
+                error = _portable(sub.error) if sub.error is not None else None
+            deltas.append((rid, sub.admitted, sub.version, rows, done, error))
+            if done:
+                self.subs.pop(rid, None)
+                self.sent.pop(rid, None)
+        self.send(("deltas", deltas))
+
+    def serve_forever(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):  # the HTTP process is gone
+                os._exit(0)
+            kind = message[0]
+            if kind == "rows":
+                _, rid, prompt_ids, samplings, stops = message
+                sub = _Forwarded(prompt_ids, samplings, stops, self.decode if stops else None)
+                sub.rid, sub.core = rid, self
+                self.subs[rid] = sub
+                self.sent[rid] = [0] * sub.rows
+                self.host.thread.submit_rows(sub)
+            elif kind == "cancel":
+                sub = self.subs.get(message[1])
+                if sub is not None:
+                    sub.cancel()
+            elif kind == "call":
+                _, cid, what, args = message
+                if what == "bridge":
+                    args = (self.conn.recv_bytes(),)
+                if what == "state":
+                    self._reply(cid, lambda: self.host.state())
+                else:
+                    threading.Thread(target=self._reply, args=(cid, self._call(what, args)), daemon=True).start()
+
+    def _call(self, what: str, args: tuple) -> Callable[[], Any]:
+        from .app import bridge_call
+        from .openai_api import generate_alone
+
+        host = self.host
+        if what == "bridge":
+            return lambda: asyncio.run(bridge_call(host, *args))
+        if what == "label":
+            return lambda: asyncio.run(host.label(*args))
+        if what == "generate":
+            return lambda: asyncio.run(host.thread.run_async(generate_alone, host, *args))
+        raise ValueError(f"unknown engine call {what!r}")
+
+    def _reply(self, cid: int, fn: Callable[[], Any]) -> None:
+        try:
+            self.send(("reply", cid, True, fn()))
+        except BaseException as err:  # noqa: BLE001 - raised again in the HTTP process
+            self.send(("reply", cid, False, _portable(err)))
+
+
+def engine_main(conn, plan, engine_index: int, model_name: str, switch_interval: float) -> None:
+    """The engine process: build the engine, answer `ready` (or `failed`), then serve the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.setswitchinterval(switch_interval)
+    try:
+        from .app import EngineHost
+        from .process import build_engine
+
+        if plan.spec.hardware.num_threads:
+            import torch
+
+            torch.set_num_threads(plan.spec.hardware.num_threads)
+        engine = build_engine(plan, engine_index)
+        host = EngineHost(engine, model_name, max_queued_rows=sys.maxsize)  # the HTTP process keeps the bound
+        sampler = getattr(engine, "sampler_kind", None)
+        info = {"pool_reason": host.thread.pool_reason, "row_budget": host.thread.row_budget,
+                "sampler": sampler() if sampler else None, "pid": os.getpid()}
+    except BaseException as err:  # noqa: BLE001 - the HTTP process raises it (a SpecError stays exit 2)
+        conn.send(("failed", _portable(err)))
+        return
+    conn.send(("ready", info))
+    EngineCore(conn, host).serve_forever()
+
+
+# --- the HTTP process ---------------------------------------------------------------------------------------
+class _EngineView:
+    """What the routes read of the engine in the HTTP process: its tokenizer and rollout settings."""
+
+    device = None
+
+    def __init__(self, tokenizer, spec, sampler: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self._sampler = sampler
+
+    def sampler_kind(self) -> str | None:
+        return self._sampler
+
+
+class RemoteScheduler:
+    """The scheduler as the routes see it, over the pipe: rows go to the engine process, their tokens come back
+    (`apply`, on the event loop); the bound of queued rows is kept here."""
+
+    outside = False
+
+    def __init__(self, proc: "EngineProcess", info: dict, max_queued_rows: int) -> None:
+        self.proc = proc
+        self.pool_reason = info["pool_reason"]
+        self.row_budget = info["row_budget"]
+        self.max_queued_rows = max_queued_rows
+        self.queued_rows = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.subs: dict[int, Submission] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def takes(self, prompt_ids: list[list[int]], max_tokens: int) -> bool:
+        return self.pool_reason is None and all(len(p) + max_tokens <= self.row_budget for p in prompt_ids)
+
+    def submit_rows(self, sub: Submission) -> Submission:
+        """Called on the event loop (the routes); `QueueFull` past the bound, nothing sent then."""
+        self.loop = self.loop or asyncio.get_running_loop()
+        with self._lock:
+            if self.queued_rows and self.queued_rows + sub.rows > self.max_queued_rows:
+                self.refused += 1
+                raise QueueFull(self.queued_rows, sub.rows, self.max_queued_rows)
+            self.queued_rows += sub.rows
+        rid = next(self._ids)
+        self.subs[rid] = sub
+        sub.on_cancel = lambda: self.proc.send(("cancel", rid))
+        self.proc.send(("rows", rid, sub.prompt_ids, sub.samplings, sub.stops))
+        return sub
+
+    def apply(self, deltas: list) -> None:
+        """On the event loop: one step's new tokens for the requests in flight."""
+        for rid, admitted, version, rows, done, error in deltas:
+            sub = self.subs.get(rid)
+            if sub is None:
+                continue
+            with sub.lock:
+                for i, ids, logprobs, top, ended in rows:
+                    sub.ids[i].extend(ids)
+                    sub.logprobs[i].extend(logprobs)
+                    if top:
+                        sub.top[i].extend(top)
+                    sub.ended[i] = ended
+                sub.version = version
+                if error is not None:
+                    sub.error = sub.error or _raise_portable(error)
+                newly, sub.admitted = admitted - sub.admitted, admitted
+            self._unqueue(newly + (sub.rows - admitted if done else 0))
+            if done:
+                del self.subs[rid]
+                sub.done.set()
+            for _, event in sub._listeners:
+                event.set()
+
+    def fail_all(self, error: BaseException) -> None:
+        """The engine process is gone: every request in flight ends with `error` (on the event loop)."""
+        for sub in list(self.subs.values()):
+            sub.finish(error)
+        self.subs.clear()
+
+    def _unqueue(self, rows: int) -> None:
+        if rows:
+            with self._lock:
+                self.queued_rows -= rows
+
+    def describe(self, state: dict | None = None) -> dict:
+        """The engine thread's counters (`state`: an answer of the engine process already at hand), with this
+        process's queue."""
+        state = (state or self.proc.state())["scheduler"]
+        return {**state, "rows_queued": self.queued_rows, "max_queued_rows": self.max_queued_rows,
+                "refused": self.refused}
+
+
+class EngineProcess:
+    """The HTTP process's handle on the engine process: start, send, calls with replies, the reader thread."""
+
+    def __init__(self, plan, engine_index: int, model_name: str, switch_interval: float,
+                 on_exit: Callable[[str], None]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.proc = context.Process(target=engine_main, args=(child, plan, engine_index, model_name, switch_interval),
+                                    name="rlspec-engine")
+        self.proc.start()
+        child.close()
+        self.on_exit = on_exit
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self.scheduler: RemoteScheduler | None = None
+        try:
+            kind, info = self.conn.recv()
+        except EOFError:
+            self.proc.join(10)
+            raise RunError(f"the engine process exited with code {self.proc.exitcode} before it was ready") from None
+        if kind == "failed":
+            self.proc.join(10)
+            raise _raise_portable(info)
+        self.info = info
+        self.stopping = False
+        threading.Thread(target=self._read, name="rlspec-engine-pipe", daemon=True).start()
+
+    def send(self, message, body: bytes | None = None) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+            if body is not None:
+                self.conn.send_bytes(body)
+
+    def call(self, what: str, *args, body: bytes | None = None) -> Future:
+        cid = next(self._ids)
+        self._calls[cid] = future = Future()
+        self.send(("call", cid, what, args), body)
+        return future
+
+    async def call_async(self, what: str, *args, body: bytes | None = None):
+        return await asyncio.wrap_future(self.call(what, *args, body=body))
+
+    def state(self) -> dict:
+        return self.call("state").result(STATE_TIMEOUT_S)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "deltas":
+                loop = self.scheduler.loop
+                if loop is not None:
+                    loop.call_soon_threadsafe(self.scheduler.apply, message[1])
+            else:
+                _, cid, ok, value = message
+                future = self._calls.pop(cid)
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(_raise_portable(value))
+        if self.stopping:
+            return
+        self.proc.join(5)
+        why = f"the engine process (pid {self.proc.pid}) exited with code {self.proc.exitcode}"
+        error = RunError(why)
+        for future in list(self._calls.values()):
+            future.set_exception(error)
+        self._calls.clear()
+        if self.scheduler is not None and self.scheduler.loop is not None:
+            self.scheduler.loop.call_soon_threadsafe(self.scheduler.fail_all, error)
+        self.on_exit(why)
+
+    def stop(self) -> None:
+        """Close the pipe (the engine process exits on it), then make sure it has."""
+        self.stopping = True
+        self.conn.close()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+class RemoteHost:
+    """`EngineHost`'s face (`app.build_app`, `OpenAIRoutes`) over an engine in a process of its own."""
+
+    def __init__(self, plan, engine_index: int, model_name: str, max_queued_rows: int, switch_interval: float,
+                 on_exit: Callable[[str], None]) -> None:
+        from ..models.factory import load_tokenizer
+
+        self.model_name = model_name
+        self.process = EngineProcess(plan, engine_index, model_name, switch_interval, on_exit)
+        info = self.process.info
+        self.engine = _EngineView(load_tokenizer(plan.spec.model), plan.spec.rollout, info["sampler"])
+        self.thread = self.process.scheduler = RemoteScheduler(self.process, info, max_queued_rows)
+        self.engine_pid = info["pid"]
+        self.started = time.time()
+
+    @property
+    def weight_version(self) -> int | None:
+        return self.process.state()["weight_version"]
+
+    def state(self) -> dict:
+        state = self.process.state()
+        return {**state, "scheduler": self.thread.describe(state)}
+
+    async def label(self, version: int) -> None:
+        await self.process.call_async("label", version)
+
+    async def bridge(self, body: bytes) -> tuple[int, str, bytes]:
+        return await self.process.call_async("bridge", body=body)
+
+    async def generate_alone(self, *args):
+        return await self.process.call_async("generate", *args)
+
+    def stop(self) -> None:
+        self.process.stop()

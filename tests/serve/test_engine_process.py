@@ -1,0 +1,196 @@
+"""`rlspec serve --engine-process on` on CPU: the engine in a process of its own behind the HTTP process gives every
+request exactly what the one-process server gives it (alone and all together, streamed or not), frees a gone
+client's rows, keeps the queue's bound (429), runs the bridge and labels there, and stops the server when the engine
+process dies, failing the requests in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tests.serve.test_concurrency import MODEL, REQUESTS, _send, _summary
+
+TOKEN = "tok"
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """(url of the engine-process server, its host, url of a one-process server of the same plan, calls of on_exit)."""
+    from rlspec.plan import build_plan
+    from rlspec.serve.app import EngineHost, build_app
+    from rlspec.serve.engine_process import RemoteHost
+    from rlspec.serve.process import build_engine
+    from tests.serve.web import serving
+
+    plan, _ = build_plan("examples/tiny.yaml", ["rollout.max_new_tokens=32", "rollout.decode_slots=8",
+                                                "hardware.num_threads=1"], None)
+    exits: list[str] = []
+    remote = RemoteHost(plan, 0, MODEL, 8192, 0.0005, on_exit=exits.append)
+    local = EngineHost(build_engine(plan), MODEL)
+    try:
+        with serving(build_app(remote, TOKEN)) as url, serving(build_app(local, TOKEN)) as local_url:
+            yield url, remote, local_url, exits
+    finally:
+        remote.stop()
+
+
+def test_requests_get_what_the_one_process_server_gives_alone_and_together(servers):
+    import httpx
+
+    url, host, local_url, _ = servers
+    requests = [(route, dict(body)) for route, body in REQUESTS]
+    requests[4][1]["stop"] = ["q", "\n"]
+
+    async def both():
+        async with httpx.AsyncClient(base_url=local_url, timeout=120, trust_env=False) as http:
+            reference = [await _send(http, route, body) for route, body in requests]
+        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
+            alone = [await _send(http, route, body) for route, body in requests]
+            together = await asyncio.gather(*(_send(http, route, body) for route, body in requests))
+        return reference, alone, together
+
+    reference, alone, together = asyncio.run(both())
+    for (route, body), ref, a, b in zip(requests, reference, alone, together):
+        assert _summary(a) == _summary(ref), (route, body)  # token for token, log-probs to the bit
+        assert _summary(b) == _summary(ref), (route, body)
+    state = host.state()["scheduler"]
+    assert state["batching"] == "continuous" and state["max_rows_in_flight"] > 4, state
+    assert state["rows_queued"] == 0 and state["rows_in_flight"] == 0, state
+    assert all(o.get("weight_version", 0) == 0 for o in together if not o.get("streamed"))
+
+
+def test_a_gone_client_frees_its_rows_and_past_the_bound_requests_get_429(servers):
+    import httpx
+
+    url, host, _, _ = servers
+    before = host.state()["scheduler"]["rows_cancelled"]
+    body = {"model": MODEL, "prompt": "ab=", "n": 3, "seed": 1, "max_tokens": 300, "stream": True, "temperature": 0}
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk, then the client goes away
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        state = host.state()["scheduler"]
+        if state["rows_in_flight"] == 0 and state["rows_cancelled"] >= before + 3:
+            break
+        time.sleep(0.05)
+    assert state["rows_in_flight"] == 0 and state["rows_cancelled"] >= before + 3, state
+
+    host.thread.max_queued_rows = 8  # 8 slots decode, 8 rows wait, the rest are refused
+    body = {"model": MODEL, "prompt": "ab=", "n": 4, "max_tokens": 24, "logprobs": 0}
+
+    async def flood():
+        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json={**body, "seed": s}) for s in range(60)))
+
+    try:
+        responses = asyncio.run(flood())
+    finally:
+        host.thread.max_queued_rows = 8192
+    refused = [r for r in responses if r.status_code == 429]
+    accepted = [r for r in responses if r.status_code == 200]
+    assert refused and accepted and len(refused) + len(accepted) == len(responses)
+    assert all(r.headers["retry-after"] == "1" and "--max-queued-rows" in r.text for r in refused)
+    assert all(len(r.json()["choices"]) == 4 and all(c["token_ids"] for c in r.json()["choices"]) for r in accepted)
+    assert host.thread.queued_rows == 0
+
+
+def test_bridge_operations_and_labels_run_in_the_engine_process(servers):
+    import httpx
+    import torch
+
+    from rlspec.serve import ops
+
+    url, host, _, _ = servers
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+        def call(op: str, value=None, **header):
+            response = http.post("/bridge/receive", content=ops.pack({"op": op, **header}, value), headers=auth)
+            assert response.status_code == 200, response.text
+            if response.headers["content-type"].startswith("application/json"):
+                return response.json()["result"]
+            return ops.unpack(response.content)[1]
+
+        where = call("engine.describe")
+        assert where["thread"] == "rlspec-engine"
+        named = call("engine.named_weights")
+        norm = next(i for i, (name, _) in enumerate(named) if name.endswith("model.norm.weight"))
+        changed = [(name, t + 1 if i == norm else t) for i, (name, t) in enumerate(named)]
+        body = {"model": MODEL, "prompt": "ab=", "seed": 3, "max_tokens": 6, "logprobs": 0}
+        before = http.post("/v1/completions", json=body).json()
+        call("engine.load_weights", changed, weight_version=7)
+        assert http.get("/bridge/weight_version").json() == {"weight_version": 7}
+        after = http.post("/v1/completions", json=body).json()
+        assert after["weight_version"] == 7 and _summary(after) != _summary(before)
+        assert torch.equal(dict(call("engine.named_weights"))[named[norm][0]], named[norm][1] + 1)
+        call("engine.load_weights", named, weight_version=8)  # as it was
+        assert _summary(http.post("/v1/completions", json=body).json()) == _summary(before)
+        assert http.post("/bridge/weight_version", json={"version": 9}, headers=auth).json() == {"weight_version": 9}
+        assert http.get("/health").json()["weight_version"] == 9
+        bad = http.post("/bridge/receive", content=ops.pack({"op": "engine.nothing"}, None), headers=auth)
+        assert bad.status_code == 400 and "engine.nothing" in bad.text
+        assert http.post("/bridge/receive", content=b"x" * 16).status_code == 401
+
+
+def test_the_engine_process_dying_fails_the_requests_in_flight_and_stops_the_server(servers):
+    """Last in the module: it ends the engine process."""
+    import httpx
+
+    url, host, _, exits = servers
+    body = {"model": MODEL, "prompt": "ab=", "n": 2, "seed": 1, "max_tokens": 300, "temperature": 0}
+
+    async def killed_mid_request():
+        async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
+            pending = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            deadline = time.monotonic() + 30
+            while not (await asyncio.to_thread(host.state))["scheduler"]["rows_in_flight"]:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            os.kill(host.engine_pid, signal.SIGKILL)
+            return await pending
+
+    response = asyncio.run(killed_mid_request())
+    assert response.status_code == 500
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exits and "engine process" in exits[0] and str(host.engine_pid) in exits[0], exits
+
+
+def test_rlspec_serve_engine_process_on_serves_and_leaves_no_process_behind():
+    """`rlspec serve --engine-process on` as a trainer starts it (`ServerProcess`): it serves, names both pids, and
+    `stop()` ends the engine process too."""
+    import httpx
+
+    from rlspec.plan import build_plan
+    from rlspec.serve.client import ServerClient
+    from rlspec.serve.process import ServerProcess
+
+    plan, _ = build_plan("examples/tiny.yaml", ["hardware.num_threads=1"], None)
+    server = ServerProcess(plan, engine_process="on")
+    server.start()
+    try:
+        ServerClient(server.url, server.token, 60, server.describe).wait_healthy(120, server.alive)
+        out = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ab=", "max_tokens": 4, "seed": 1},
+                         trust_env=False, timeout=60).json()
+        assert len(out["choices"][0]["token_ids"]) >= 1
+        log = server.log_path.read_text()
+        engine_pid = int(log.split("engine process pid ")[1].split(")")[0])
+        os.kill(engine_pid, 0)  # alive while the server is
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(engine_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the engine process {engine_pid} outlived its server")
