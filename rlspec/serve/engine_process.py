@@ -391,7 +391,7 @@ class RemoteHost:
 
     def state(self) -> dict:
         state = self.process.state()
-        return {**state, "scheduler": self.thread.describe(state)}
+        return {**state, "engine_pid": self.engine_pid, "scheduler": self.thread.describe(state)}
 
     async def label(self, version: int) -> None:
         await self.process.call_async("label", version)

@@ -146,12 +146,13 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
         def engine_gone(why: str) -> None:  # the server stops through its own shutdown; serve then raises
             gone.append(why)
             print(f"rlspec serve: {why}; stopping the server", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGTERM)
+            web.should_exit = True
 
         engine_host = RemoteHost(plan, engine_index, name, bound, switch_interval, on_exit=engine_gone)
     else:
         engine_host = EngineHost(build_engine(plan, engine_index), name, bound)
     app = build_app(engine_host, token)
+    web = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     if parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if os.environ.get(FAULT_ENV) == "hang_start":
@@ -164,7 +165,7 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
         # uvicorn re-raises the SIGTERM it shut down on: exit through Python, so the token file goes with the server.
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        web.run()
     finally:
         if hasattr(engine_host, "stop"):
             engine_host.stop()

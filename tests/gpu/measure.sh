@@ -453,7 +453,8 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
     offload)  # issue 47: rollout.free_during_train, deepspeed colocated on one GPU (its engine a Ray actor of its own
       # on the trainer's GPU, weights by cuda_ipc), P prompts x 8 x 256 (default 16), SHAPE= the model preset (default
       # qwen2_0p5b_shape; qwen3_1p7b_shape for the 1.7B figures), RUNS= the settings compared (default all three, a
-      # deepspeed run each: at the 1.7B shape RUNS="none kv_cache" in one call, RUNS=kv_cache_and_weights in the next),
+      # deepspeed run each: at the 1.7B shape RUNS="none kv_cache" in one call, RUNS=kv_cache_and_weights in the next;
+      # on an 80 GB card the 1.7B trainer needs EXTRA="algorithm.micro_batch_tokens=16384 model.gradient_checkpointing=true"),
       # the train layers not compiled (model.compile_layers=false: the runs start sooner; EXTRA= to change it). The
       # bench table's mem/gpu_used_gb is the device's memory in use at the
       # train phase's end (the trainer's cached blocks and what the engine holds); the engine's K/V cache at this

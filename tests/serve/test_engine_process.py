@@ -165,7 +165,7 @@ def test_the_engine_process_dying_fails_the_requests_in_flight_and_stops_the_ser
 
 def test_rlspec_serve_engine_process_on_serves_and_leaves_no_process_behind():
     """`rlspec serve --engine-process on` as a trainer starts it (`ServerProcess`): it serves, names both pids, and
-    `stop()` ends the engine process too."""
+    `stop()` ends the engine process too; an engine process killed stops its server (exit 1, naming it)."""
     import httpx
 
     from rlspec.plan import build_plan
@@ -194,3 +194,14 @@ def test_rlspec_serve_engine_process_on_serves_and_leaves_no_process_behind():
         time.sleep(0.05)
     else:
         pytest.fail(f"the engine process {engine_pid} outlived its server")
+
+    server = ServerProcess(plan, engine_process="on")  # and the engine process killed: the server exits 1, saying why
+    server.start()
+    try:
+        ServerClient(server.url, server.token, 60, server.describe).wait_healthy(120, server.alive)
+        engine_pid = httpx.get(f"{server.url}/health", trust_env=False, timeout=60).json()["engine_pid"]
+        os.kill(engine_pid, signal.SIGKILL)
+        assert server.proc.wait(30) == 1
+        assert f"the engine process (pid {engine_pid}) exited with code -9" in server.log_path.read_text()
+    finally:
+        server.stop()
