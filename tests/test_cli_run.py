@@ -110,7 +110,8 @@ def test_cli_surface_is_frozen():
     assert flags == {
         "run": ["--backend", "--multirun", "--no-progress", "--out", "--resume", "-m"],
         "plan": ["--backend"],
-        "serve": ["--allow-remote", "--backend", "--engine-index", "--host", "--max-queued-rows", "--parent-pid", "--port"],
+        "serve": ["--allow-remote", "--backend", "--engine-index", "--engine-process", "--host", "--max-queued-rows",
+                  "--parent-pid", "--port"],
         "bench": ["--backends", "--multirun", "--out", "--reference", "--warmup-steps", "-m"],
         "conformance": ["--backends", "--dump", "--json"],
     }

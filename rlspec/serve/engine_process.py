@@ -168,19 +168,19 @@ class EngineCore:
             self.send(("reply", cid, False, _portable(err)))
 
 
-def engine_main(conn, plan, engine_index: int, model_name: str, switch_interval: float) -> None:
-    """The engine process: build the engine, answer `ready` (or `failed`), then serve the pipe."""
+def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str, switch_interval: float) -> None:
+    """The engine process: `build(plan, engine_index)` the engine (`process.build_engine`), answer `ready` (or
+    `failed`), then serve the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.setswitchinterval(switch_interval)
     try:
         from .app import EngineHost
-        from .process import build_engine
 
         if plan.spec.hardware.num_threads:
             import torch
 
             torch.set_num_threads(plan.spec.hardware.num_threads)
-        engine = build_engine(plan, engine_index)
+        engine = build(plan, engine_index)
         host = EngineHost(engine, model_name, max_queued_rows=sys.maxsize)  # the HTTP process keeps the bound
         sampler = getattr(engine, "sampler_kind", None)
         info = {"pool_reason": host.thread.pool_reason, "row_budget": host.thread.row_budget,
@@ -288,12 +288,12 @@ class RemoteScheduler:
 class EngineProcess:
     """The HTTP process's handle on the engine process: start, send, calls with replies, the reader thread."""
 
-    def __init__(self, plan, engine_index: int, model_name: str, switch_interval: float,
+    def __init__(self, build: Callable, plan, engine_index: int, model_name: str, switch_interval: float,
                  on_exit: Callable[[str], None]) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
-        self.proc = context.Process(target=engine_main, args=(child, plan, engine_index, model_name, switch_interval),
-                                    name="rlspec-engine")
+        self.proc = context.Process(target=engine_main, name="rlspec-engine",
+                                    args=(child, build, plan, engine_index, model_name, switch_interval))
         self.proc.start()
         child.close()
         self.on_exit = on_exit
@@ -344,6 +344,8 @@ class EngineProcess:
             else:
                 _, cid, ok, value = message
                 future = self._calls.pop(cid)
+                if future.done():  # its caller gave up
+                    continue
                 if ok:
                     future.set_result(value)
                 else:
@@ -354,10 +356,14 @@ class EngineProcess:
         why = f"the engine process (pid {self.proc.pid}) exited with code {self.proc.exitcode}"
         error = RunError(why)
         for future in list(self._calls.values()):
-            future.set_exception(error)
+            if not future.done():
+                future.set_exception(error)
         self._calls.clear()
         if self.scheduler is not None and self.scheduler.loop is not None:
-            self.scheduler.loop.call_soon_threadsafe(self.scheduler.fail_all, error)
+            try:
+                self.scheduler.loop.call_soon_threadsafe(self.scheduler.fail_all, error)
+            except RuntimeError:  # the loop has closed (the server is stopping)
+                pass
         self.on_exit(why)
 
     def stop(self) -> None:
@@ -373,12 +379,14 @@ class EngineProcess:
 class RemoteHost:
     """`EngineHost`'s face (`app.build_app`, `OpenAIRoutes`) over an engine in a process of its own."""
 
-    def __init__(self, plan, engine_index: int, model_name: str, max_queued_rows: int, switch_interval: float,
-                 on_exit: Callable[[str], None]) -> None:
+    def __init__(self, build: Callable, plan, engine_index: int, model_name: str, max_queued_rows: int,
+                 switch_interval: float, on_exit: Callable[[str], None]) -> None:
+        """`build(plan, engine_index)`: the engine, in the engine process (`process.build_engine`); `on_exit(why)`:
+        called (from a thread of this process) when the engine process has died."""
         from ..models.factory import load_tokenizer
 
         self.model_name = model_name
-        self.process = EngineProcess(plan, engine_index, model_name, switch_interval, on_exit)
+        self.process = EngineProcess(build, plan, engine_index, model_name, switch_interval, on_exit)
         info = self.process.info
         self.engine = _EngineView(load_tokenizer(plan.spec.model), plan.spec.rollout, info["sampler"])
         self.thread = self.process.scheduler = RemoteScheduler(self.process, info, max_queued_rows)

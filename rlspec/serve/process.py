@@ -148,7 +148,7 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
             print(f"rlspec serve: {why}; stopping the server", file=sys.stderr, flush=True)
             web.should_exit = True
 
-        engine_host = RemoteHost(plan, engine_index, name, bound, switch_interval, on_exit=engine_gone)
+        engine_host = RemoteHost(build_engine, plan, engine_index, name, bound, switch_interval, on_exit=engine_gone)
     else:
         engine_host = EngineHost(build_engine(plan, engine_index), name, bound)
     app = build_app(engine_host, token)

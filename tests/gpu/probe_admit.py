@@ -1,6 +1,7 @@
 """Where a serving pool's admission goes (GPU): the bench spec's engine, its pool (`make_pool`, as `rlspec serve`
 builds it), then `admit` of R new rows (R = 1, 16, 64) of 32-token prompts, timed with the device synced, and
-the parts of one admit of 64 rows under torch.profiler (host time per op, the top lines).
+admissions as the server makes them (into a pool with rows in flight, growing, a decode run between), and the parts
+of one admit of 64 rows under torch.profiler (host time per op, the top lines).
     python tests/gpu/probe_admit.py examples/bench_qwen0p5b.yaml"""
 
 import random
@@ -56,6 +57,29 @@ for count in (1, 16, 64, 1, 16, 64):
     _, drain_ms = timed(drain)
     print(f"rows {count:3d}: prefill alone {prefill_ms:7.1f} ms, admit {admit_ms:7.1f} ms, decode 64 steps "
           f"{drain_ms:7.1f} ms", flush=True)
+
+# As the server admits (docs/serving_concurrency.md: ~93 ms an admission under 64 streams, in one process or with
+# the engine in a process of its own, against the idle-pool admissions above): the pool's derived weights refreshed
+# when it is idle (the scheduler does it before rows start in an idle pool), then admissions of K rows into a pool
+# with rows in flight, growing, one decode run between them. Host ms (the call returns) and synced ms per admission.
+drain()
+_, refresh_ms = timed(pool.refresh_weights)
+print(f"refresh_weights on an idle pool {refresh_ms:7.1f} ms", flush=True)
+for count in (13, 32):
+    drain()
+    pool.shrink()
+    lines = []
+    for _ in range(5):
+        batch = rows(min(count, pool.free()))
+        sync()
+        began = time.perf_counter()
+        pool.admit(batch)
+        host_ms = (time.perf_counter() - began) * 1e3
+        sync()
+        lines.append(f"{host_ms:.1f}/{(time.perf_counter() - began) * 1e3:.1f} ms ({pool.slots} slots)")
+        pool.run()
+    print(f"live rows {count:3d} an admission: " + ", ".join(lines), flush=True)
+drain()
 
 batch = rows(64)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -29,7 +29,7 @@ def servers():
     plan, _ = build_plan("examples/tiny.yaml", ["rollout.max_new_tokens=32", "rollout.decode_slots=8",
                                                 "hardware.num_threads=1"], None)
     exits: list[str] = []
-    remote = RemoteHost(plan, 0, MODEL, 8192, 0.0005, on_exit=exits.append)
+    remote = RemoteHost(build_engine, plan, 0, MODEL, 8192, 0.0005, on_exit=exits.append)
     local = EngineHost(build_engine(plan), MODEL)
     try:
         with serving(build_app(remote, TOKEN)) as url, serving(build_app(local, TOKEN)) as local_url:
