@@ -46,19 +46,24 @@ SLOW_DECODE_S = 0.1
 """A decode run longer than this counts in `slow_decodes` (a run is up to 8 steps: a few ms when nothing stalls it)."""
 
 
-def _count_gc(stats: dict) -> None:
-    """Add the garbage collector's pauses in this process to `stats["gc_s"]`."""
+_gc_seconds = [0.0, 0.0]
+"""[seconds this process has spent in the garbage collector since the first scheduler, when the running pass began]."""
+
+
+def _gc_clock() -> float:
+    """This process's seconds in the garbage collector (counted from the first call on)."""
     import gc
 
-    began = [0.0]
+    if _gc_callback not in gc.callbacks:
+        gc.callbacks.append(_gc_callback)
+    return _gc_seconds[0]
 
-    def callback(phase: str, _info: dict) -> None:
-        if phase == "start":
-            began[0] = time.perf_counter()
-        else:
-            stats["gc_s"] += time.perf_counter() - began[0]
 
-    gc.callbacks.append(callback)
+def _gc_callback(phase: str, _info: dict) -> None:
+    if phase == "start":
+        _gc_seconds[1] = time.perf_counter()
+    else:
+        _gc_seconds[0] += time.perf_counter() - _gc_seconds[1]
 
 
 class QueueFull(Exception):
@@ -184,13 +189,14 @@ class Scheduler:
         self._cancelled = threading.Event()
         """Set when a client cancels: the next step looks for its rows."""
         self.stats = {"steps": 0, "rows_admitted": 0, "rows_cancelled": 0, "refused": 0, "max_rows_in_flight": 0,
-                      "admits": 0, "admit_s": 0.0, "decode_s": 0.0, "slow_decodes": 0, "gc_s": 0.0}
+                      "admits": 0, "admit_s": 0.0, "decode_s": 0.0, "slow_decodes": 0}
         """Counters since start; `admit_s`, `decode_s`: the engine thread's seconds in admissions (`admits` of them:
         prefill, pool resize, copies into slots) and in decode runs (`steps` of them, each up to `check_every`
-        decode steps and the read of their tokens), host clock; `slow_decodes`: decode runs over `SLOW_DECODE_S`;
-        `gc_s`: this process's seconds in Python's garbage collector (any thread); `describe` adds the pool's
-        `captures` and `capture_s` (decode steps captured as CUDA graphs, in the decode runs' time)."""
-        _count_gc(self.stats)
+        decode steps and the read of their tokens), host clock; `slow_decodes`: decode runs over `SLOW_DECODE_S`.
+        `describe` adds `gc_s` (this process's seconds in Python's garbage collector since the scheduler started, any
+        thread) and the pool's `captures` and `capture_s` (decode steps captured as CUDA graphs, within the decode
+        runs' time)."""
+        self._gc_at_start = _gc_clock()
         self.on_iteration: Callable[[], None] | None = None
         """Called on the engine thread before each turn of its loop (and so before it waits for work): the engine
         process sends the turn's tokens from it (`engine_process.EngineCore.flush`)."""
@@ -248,6 +254,7 @@ class Scheduler:
         return {"batching": "continuous" if self.pool_reason is None else f"one request at a time ({self.pool_reason})",
                 "rows_in_flight": len(self.pool.live) if self.pool else 0, "rows_queued": self.queued_rows,
                 "max_queued_rows": self.max_queued_rows, **self.stats,
+                "gc_s": round(_gc_clock() - self._gc_at_start, 4),
                 "captures": self.pool.captures if self.pool else 0,
                 "capture_s": round(self.pool.capture_s, 4) if self.pool else 0.0}
 
