@@ -2,9 +2,10 @@
 `process.ENGINE_PROCESS`).
 
 In one process the HTTP side (the event loop: requests arriving, chunks going out, tokenizing) and the engine
-thread (admissions: a thousand and more short torch calls; decode runs) take turns at the interpreter lock: on one
-H200 an admission of 64 rows took 18-28 ms alone and 93-145 ms in the server under 64 streams. Here they run in two
-processes joined by a pipe:
+thread (admissions: a thousand and more short torch calls; decode runs) take turns at the interpreter lock. Here
+they run in two processes joined by a pipe (measured on one H100, docs/serving_concurrency.md: an admission cost
+about as much here as in one process, ~93 ms under 64 streams, so the lock was not what made it slow; and at 256
+streams this mode stalled decode runs, cause not yet found, which is why it is off by default):
 
     HTTP process (the port, every route)            engine process (the engine, `Scheduler`, `EngineHost`)
       a request's rows  ---- ("rows", id, ...) --->   queued, admitted, decoded in the one batch
@@ -19,8 +20,9 @@ every bridge operation are the engine process's, exactly as in one process (`sch
 rows (`--max-queued-rows`, 429) is kept by the HTTP process, which counts a request's rows until the engine reports
 them admitted. A bridge message's body goes through the pipe as it came (no second copy of its tensors).
 
-Ends: the engine process ends when the pipe closes (the HTTP process exited or was killed); the HTTP process stops
-(SIGTERM to itself, the server's own shutdown) when the engine process dies, after failing the requests in flight.
+Ends: the engine process ends when the pipe closes (the HTTP process exited or was killed); when the engine process
+dies, the requests in flight fail and the HTTP process is told (`on_exit`: `rlspec serve` shuts its server down and
+exits 1 naming the engine process).
 The engine process ignores SIGINT (a terminal's Ctrl-C reaches both; the HTTP process's shutdown ends it).
 """
 
