@@ -41,7 +41,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from ..errors import RunError, SpecError
-from .scheduler import QueueFull, Submission, pool_unsupported, row_budget
+from .scheduler import QueueFull, Submission
 
 STATE_TIMEOUT_S = 30.0
 """How long a state query (`/health`, the weight version) waits for the engine process's answer."""

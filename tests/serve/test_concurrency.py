@@ -110,18 +110,23 @@ def test_concurrent_requests_each_get_their_solo_result_in_one_decode_batch(serv
                                            and isinstance(body["prompt"][0], str) else 1) for _, body in REQUESTS)
 
 
+def leave_mid_stream(http) -> None:
+    """Stream a request of 3 rows, read one chunk, and go away (greedy: these rows never sample the end token, which
+    a seeded draw could, ending them before the client leaves)."""
+    body = {"model": MODEL, "prompt": "ab=", "n": 3, "seed": 1, "max_tokens": 300, "stream": True, "temperature": 0}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_rows(server):
     import httpx
 
     url, host = server
     cancelled = host.thread.stats["rows_cancelled"]
-    # greedy: these rows never sample the end token (a seeded draw could end them before the client leaves)
-    body = {"model": MODEL, "prompt": "ab=", "n": 3, "seed": 1, "max_tokens": 300, "stream": True, "temperature": 0}
     with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
-        with http.stream("POST", "/v1/completions", json=body) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    break  # one chunk, then the client goes away
+        leave_mid_stream(http)
         deadline = time.monotonic() + 20
         while host.thread.describe()["rows_in_flight"] and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -149,6 +154,27 @@ def test_a_client_that_gives_up_on_an_unstreamed_request_frees_its_rows(server):
     assert host.thread.describe()["rows_in_flight"] == 0
 
 
+def flood_past_the_bound(url: str, body: dict, count: int) -> None:
+    """`count` requests of `body` (4 rows each, seeds 0..count-1) at once to a server whose queue bound they pass:
+    some get 429 with Retry-After naming the flag, the others every row answered in full, and nothing else."""
+    import httpx
+
+    async def flood():
+        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json={**body, "seed": s}) for s in range(count)))
+
+    responses = asyncio.run(flood())
+    refused = [r for r in responses if r.status_code == 429]
+    accepted = [r for r in responses if r.status_code == 200]
+    assert len(refused) + len(accepted) == len(responses), {r.status_code for r in responses}
+    assert refused and accepted, (len(refused), len(accepted))
+    assert all(r.headers["retry-after"] == "1" and "--max-queued-rows" in r.text for r in refused)
+    for r in accepted:  # nothing accepted is lost: every row answered in full
+        choices = r.json()["choices"]
+        assert len(choices) == 4 and all(c["token_ids"] and len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"])
+                                         for c in choices)
+
+
 def test_past_the_queue_bound_requests_get_429_and_every_accepted_one_is_answered(server):
     import httpx
 
@@ -159,23 +185,10 @@ def test_past_the_queue_bound_requests_get_429_and_every_accepted_one_is_answere
     pool = host.thread.pool
     host.thread.max_queued_rows, pool.max_slots = 8, 8  # two requests decode, two wait, the rest are refused
 
-    async def flood():
-        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
-            return await asyncio.gather(*(http.post("/v1/completions", json={**body, "seed": s}) for s in range(100)))
-
     try:
-        responses = asyncio.run(flood())
+        flood_past_the_bound(url, body, 100)
     finally:
         host.thread.max_queued_rows, pool.max_slots = 8192, 256
-    refused = [r for r in responses if r.status_code == 429]
-    accepted = [r for r in responses if r.status_code == 200]
-    assert len(refused) + len(accepted) == len(responses), {r.status_code for r in responses}
-    assert refused and accepted, (len(refused), len(accepted))
-    assert all(r.headers["retry-after"] == "1" and "--max-queued-rows" in r.text for r in refused)
-    for r in accepted:  # nothing accepted is lost: every row answered in full
-        choices = r.json()["choices"]
-        assert len(choices) == 4 and all(c["token_ids"] and len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"])
-                                         for c in choices)
     with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
         assert http.get("/health").json()["scheduler"]["rows_queued"] == 0
         assert http.post("/v1/completions", json={**body, "seed": 1}).status_code == 200

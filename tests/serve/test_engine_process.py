@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.serve.test_concurrency import MODEL, REQUESTS, _send, _summary
+from tests.serve.test_concurrency import MODEL, REQUESTS, _send, _summary, flood_past_the_bound, leave_mid_stream
 
 TOKEN = "tok"
 
@@ -68,12 +68,8 @@ def test_a_gone_client_frees_its_rows_and_past_the_bound_requests_get_429(server
 
     url, host, _, _ = servers
     before = host.state()["scheduler"]["rows_cancelled"]
-    body = {"model": MODEL, "prompt": "ab=", "n": 3, "seed": 1, "max_tokens": 300, "stream": True, "temperature": 0}
     with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
-        with http.stream("POST", "/v1/completions", json=body) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    break  # one chunk, then the client goes away
+        leave_mid_stream(http)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         state = host.state()["scheduler"]
@@ -83,21 +79,10 @@ def test_a_gone_client_frees_its_rows_and_past_the_bound_requests_get_429(server
     assert state["rows_in_flight"] == 0 and state["rows_cancelled"] >= before + 3, state
 
     host.thread.max_queued_rows = 8  # 8 slots decode, 8 rows wait, the rest are refused
-    body = {"model": MODEL, "prompt": "ab=", "n": 4, "max_tokens": 24, "logprobs": 0}
-
-    async def flood():
-        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
-            return await asyncio.gather(*(http.post("/v1/completions", json={**body, "seed": s}) for s in range(60)))
-
     try:
-        responses = asyncio.run(flood())
+        flood_past_the_bound(url, {"model": MODEL, "prompt": "ab=", "n": 4, "max_tokens": 24, "logprobs": 0}, 60)
     finally:
         host.thread.max_queued_rows = 8192
-    refused = [r for r in responses if r.status_code == 429]
-    accepted = [r for r in responses if r.status_code == 200]
-    assert refused and accepted and len(refused) + len(accepted) == len(responses)
-    assert all(r.headers["retry-after"] == "1" and "--max-queued-rows" in r.text for r in refused)
-    assert all(len(r.json()["choices"]) == 4 and all(c["token_ids"] for c in r.json()["choices"]) for r in accepted)
     assert host.thread.queued_rows == 0
 
 
