@@ -41,7 +41,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from ..errors import RunError, SpecError
-from .scheduler import QueueFull, Submission
+from .scheduler import RowQueue, Submission
 
 STATE_TIMEOUT_S = 30.0
 """How long a state query (`/health`, the weight version) waits for the engine process's answer."""
@@ -67,6 +67,8 @@ class _Forwarded(Submission):
 
     rid: int = -1
     core: "EngineCore | None" = None
+    sent: list[int]
+    """Per row: its tokens already sent (-1: its end too)."""
 
     def notify(self) -> None:
         self.core.touched(self)
@@ -83,8 +85,7 @@ class EngineCore:
         self.host = host
         self.decode = decoder(host.engine.tokenizer)
         self.subs: dict[int, _Forwarded] = {}
-        self.sent: dict[int, list[int]] = {}
-        """Per request, per row: tokens already sent."""
+        """Requests in flight, by the HTTP process's id (a cancel names one)."""
         self._touched: dict[int, _Forwarded] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -106,11 +107,11 @@ class EngineCore:
             return
         deltas = []
         for rid, sub in touched.items():
-            sent = self.sent[rid]
+            sent = sub.sent
             with sub.lock:
                 rows = []
                 for i in range(sub.rows):
-                    start = sent[i]  # -1: the row's end was sent
+                    start = sent[i]
                     if start >= 0 and (len(sub.ids[i]) > start or sub.ended[i]):
                         rows.append((i, sub.ids[i][start:], sub.logprobs[i][start:],
                                      sub.top[i][start:] if sub.top[i] else None, sub.ended[i]))
@@ -120,7 +121,6 @@ class EngineCore:
             deltas.append((rid, sub.admitted, sub.version, rows, done, error))
             if done:
                 self.subs.pop(rid, None)
-                self.sent.pop(rid, None)
         self.send(("deltas", deltas))
 
     def serve_forever(self) -> None:
@@ -133,9 +133,8 @@ class EngineCore:
             if kind == "rows":
                 _, rid, prompt_ids, samplings, stops = message
                 sub = _Forwarded(prompt_ids, samplings, stops, self.decode if stops else None)
-                sub.rid, sub.core = rid, self
+                sub.rid, sub.core, sub.sent = rid, self, [0] * len(samplings)
                 self.subs[rid] = sub
-                self.sent[rid] = [0] * sub.rows
                 self.host.thread.submit_rows(sub)
             elif kind == "cancel":
                 sub = self.subs.get(message[1])
@@ -198,8 +197,6 @@ def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str,
 class _EngineView:
     """What the routes read of the engine in the HTTP process: its tokenizer and rollout settings."""
 
-    device = None
-
     def __init__(self, tokenizer, spec, sampler: str | None) -> None:
         self.tokenizer = tokenizer
         self.spec = spec
@@ -209,7 +206,7 @@ class _EngineView:
         return self._sampler
 
 
-class RemoteScheduler:
+class RemoteScheduler(RowQueue):
     """The scheduler as the routes see it, over the pipe: rows go to the engine process, their tokens come back
     (`apply`, on the event loop); the bound of queued rows is kept here."""
 
@@ -221,23 +218,16 @@ class RemoteScheduler:
         self.row_budget = info["row_budget"]
         self.max_queued_rows = max_queued_rows
         self.queued_rows = 0
-        self.refused = 0
-        self._lock = threading.Lock()
+        self.stats = {"refused": 0}
+        self._count_lock = threading.Lock()
         self._ids = itertools.count()
         self.subs: dict[int, Submission] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
 
-    def takes(self, prompt_ids: list[list[int]], max_tokens: int) -> bool:
-        return self.pool_reason is None and all(len(p) + max_tokens <= self.row_budget for p in prompt_ids)
-
     def submit_rows(self, sub: Submission) -> Submission:
         """Called on the event loop (the routes); `QueueFull` past the bound, nothing sent then."""
         self.loop = self.loop or asyncio.get_running_loop()
-        with self._lock:
-            if self.queued_rows and self.queued_rows + sub.rows > self.max_queued_rows:
-                self.refused += 1
-                raise QueueFull(self.queued_rows, sub.rows, self.max_queued_rows)
-            self.queued_rows += sub.rows
+        self._queue(sub.rows)
         rid = next(self._ids)
         self.subs[rid] = sub
         sub.on_cancel = lambda: self.proc.send(("cancel", rid))
@@ -261,7 +251,9 @@ class RemoteScheduler:
                 if error is not None:
                     sub.error = sub.error or _raise_portable(error)
                 newly, sub.admitted = admitted - sub.admitted, admitted
-            self._unqueue(newly + (sub.rows - admitted if done else 0))
+            left = newly + (sub.rows - admitted if done else 0)
+            if left:
+                self._unqueue(left)
             if done:
                 del self.subs[rid]
                 sub.done.set()
@@ -274,17 +266,12 @@ class RemoteScheduler:
             sub.finish(error)
         self.subs.clear()
 
-    def _unqueue(self, rows: int) -> None:
-        if rows:
-            with self._lock:
-                self.queued_rows -= rows
-
     def describe(self, state: dict | None = None) -> dict:
         """The engine thread's counters (`state`: an answer of the engine process already at hand), with this
         process's queue."""
         state = (state or self.proc.state())["scheduler"]
         return {**state, "rows_queued": self.queued_rows, "max_queued_rows": self.max_queued_rows,
-                "refused": self.refused}
+                "refused": self.stats["refused"]}
 
 
 class EngineProcess:

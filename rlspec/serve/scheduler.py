@@ -160,7 +160,30 @@ class _Job:
     future: Future
 
 
-class Scheduler:
+class RowQueue:
+    """What the routes ask of a scheduler before rows go to it, kept where the requests arrive: whether rows join
+    the decode batch, and the count of rows waiting for a slot against `max_queued_rows` (`Scheduler` here,
+    `engine_process.RemoteScheduler` in the HTTP process of an engine of its own). Subclasses set `pool_reason`,
+    `row_budget`, `max_queued_rows`, `queued_rows`, `stats` (with "refused") and `_count_lock`."""
+
+    def takes(self, prompt_ids: list[list[int]], max_tokens: int) -> bool:
+        """Whether rows of these prompts join the decode batch (else the request runs as a job)."""
+        return self.pool_reason is None and all(len(p) + max_tokens <= self.row_budget for p in prompt_ids)
+
+    def _queue(self, rows: int) -> None:
+        """Count `rows` as waiting for a slot; `QueueFull` past the bound (nothing counted then)."""
+        with self._count_lock:
+            if self.queued_rows and self.queued_rows + rows > self.max_queued_rows:
+                self.stats["refused"] += 1
+                raise QueueFull(self.queued_rows, rows, self.max_queued_rows)
+            self.queued_rows += rows
+
+    def _unqueue(self, rows: int) -> None:
+        with self._count_lock:
+            self.queued_rows -= rows
+
+
+class Scheduler(RowQueue):
     """The engine thread (see the module docstring). `host` supplies the weight version a request reports."""
 
     def __init__(self, engine, host, max_queued_rows: int,
@@ -203,17 +226,9 @@ class Scheduler:
         threading.Thread(target=self._loop, name="rlspec-engine", daemon=True).start()
 
     # --- what other threads call ------------------------------------------------------------------------
-    def takes(self, prompt_ids: list[list[int]], max_tokens: int) -> bool:
-        """Whether rows of these prompts join the decode batch (else the request runs as a job)."""
-        return self.pool_reason is None and all(len(p) + max_tokens <= self.row_budget for p in prompt_ids)
-
     def submit_rows(self, submission: Submission) -> Submission:
         """Queue a request's rows; `QueueFull` past the bound (nothing queued then)."""
-        with self._count_lock:
-            if self.queued_rows and self.queued_rows + submission.rows > self.max_queued_rows:
-                self.stats["refused"] += 1
-                raise QueueFull(self.queued_rows, submission.rows, self.max_queued_rows)
-            self.queued_rows += submission.rows
+        self._queue(submission.rows)
         submission.on_cancel = self._cancelled.set
         self.inbox.put(submission)
         return submission
@@ -415,10 +430,6 @@ class Scheduler:
         if last and sub.admitted == sub.rows:
             sub.done.set()
             sub.notify()
-
-    def _unqueue(self, rows: int) -> None:
-        with self._count_lock:
-            self.queued_rows -= rows
 
 
 def _stopped(sub: Submission, i: int) -> bool:
