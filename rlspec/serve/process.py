@@ -158,8 +158,7 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
     if os.environ.get(FAULT_ENV) == "hang_start":
         while True:
             time.sleep(1)
-    where = f"pid {os.getpid()}" + (f", engine process pid {engine_host.engine_pid}"
-                                     if hasattr(engine_host, "engine_pid") else "")
+    where = f"pid {os.getpid()}" + (f", engine process pid {engine_host.engine_pid}" if engine_process == "on" else "")
     print(f"rlspec serve: {name} on http://{host}:{port} ({where})", file=sys.stderr, flush=True)
     if token_path is not None:
         # uvicorn re-raises the SIGTERM it shut down on: exit through Python, so the token file goes with the server.
@@ -167,7 +166,7 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
     try:
         web.run()
     finally:
-        if hasattr(engine_host, "stop"):
+        if engine_process == "on":
             engine_host.stop()
         if token_path is not None:
             shutil.rmtree(token_path.parent, ignore_errors=True)
