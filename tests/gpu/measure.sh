@@ -321,7 +321,7 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
       # streams (32-token prompts, 64 tokens each), each level beside the in-process engine's batched generate of the
       # same prompts and lengths. SC_LEVELS, SC_PROMPT, SC_OUTPUT, SC_API=chat change them; SC_ENGINE_PROCESS the
       # server's --engine-process, one sweep each, side by side (default "on off": the engine in a process of its
-      # own, the default on CUDA, then in the HTTP process as before), SC_TIMEOUT each sweep's limit (default 590 / count)
+      # own, then in the HTTP process, the server's default), SC_TIMEOUT each sweep's limit (default 590 / count)
       eps=${SC_ENGINE_PROCESS:-on off}; n_eps=$(echo $eps | wc -w)
       for ep in $eps; do
         timeout ${SC_TIMEOUT:-$(( 590 / n_eps ))} python3 -m rlspec.perf.bench_serve $BENCH --concurrency ${SC_LEVELS:-1,16,64,256} \
