@@ -22,9 +22,12 @@ with the head GEMM and the race fused in one Triton kernel (`sampled_head`: no [
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import gated_mlp as gated
 from . import live_attention as live
@@ -37,6 +40,11 @@ from .skinny_linear import skinny_linear
 
 SKINNY_ROWS = 64  # decode steps of at most this many rows run the output and down projections split-K
 GATED_MLP_ROWS = SKINNY_ROWS  # ... and gate/up with silu(gate) * up in one kernel (`gated_mlp`)
+
+PREFILL_ATTENTION = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""SDPA's kernels for a prefill (rows of several tokens, the eager forward) on CUDA: not cuDNN's, which builds an execution plan for every new
+shape (an H100 took ~70 ms for each new number of rows or prompt width: a serving pool's admissions come in any
+number of rows, and a rollout's prompts in any width), where these kernels run any shape at once."""
 
 LIVE_HEAD_DIM_MAX = 128
 """`live_attention` runs head dims up to this (the sizes its tiles were measured at); wider heads (Gemma 3's 256)
@@ -381,17 +389,25 @@ class StaticDecoder:
 
     def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
                 keys: list[Tensor], values: list[Tensor], compiled: bool = False,
-                lengths: Tensor | None = None, head: bool = True) -> Tensor:
+                lengths: Tensor | None = None, head: bool = True, last: Tensor | None = None) -> Tensor:
         """Logits [b, V] of the last of `ids` [b, T] (`head=False`: its final-normed hidden [b, H] in the model
         dtype, which `sampling.sample_from_hidden` samples from); K/V of all T tokens go to cache `slots`: [T] (the
         same for every row) or [b, T] (each row its own, as the continuous-batching decode step writes). `lengths`
         [b] (decode steps): no cache position at or past a row's length is allowed, so attention may stop there.
+        `last` [b] (a right-padded prefill): each row's logits or hidden at that position instead of the last.
 
         `compiled` uses the torch.compile'd layers or blocks (decode steps: one shape per graph); prefill
         shapes vary with the prompt width, so prefill runs the plain ones.
         """
         compiled = compiled and self._compiled is not None
         run, start, end = self._compiled if compiled else (self._layer, self._start, self._end)
+        prefill = not compiled and self.sdpa and ids.is_cuda and ids.shape[1] > 1
+        with sdpa_kernel(PREFILL_ATTENTION) if prefill else contextlib.nullcontext():
+            return self._forward(run, start, end, ids, positions, slots, allowed, keys, values, lengths, head, last)
+
+    def _forward(self, run, start, end, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
+                 keys: list[Tensor], values: list[Tensor], lengths: Tensor | None, head: bool,
+                 last: Tensor | None) -> Tensor:
         body = self.model.model
         if slots.dim() == 1:
             slots = slots.expand(ids.shape[0], -1)
@@ -404,6 +420,9 @@ class StaticDecoder:
             cos, sin = ropes[self._rope_index[index]]
             x, delta = run(x, delta, self._layer_weights(index, layer), k_cache, v_cache, slots,
                            masks[int(sliding[index])], cos, sin)
+        if last is not None:  # `end` takes the last position: each row's own last token's, then
+            rows = torch.arange(x.shape[0], device=x.device)
+            x, delta = x[rows, last][:, None], delta[:, rows, last][:, :, None]
         x = end(x, delta, body.norm.weight)
         return self.logits(x) if head else x
 

@@ -169,6 +169,16 @@ class EngineCore:
             self.send(("reply", cid, False, _portable(err)))
 
 
+def settle_heap() -> None:
+    """Before a server process starts serving: what it built (the model, the tokenizer, the app) moved out of the
+    garbage collector's reach (`gc.freeze`), so a full collection under load walks only the requests' objects (in
+    the one-process server on an H100, 0.53 s of a 1.17 s burst of 256 streams went to the collector)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str, switch_interval: float) -> None:
     """The engine process: `build(plan, engine_index)` the engine (`process.build_engine`), answer `ready` (or
     `failed`), then serve the pipe."""
@@ -190,6 +200,7 @@ def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str,
         conn.send(("failed", _portable(err)))
         return
     conn.send(("ready", info))
+    settle_heap()
     EngineCore(conn, host).serve_forever()
 
 

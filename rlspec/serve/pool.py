@@ -31,10 +31,12 @@ from torch import Tensor
 
 from ..rollout.noise import keyed_exponential
 from ..rollout.sampling import exponential_race
-from ..rollout.static import BATCH_BUCKETS, CACHE_STEP, PREFILL_ROWS, SHRINK_FLOOR, GraphSampler, bucket_for
+from ..rollout.static import BATCH_BUCKETS, CACHE_STEP, SHRINK_FLOOR, GraphSampler, bucket_for
 
 MAX_TOP = 20
 """Top log-probs a row may ask for (the `full` step records this many for every row)."""
+PREFILL_TOKENS = 16384
+"""Tokens (prompts padded to the longest of their forward) a prefill forward takes at most on CUDA."""
 PROMPT_CACHE = 128
 """Distinct prompts whose prefill is kept beyond a full pool's (a group's G requests of one prompt prefill once);
 dropped at `refresh_weights`."""
@@ -388,27 +390,38 @@ class ServingPool:
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]]) -> None:
-        """Prefill the distinct prompts not cached yet: on CUDA prompts of one length together (up to
-        `PREFILL_ROWS` a forward), on CPU each alone (a prompt's K/V then do not depend on the others)."""
+        """Prefill the distinct prompts not cached yet. On CUDA prompts of any widths together, shortest first, each
+        forward up to `PREFILL_TOKENS` tokens and its longest prompt at most twice its shortest (right padding: a
+        row's own tokens come first, so the causal mask keeps the padding out of them); an admission is then one
+        forward or a few, whatever its prompts' widths. On CPU each alone (a prompt's K/V then do not depend on
+        the others)."""
         todo = list(dict.fromkeys(tuple(p) for p in prompts if tuple(p) not in self._prompts))
-        by_width: dict[int, list[tuple[int, ...]]] = {}
-        for p in todo:
-            by_width.setdefault(len(p), []).append(p)
-        rows_per_forward = PREFILL_ROWS if self.sampler.use_graphs else 1
         with self._on_device():
-            for width, group in by_width.items():
-                for start in range(0, len(group), rows_per_forward):
-                    part = group[start:start + rows_per_forward]
-                    self._prefill_part(part, width)
+            if not self.sampler.use_graphs:
+                for p in todo:
+                    self._prefill_part([p])
+                return
+            part: list[tuple[int, ...]] = []
+            for p in sorted(todo, key=len):
+                if part and (len(p) > 2 * len(part[0]) or (len(part) + 1) * len(p) > PREFILL_TOKENS):
+                    self._prefill_part(part)
+                    part = []
+                part.append(p)
+            if part:
+                self._prefill_part(part)
 
-    def _prefill_part(self, part: list[tuple[int, ...]], width: int) -> None:
+    def _prefill_part(self, part: list[tuple[int, ...]]) -> None:
+        """One prefill forward of prompts `part`, right-padded to the longest; each row's hidden is its last token's."""
         dev = self.device
-        ids = torch.tensor(part, device=dev)
-        count = len(part)
+        widths = [len(p) for p in part]
+        width, count = max(widths), len(part)
+        ids = torch.tensor([list(p) + [self.eos] * (width - len(p)) for p in part], device=dev)
         keys, values = self.decoder.new_cache(count, width, dev)
         positions = torch.arange(width, device=dev).expand(count, width)
         causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril().expand(count, width, width)
-        hidden = self.decoder.forward(ids, positions, torch.arange(width, device=dev), causal, keys, values, head=False)
+        last = None if min(widths) == width else torch.tensor(widths, device=dev) - 1
+        hidden = self.decoder.forward(ids, positions, torch.arange(width, device=dev), causal, keys, values,
+                                      head=False, last=last)
         batch = _Prefill(keys, values, hidden)
         for i, p in enumerate(part):
             self._prompts[p] = (batch, i)

@@ -109,6 +109,7 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
     import uvicorn
 
     from .app import FAULT_ENV, MAX_QUEUED_ROWS, EngineHost, build_app
+    from .engine_process import settle_heap
 
     check_bind(host, allow_remote)
     if max_queued_rows is not None and max_queued_rows < 1:
@@ -163,6 +164,7 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
     if token_path is not None:
         # uvicorn re-raises the SIGTERM it shut down on: exit through Python, so the token file goes with the server.
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    settle_heap()
     try:
         web.run()
     finally:

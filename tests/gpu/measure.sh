@@ -333,12 +333,13 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
     admit)  # issue 45: the serving pool's admission alone (no server), 1, 16 and 64 rows of 32-token prompts, timed with
       # the device synced, and one 64-row admission under torch.profiler (tests/gpu/probe_admit.py)
       CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 $ROOT/tests/gpu/probe_admit.py $BENCH > $OUT/admit.txt 2>&1
-      echo "admit exit $?" >> $OUT/results.txt; grep "^rows\|^refresh\|^live" $OUT/admit.txt >> $OUT/results.txt ;;
+      echo "admit exit $?" >> $OUT/results.txt; grep "^rows\|^refresh\|^live\|^new" $OUT/admit.txt >> $OUT/results.txt ;;
     agents64)  # issue 45: the chat agent example (two turns of 4 tokens, a tool call between) with 64 agents at once on
       # one GPU (8 prompts x 8), beside a plain batched rollout of the same prompts and 8 tokens: generation samples/s
       # (timing_s/gen) over the steps after the first
       for mode in agent plain; do
-        extra=$([ $mode = plain ] && echo "rollout.agent.function=null rollout.max_new_tokens=8" || echo "rollout.agent.concurrency=64")
+        extra=$([ $mode = plain ] && echo "rollout.agent.function=null rollout.max_new_tokens=8" \
+          || echo "rollout.agent.function=$ROOT/examples/agents/chat_tool.py:solve rollout.agent.concurrency=64")
         timeout 280 $RL run $ROOT/examples/agent_chat_tool.yaml hardware=gpu1 rollout.prompts_per_step=8 algorithm.steps=5 \
           checkpoint.every_n_steps=0 $extra --out $SCRATCH/b_agents64_$mode --no-progress > $OUT/agents64_$mode.log 2>&1
         echo "agents64 $mode exit $?" >> $OUT/results.txt; cp $SCRATCH/b_agents64_$mode/metrics.jsonl $OUT/agents64_$mode.jsonl

@@ -1,7 +1,8 @@
 """Where a serving pool's admission goes (GPU): the bench spec's engine, its pool (`make_pool`, as `rlspec serve`
 builds it), then `admit` of R new rows (R = 1, 16, 64) of 32-token prompts, timed with the device synced, and
-admissions as the server makes them (into a pool with rows in flight, growing, a decode run between), and the parts
-of one admit of 64 rows under torch.profiler (host time per op, the top lines).
+admissions as the server makes them (into a pool with rows in flight, growing, a decode run between), admissions of
+row counts and prompt widths not seen before, and the parts of one admit of 64 rows under torch.profiler (host time
+per op, the top lines).
     python tests/gpu/probe_admit.py examples/bench_qwen0p5b.yaml"""
 
 import random
@@ -79,6 +80,15 @@ for count in (13, 32):
         lines.append(f"{host_ms:.1f}/{(time.perf_counter() - began) * 1e3:.1f} ms ({pool.slots} slots)")
         pool.run()
     print(f"live rows {count:3d} an admission: " + ", ".join(lines), flush=True)
+
+# Shapes not seen before, as the server's admissions come (any number of rows, prompts of any widths): before the
+# prefill left cuDNN's attention out, each new shape cost ~70 ms more on an H100 (its execution plan).
+for count, widths in ((5, (32,)), (11, (32,)), (23, (17, 45)), (29, (8, 30, 61)), (29, (9, 31, 60))):
+    drain()
+    batch = [(next(ids), [rng.randrange(4, vocab) for _ in range(widths[i % len(widths)])],
+              RowSampling(key=next(ids), max_tokens=64)) for i in range(count)]
+    _, admit_ms = timed(lambda: pool.admit(batch))
+    print(f"new shape: rows {count:3d}, prompt widths {widths}: admit {admit_ms:7.1f} ms", flush=True)
 drain()
 
 batch = rows(64)
