@@ -29,3 +29,18 @@ def test_prompts_of_different_widths_prefill_together_as_alone():
             torch.testing.assert_close(mine[row, :, :len(p)], theirs[0], rtol=1e-5, atol=1e-5)
     # the padded rows' hidden is their own last token's, not the padding's
     assert not torch.allclose(batch.hidden[0], batch.hidden[1])
+
+
+def test_the_prefill_attention_kernels_are_a_valid_choice():
+    """The kernels a CUDA prefill is restricted to (`decoder.PREFILL_ATTENTION`, cuDNN's left out) as
+    `sdpa_kernel` takes them; on CPU its SDPA gives the same under them as unrestricted."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    from rlspec.rollout.decoder import PREFILL_ATTENTION
+
+    q, k, v = torch.randn(3, 2, 2, 5, 8).unbind(0)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    with sdpa_kernel(PREFILL_ATTENTION):
+        restricted = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(restricted, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
