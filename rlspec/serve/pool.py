@@ -37,6 +37,9 @@ MAX_TOP = 20
 """Top log-probs a row may ask for (the `full` step records this many for every row)."""
 PREFILL_TOKENS = 16384
 """Tokens (prompts padded to the longest of their forward) a prefill forward takes at most on CUDA."""
+PREFILL_PADDING = 2048
+"""Padding a prefill forward may carry beyond its prompts' own tokens before it splits: an eager forward is tens of
+milliseconds of host time (an H100, the 0.5B shape), so short prompts of different widths go in one forward."""
 PROMPT_CACHE = 128
 """Distinct prompts whose prefill is kept beyond a full pool's (a group's G requests of one prompt prefill once);
 dropped at `refresh_weights`."""
@@ -391,10 +394,10 @@ class ServingPool:
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]]) -> None:
         """Prefill the distinct prompts not cached yet. On CUDA prompts of any widths together, shortest first, each
-        forward up to `PREFILL_TOKENS` tokens and its longest prompt at most twice its shortest (right padding: a
-        row's own tokens come first, so the causal mask keeps the padding out of them); an admission is then one
-        forward or a few, whatever its prompts' widths. On CPU each alone (a prompt's K/V then do not depend on
-        the others)."""
+        forward up to `PREFILL_TOKENS` tokens with padding, and its padding at most its prompts' own tokens plus
+        `PREFILL_PADDING` (right padding: a row's own tokens come first, so the causal mask keeps the padding out
+        of them); an admission is then one forward or a few, whatever its prompts' widths. On CPU each alone (a
+        prompt's K/V then do not depend on the others)."""
         todo = list(dict.fromkeys(tuple(p) for p in prompts if tuple(p) not in self._prompts))
         with self._on_device():
             if not self.sampler.use_graphs:
@@ -402,11 +405,14 @@ class ServingPool:
                     self._prefill_part([p])
                 return
             part: list[tuple[int, ...]] = []
+            own = 0
             for p in sorted(todo, key=len):
-                if part and (len(p) > 2 * len(part[0]) or (len(part) + 1) * len(p) > PREFILL_TOKENS):
+                padded = (len(part) + 1) * len(p)
+                if part and (padded > PREFILL_TOKENS or padded - own - len(p) > own + len(p) + PREFILL_PADDING):
                     self._prefill_part(part)
-                    part = []
+                    part, own = [], 0
                 part.append(p)
+                own += len(p)
             if part:
                 self._prefill_part(part)
 
