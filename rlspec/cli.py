@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the spec's rollout engine as an HTTP server (OpenAI-compatible completions)",
                            usage="rlspec serve SPEC [key=value ...] [--host H [--allow-remote]] [--port P] [--backend B] "
-                                 "[--max-queued-rows N] [--engine-process on]")
+                                 "[--max-queued-rows N] [--engine-process on] [--warm-pool]")
     serve.add_argument("spec")
     serve.add_argument("--backend")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-process", default="off", choices=("off", "on"),
                        help="on: run the engine in a process of its own, beside the HTTP side (experimental; "
                             "docs/serving_concurrency.md)")
+    serve.add_argument("--warm-pool", action="store_true",
+                       help="capture the decode step of every pool size before serving (seconds at start; else the "
+                            "first burst to reach a pool size waits while its step compiles and captures)")
     serve.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit when this process dies
     serve.add_argument("--engine-index", type=int, default=0, help=argparse.SUPPRESS)  # a run's server i: its device
 
@@ -122,7 +125,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         plan, _ = build_plan(args.spec, args.overrides, args.backend)
         serve(plan, args.host, args.port, args.parent_pid, args.allow_remote, args.engine_index, args.max_queued_rows,
-              args.engine_process)
+              args.engine_process, args.warm_pool)
         return EXIT_OK
     if args.command == "bench":
         from pathlib import Path

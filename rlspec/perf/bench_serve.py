@@ -4,7 +4,9 @@ engine's batched generate of the same tokens.
     python -m rlspec.perf.bench_serve examples/bench_qwen0p5b.yaml --concurrency 1,16,64,256 \\
         --prompt-tokens 32 --output-tokens 64 --json out.json
 
-With a SPEC it starts the spec's server as a child process (`ServerProcess`), runs the sweep against it, stops it,
+With a SPEC it starts the spec's server as a child process (`ServerProcess`, with `--warm-pool`: warm-up bursts
+need not reach every pool size, and on one H100 a 256-stream burst once waited 2.3 s for its pool's first capture),
+runs the sweep against it, stops it,
 then builds the same engine in this process and times `engine.generate` of the same prompts and lengths (the
 batched rollout a trainer runs; `engine_tokens_per_s`). With `--url` it benches a running server and skips that
 comparison. At each concurrency C: two warm-up bursts of C requests (what a first burst of that size compiles and
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         from ..serve.process import ServerProcess
 
         plan, _ = build_plan(args.spec, args.overrides)
-        server = ServerProcess(plan, engine_process=args.engine_process)
+        server = ServerProcess(plan, engine_process=args.engine_process, warm_pool=True)
         server.start()
         ServerClient(server.url, server.token, 60, server.describe).wait_healthy(600, server.alive)
     url = (args.url or server.url).rstrip("/")

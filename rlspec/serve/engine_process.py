@@ -179,7 +179,8 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str, switch_interval: float) -> None:
+def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str, switch_interval: float,
+                warm_pool: bool = False) -> None:
     """The engine process: `build(plan, engine_index)` the engine (`process.build_engine`), answer `ready` (or
     `failed`), then serve the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -195,7 +196,8 @@ def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str,
         host = EngineHost(engine, model_name, max_queued_rows=sys.maxsize)  # the HTTP process keeps the bound
         sampler = getattr(engine, "sampler_kind", None)
         info = {"pool_reason": host.thread.pool_reason, "row_budget": host.thread.row_budget,
-                "sampler": sampler() if sampler else None, "pid": os.getpid()}
+                "sampler": sampler() if sampler else None, "pid": os.getpid(),
+                "warmed": host.thread.run(host.thread.warm_pool) if warm_pool else None}
     except BaseException as err:  # noqa: BLE001 - the HTTP process raises it (a SpecError stays exit 2)
         conn.send(("failed", _portable(err)))
         return
@@ -289,11 +291,11 @@ class EngineProcess:
     """The HTTP process's handle on the engine process: start, send, calls with replies, the reader thread."""
 
     def __init__(self, build: Callable, plan, engine_index: int, model_name: str, switch_interval: float,
-                 on_exit: Callable[[str], None]) -> None:
+                 on_exit: Callable[[str], None], warm_pool: bool = False) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.proc = context.Process(target=engine_main, name="rlspec-engine",
-                                    args=(child, build, plan, engine_index, model_name, switch_interval))
+                                    args=(child, build, plan, engine_index, model_name, switch_interval, warm_pool))
         self.proc.start()
         child.close()
         self.on_exit = on_exit
@@ -380,14 +382,15 @@ class RemoteHost:
     """`EngineHost`'s face (`app.build_app`, `OpenAIRoutes`) over an engine in a process of its own."""
 
     def __init__(self, build: Callable, plan, engine_index: int, model_name: str, max_queued_rows: int,
-                 switch_interval: float, on_exit: Callable[[str], None]) -> None:
+                 switch_interval: float, on_exit: Callable[[str], None], warm_pool: bool = False) -> None:
         """`build(plan, engine_index)`: the engine, in the engine process (`process.build_engine`); `on_exit(why)`:
         called (from a thread of this process) when the engine process has died."""
         from ..models.factory import load_tokenizer
 
         self.model_name = model_name
-        self.process = EngineProcess(build, plan, engine_index, model_name, switch_interval, on_exit)
+        self.process = EngineProcess(build, plan, engine_index, model_name, switch_interval, on_exit, warm_pool)
         info = self.process.info
+        self.warmed = info["warmed"]
         self.engine = _EngineView(load_tokenizer(plan.spec.model), plan.spec.rollout, info["sampler"])
         self.thread = self.process.scheduler = RemoteScheduler(self.process, info, max_queued_rows)
         self.engine_pid = info["pid"]

@@ -103,9 +103,11 @@ for a second and more at 256 streams, cause not yet found: it stays off until th
 
 
 def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, allow_remote: bool = False,
-          engine_index: int = 0, max_queued_rows: int | None = None, engine_process: str = "off") -> None:
+          engine_index: int = 0, max_queued_rows: int | None = None, engine_process: str = "off",
+          warm_pool: bool = False) -> None:
     """Run the server in this process until it is stopped (SIGTERM/SIGINT) or its parent dies; with `engine_process`
-    (see `ENGINE_PROCESS`) its engine runs in a child process, which ends with it."""
+    (see `ENGINE_PROCESS`) its engine runs in a child process, which ends with it. `warm_pool`: every pool size's
+    decode step captured before it serves (`Scheduler.warm_pool`)."""
     import uvicorn
 
     from .app import FAULT_ENV, MAX_QUEUED_ROWS, EngineHost, build_app
@@ -149,9 +151,15 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
             print(f"rlspec serve: {why}; stopping the server", file=sys.stderr, flush=True)
             web.should_exit = True
 
-        engine_host = RemoteHost(build_engine, plan, engine_index, name, bound, switch_interval, on_exit=engine_gone)
+        engine_host = RemoteHost(build_engine, plan, engine_index, name, bound, switch_interval, on_exit=engine_gone,
+                                 warm_pool=warm_pool)
+        warmed = engine_host.warmed
     else:
         engine_host = EngineHost(build_engine(plan, engine_index), name, bound)
+        warmed = engine_host.thread.run(engine_host.thread.warm_pool) if warm_pool else None
+    if warmed is not None:
+        print(f"rlspec serve: decode pool warmed: {warmed[0]} steps captured in {warmed[1]:.1f} s", file=sys.stderr,
+              flush=True)
     app = build_app(engine_host, token)
     web = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     if parent_pid is not None:
@@ -198,9 +206,11 @@ class ServerProcess:
     """`rlspec serve` as a child process of this one, for one plan (its engine on the plan's engine device `index`);
     `stop()` is idempotent."""
 
-    def __init__(self, plan: RunPlan, host: str = "127.0.0.1", index: int = 0, engine_process: str = "off") -> None:
+    def __init__(self, plan: RunPlan, host: str = "127.0.0.1", index: int = 0, engine_process: str = "off",
+                 warm_pool: bool = False) -> None:
         self.plan = plan
         self.engine_process = engine_process
+        self.warm_pool = warm_pool
         self.index = index
         self.host = host
         self.port = free_port(host)
@@ -217,7 +227,8 @@ class ServerProcess:
         spec_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(self.plan.spec)))
         cmd = [sys.executable, "-m", "rlspec.cli", "serve", str(spec_path), "--backend", self.plan.backend,
                "--host", self.host, "--port", str(self.port), "--parent-pid", str(os.getpid()),
-               "--engine-index", str(self.index), "--engine-process", self.engine_process]
+               "--engine-index", str(self.index), "--engine-process", self.engine_process] \
+            + (["--warm-pool"] if self.warm_pool else [])
         env = {**os.environ, TOKEN_ENV: self.token}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

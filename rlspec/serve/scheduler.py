@@ -265,6 +265,18 @@ class Scheduler(RowQueue):
 
         self.inbox.put(_Job(guarded, (), Future()))
 
+    def warm_pool(self) -> tuple[int, float]:
+        """On the engine thread (`run(scheduler.warm_pool)`): the slot pool made and the plain decode step of every
+        pool size captured now, not when traffic first reaches that size (an H100 took 2.3 s to compile and capture
+        the 256-slot step in the middle of a burst: every row in flight waited). (steps captured, seconds)."""
+        if self.pool_reason is not None:
+            return 0, 0.0
+        if self.pool is None:
+            self.pool = make_pool(self.engine)
+        captures, seconds = self.pool.captures, self.pool.capture_s
+        self.pool.warm_up()
+        return self.pool.captures - captures, self.pool.capture_s - seconds
+
     def describe(self) -> dict:
         return {"batching": "continuous" if self.pool_reason is None else f"one request at a time ({self.pool_reason})",
                 "rows_in_flight": len(self.pool.live) if self.pool else 0, "rows_queued": self.queued_rows,

@@ -273,3 +273,14 @@ def test_tokens_that_add_no_text_stream_their_logprobs_at_once(server, monkeypat
     assert len(carrying) > 1, "every log-prob came in the row's last chunk"
     assert all(c["text"] == "" for c in chunks)
     assert [x for part in carrying for x in part] == plain["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def test_a_warmed_pool_holds_every_pool_size_before_any_request(server):
+    """`rlspec serve --warm-pool`: the pool and each of its sizes are made before traffic (on CUDA each size's decode
+    step is captured then; on CPU there is none to capture)."""
+    from rlspec.rollout.static import BATCH_BUCKETS
+
+    _, host = server
+    assert host.thread.run(host.thread.warm_pool) == (0, 0.0)
+    pool = host.thread.pool
+    assert sorted(pool._pools) == [b for b in BATCH_BUCKETS if pool.floor <= b <= pool.max_slots]

@@ -29,8 +29,8 @@ def servers():
     plan, _ = build_plan("examples/tiny.yaml", ["rollout.max_new_tokens=32", "rollout.decode_slots=8",
                                                 "hardware.num_threads=1"], None)
     exits: list[str] = []
-    remote = RemoteHost(build_engine, plan, 0, MODEL, 8192, 0.0005, on_exit=exits.append)
-    local = EngineHost(build_engine(plan), MODEL)
+    remote = RemoteHost(build_engine, plan, 0, MODEL, 8192, 0.0005, on_exit=exits.append, warm_pool=True)
+    local = EngineHost(build_engine(plan), MODEL)  # not warmed: a warmed pool samples what a cold one does
     try:
         with serving(build_app(remote, TOKEN)) as url, serving(build_app(local, TOKEN)) as local_url:
             yield url, remote, local_url, exits
@@ -57,6 +57,7 @@ def test_requests_get_what_the_one_process_server_gives_alone_and_together(serve
     for (route, body), ref, a, b in zip(requests, reference, alone, together):
         assert _summary(a) == _summary(ref), (route, body)  # token for token, log-probs to the bit
         assert _summary(b) == _summary(ref), (route, body)
+    assert host.warmed == (0, 0.0), host.warmed  # warmed at start; on CPU there is no step to capture
     state = host.state()["scheduler"]
     assert state["batching"] == "continuous" and state["max_rows_in_flight"] > 4, state
     assert state["rows_queued"] == 0 and state["rows_in_flight"] == 0, state
@@ -149,8 +150,9 @@ def test_the_engine_process_dying_fails_the_requests_in_flight_and_stops_the_ser
 
 
 def test_rlspec_serve_engine_process_on_serves_and_leaves_no_process_behind():
-    """`rlspec serve --engine-process on` as a trainer starts it (`ServerProcess`): it serves, names both pids, and
-    `stop()` ends the engine process too; an engine process killed stops its server (exit 1, naming it)."""
+    """`rlspec serve --engine-process on --warm-pool` as a trainer starts it (`ServerProcess`): it warms its pool,
+    serves, names both pids, and `stop()` ends the engine process too; an engine process killed stops its server
+    (exit 1, naming it)."""
     import httpx
 
     from rlspec.plan import build_plan
@@ -158,10 +160,11 @@ def test_rlspec_serve_engine_process_on_serves_and_leaves_no_process_behind():
     from rlspec.serve.process import ServerProcess
 
     plan, _ = build_plan("examples/tiny.yaml", ["hardware.num_threads=1"], None)
-    server = ServerProcess(plan, engine_process="on")
+    server = ServerProcess(plan, engine_process="on", warm_pool=True)
     server.start()
     try:
         ServerClient(server.url, server.token, 60, server.describe).wait_healthy(120, server.alive)
+        assert "decode pool warmed: 0 steps captured" in server.log_path.read_text()  # CPU: none to capture
         out = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ab=", "max_tokens": 4, "seed": 1},
                          trust_env=False, timeout=60).json()
         assert len(out["choices"][0]["token_ids"]) >= 1
