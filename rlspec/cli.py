@@ -47,8 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="rows (a request's prompts x n) that may wait for a decode slot; a request past it gets 429 "
                             "with Retry-After (default 8192)")
     serve.add_argument("--engine-process", default="off", choices=("off", "on"),
-                       help="on: run the engine in a process of its own, beside the HTTP side (experimental; "
-                            "docs/serving_concurrency.md)")
+                       help="on: run the engine in a process of its own, beside the HTTP side (faster TTFT at 64 "
+                            "streams on an H100; docs/serving_concurrency.md)")
     serve.add_argument("--warm-pool", action="store_true",
                        help="capture the decode step of every pool size before serving (seconds at start; else the "
                             "first burst to reach a pool size waits while its step compiles and captures)")

@@ -98,8 +98,9 @@ def bridge_token(port: int) -> tuple[str, Path | None]:
 
 ENGINE_PROCESS = ("off", "on")
 """`rlspec serve --engine-process`: `on` runs the engine in a process of its own (`engine_process.py`); `off` (the
-default) on the server's engine thread. Measured on one H100 (docs/serving_concurrency.md), `on` stalled decode runs
-for a second and more at 256 streams, cause not yet found: it stays off until that is understood."""
+default) on the server's engine thread. Measured on H100s (docs/serving_concurrency.md), `on` led at 64 streams (TTFT
+p50 94-140 ms against 150-196 ms) and at 256 in one call of two; its loss at 256 was a pool size's first capture
+inside the burst (`--warm-pool` avoids it). It stays off until a GPU sweep with `--warm-pool` settles it."""
 
 
 def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, allow_remote: bool = False,
