@@ -42,9 +42,10 @@ SKINNY_ROWS = 64  # decode steps of at most this many rows run the output and do
 GATED_MLP_ROWS = SKINNY_ROWS  # ... and gate/up with silu(gate) * up in one kernel (`gated_mlp`)
 
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""SDPA's kernels for a prefill (rows of several tokens, the eager forward) on CUDA: not cuDNN's, which builds an execution plan for every new
-shape (an H100 took ~70 ms for each new number of rows or prompt width: a serving pool's admissions come in any
-number of rows, and a rollout's prompts in any width), where these kernels run any shape at once."""
+"""SDPA's kernels for a prefill (rows of several tokens, the eager forward) on CUDA: not cuDNN's, which builds an
+execution plan for every new shape (an H100 took ~70 ms for each new number of rows or prompt width: a serving pool's
+admissions come in any number of rows, and a rollout's prompts in any width), where these kernels run any shape at
+once."""
 
 LIVE_HEAD_DIM_MAX = 128
 """`live_attention` runs head dims up to this (the sizes its tiles were measured at); wider heads (Gemma 3's 256)
