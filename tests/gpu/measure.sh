@@ -38,6 +38,9 @@
 # take it through VARIANTS=); the earlier halving variant (fused_layers_sdpa_halving: to one slot, captured at the
 # move) re-runs from fe76e68, and so do the engine's own figures taken before (the engine.generate lines of tail and
 # engine_longtail, the longtail bench): no spec key switches the tail's schedule.
+# Every prefill (the rollout engine's and the server's pool's) runs SDPA without cuDNN's kernel since 4361cdd (its plan
+# for each new shape cost ~70 ms on an H100): generation figures taken before re-run as they were only from the
+# commits they were taken at; the server's pool also prefills prompts of any widths in one padded forward since then.
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}; mkdir -p "$FINAL"  # a new subfolder of the device tool's $OUT is made here
