@@ -197,7 +197,7 @@ def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str,
         sampler = getattr(engine, "sampler_kind", None)
         info = {"pool_reason": host.thread.pool_reason, "row_budget": host.thread.row_budget,
                 "sampler": sampler() if sampler else None, "pid": os.getpid(),
-                "warmed": host.thread.run(host.thread.warm_pool) if warm_pool else None}
+                "warmed": host.thread.warm_pool() if warm_pool else None}
     except BaseException as err:  # noqa: BLE001 - the HTTP process raises it (a SpecError stays exit 2)
         conn.send(("failed", _portable(err)))
         return

@@ -157,7 +157,7 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
         warmed = engine_host.warmed
     else:
         engine_host = EngineHost(build_engine(plan, engine_index), name, bound)
-        warmed = engine_host.thread.run(engine_host.thread.warm_pool) if warm_pool else None
+        warmed = engine_host.thread.warm_pool() if warm_pool else None
     if warmed is not None:
         print(f"rlspec serve: decode pool warmed: {warmed[0]} steps captured in {warmed[1]:.1f} s", file=sys.stderr,
               flush=True)

@@ -266,9 +266,12 @@ class Scheduler(RowQueue):
         self.inbox.put(_Job(guarded, (), Future()))
 
     def warm_pool(self) -> tuple[int, float]:
-        """On the engine thread (`run(scheduler.warm_pool)`): the slot pool made and the plain decode step of every
-        pool size captured now, not when traffic first reaches that size (an H100 took 2.3 s to compile and capture
-        the 256-slot step in the middle of a burst: every row in flight waited). (steps captured, seconds)."""
+        """The slot pool made and the plain decode step of every pool size captured now (on the engine thread; the
+        caller waits), not when traffic first reaches that size (an H100 took 2.3 s to compile and capture the
+        256-slot step in the middle of a burst: every row in flight waited). (steps captured, seconds)."""
+        return self.run(self._warm_pool)
+
+    def _warm_pool(self) -> tuple[int, float]:
         if self.pool_reason is not None:
             return 0, 0.0
         if self.pool is None:

@@ -281,6 +281,6 @@ def test_a_warmed_pool_holds_every_pool_size_before_any_request(server):
     from rlspec.rollout.static import BATCH_BUCKETS
 
     _, host = server
-    assert host.thread.run(host.thread.warm_pool) == (0, 0.0)
+    assert host.thread.warm_pool() == (0, 0.0)
     pool = host.thread.pool
     assert sorted(pool._pools) == [b for b in BATCH_BUCKETS if pool.floor <= b <= pool.max_slots]
