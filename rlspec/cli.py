@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the spec's rollout engine as an HTTP server (OpenAI-compatible completions)",
                            usage="rlspec serve SPEC [key=value ...] [--host H [--allow-remote]] [--port P] [--backend B] "
-                                 "[--max-queued-rows N] [--engine-process on] [--warm-pool]")
+                                 "[--max-queued-rows N] [--engine-process off] [--warm-pool]")
     serve.add_argument("spec")
     serve.add_argument("--backend")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -46,12 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-rows", type=int,
                        help="rows (a request's prompts x n) that may wait for a decode slot; a request past it gets 429 "
                             "with Retry-After (default 8192)")
-    serve.add_argument("--engine-process", default="off", choices=("off", "on"),
-                       help="on: run the engine in a process of its own, beside the HTTP side (faster TTFT at 64 "
-                            "streams on an H100; docs/serving_concurrency.md)")
+    serve.add_argument("--engine-process", default="on", choices=("off", "on"),
+                       help="on (default): the engine in a process of its own, beside the HTTP side (more requests/s "
+                            "and a shorter TTFT at 64 and 256 streams on a GPU; docs/serving_concurrency.md); off: on "
+                            "the HTTP process's engine thread")
     serve.add_argument("--warm-pool", action="store_true",
-                       help="capture the decode step of every pool size before serving (seconds at start; else the "
-                            "first burst to reach a pool size waits while its step compiles and captures)")
+                       help="capture the decode step of every pool size and the prefill of every token bucket before "
+                            "serving (a minute at start on a GPU; else the first burst to reach a size waits while its "
+                            "graph compiles and captures)")
     serve.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit when this process dies
     serve.add_argument("--engine-index", type=int, default=0, help=argparse.SUPPRESS)  # a run's server i: its device
 

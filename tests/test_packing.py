@@ -3,7 +3,6 @@ row-count path (fp32, CPU)."""
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -159,14 +158,15 @@ def test_packed_bf16_on_cuda_is_as_close_to_fp32_as_padded(monkeypatch):
     import rlspec.core.packing as packing_module
 
     calls = []
-    varlen = packing_module._varlen()
-    assert varlen is not None, "this torch has no torch.nn.attention.varlen"
-    @functools.wraps(varlen)  # keeps varlen's signature, which `_varlen_causal` reads to spell its options
+    found = packing_module._varlen()
+    assert found is not None, "this torch has no torch.nn.attention.varlen"
+    varlen, *spelling = found
+
     def counted(*args, **kwargs):
         calls.append(1)
         return varlen(*args, **kwargs)
 
-    monkeypatch.setattr(packing_module, "_varlen", lambda: counted)
+    monkeypatch.setattr(packing_module, "_varlen", lambda: (counted, *spelling))
     batch, _ = ragged_batch([40, 7, 130, 1, 64, 90, 3, 128], seed=2)
     batch = batch.to("cuda")
     real = batch.attention_mask.bool()

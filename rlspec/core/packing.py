@@ -24,7 +24,9 @@ gradient are exactly 0.
 
 from __future__ import annotations
 
+import functools
 import heapq
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -172,38 +174,49 @@ def packed_sdpa_attention(module, query: Tensor, key: Tensor, value: Tensor, att
     if offsets is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0 and _varlen() is not None:
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0 and varlen_usable():
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, dim]
-        return _varlen_causal(q, k, v, offsets, kwargs["max_length_q"], scaling).unsqueeze(0), None
-    length = query.shape[2]
-    sequence = torch.searchsorted(offsets[1:], torch.arange(length, device=offsets.device, dtype=offsets.dtype),
-                                  right=True)
-    causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril_()
-    mask = (sequence[:, None] == sequence[None, :]) & causal
+        return varlen_causal(q, k, v, offsets, kwargs["max_length_q"], scaling).unsqueeze(0), None
+    mask = packed_causal_mask(offsets, query.shape[2])
     return sdpa_attention_forward(module, query, key, value, mask[None, None], dropout=dropout, scaling=scaling,
                                   **kwargs)
 
 
-def _varlen_causal(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, longest: int, scale: float | None) -> Tensor:
-    """Causal varlen attention of [T, heads, dim] tensors, across the torch versions that have it (the
-    causal flag and grouped-query heads were spelt differently at first)."""
-    import inspect
+def packed_causal_mask(offsets: Tensor, length: int) -> Tensor:
+    """[length, length] bool: each token of a packed row sees its own sequence's tokens up to itself (`offsets`
+    [n + 1] the sequences' starts and the end; tokens past the end form one more block)."""
+    sequence = torch.searchsorted(offsets[1:], torch.arange(length, device=offsets.device, dtype=offsets.dtype),
+                                  right=True)
+    causal = torch.ones(length, length, dtype=torch.bool, device=offsets.device).tril_()
+    return (sequence[:, None] == sequence[None, :]) & causal
 
-    varlen_attn = _varlen()
-    params = inspect.signature(varlen_attn).parameters
-    options = {"scale": scale} | ({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+
+def varlen_causal(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, longest: int, scale: float | None) -> Tensor:
+    """Causal varlen attention of [T, heads, dim] tensors (`offsets` int32 [n + 1]; `longest` at least the longest
+    sequence), across the torch versions that have it (the causal flag and grouped-query heads were spelt
+    differently at first)."""
+    varlen_attn, window, gqa = _varlen()
+    options = {"scale": scale} | ({"window_size": (-1, 0)} if window else {"is_causal": True})
     if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
+        if gqa:
             options["enable_gqa"] = True
         else:
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     return varlen_attn(q, k, v, offsets, offsets, longest, longest, **options)
 
 
+def varlen_usable() -> bool:
+    """torch has its varlen flash attention (>= 2.10; CUDA only)."""
+    return _varlen() is not None
+
+
+@functools.cache
 def _varlen():
-    """torch's varlen flash attention (torch >= 2.10 on CUDA), or None."""
+    """torch's varlen flash attention and whether it spells causal as a window and takes grouped-query heads, or
+    None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, "window_size" in params, "enable_gqa" in params

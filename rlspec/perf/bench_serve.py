@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         server = ServerProcess(plan, engine_process=args.engine_process, warm_pool=True)
         server.start()
         ServerClient(server.url, server.token, 60, server.describe).wait_healthy(600, server.alive)
+        warmed = [line for line in server.log_path.read_text(errors="replace").splitlines() if " warmed: " in line]
+        print(warmed[-1] if warmed else "rlspec serve: no warm-up line in the server's log", flush=True)
     url = (args.url or server.url).rstrip("/")
     vocab = 256  # a running server's vocabulary is not known here: ids every tokenizer has
     if plan is not None:

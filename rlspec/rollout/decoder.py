@@ -23,12 +23,14 @@ with the head GEMM and the race fused in one Triton kernel (`sampled_head`: no [
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..core.packing import packed_causal_mask, varlen_causal, varlen_usable
 from . import gated_mlp as gated
 from . import live_attention as live
 from . import sampled_head as head_kernel
@@ -46,6 +48,17 @@ PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 execution plan for every new shape (an H100 took ~70 ms for each new number of rows or prompt width: a serving pool's
 admissions come in any number of rows, and a rollout's prompts in any width), where these kernels run any shape at
 once."""
+
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A packed prefill's attention (`forward(packed=...)`): prompts one after another in one row, `offsets` [n + 1]
+    int32 their starts and the end (what varlen kernels take), `longest` an upper bound on a prompt's tokens."""
+
+    offsets: Tensor
+    longest: int
+
 
 LIVE_HEAD_DIM_MAX = 128
 """`live_attention` runs head dims up to this (the sizes its tiles were measured at); wider heads (Gemma 3's 256)
@@ -245,6 +258,9 @@ class StaticDecoder:
         Query heads are grouped onto their shared K/V head with a reshape, not a copy of the cache.
         """
         b, _, t, d = q.shape
+        if isinstance(mask, Packed):  # one row [1, H, T, D]: each prompt's causal block alone
+            q, keys, values = (z[0].transpose(0, 1).contiguous() for z in (q, keys, values))
+            return varlen_causal(q, keys, values, mask.offsets, mask.longest, self.scaling).transpose(0, 1)[None]
         if isinstance(mask, tuple):
             return live.live_attention(q, keys, values, *mask, self.scaling)
         if self.sdpa:
@@ -390,30 +406,43 @@ class StaticDecoder:
 
     def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
                 keys: list[Tensor], values: list[Tensor], compiled: bool = False,
-                lengths: Tensor | None = None, head: bool = True, last: Tensor | None = None) -> Tensor:
+                lengths: Tensor | None = None, head: bool = True, last: Tensor | None = None,
+                packed: Packed | None = None) -> Tensor:
         """Logits [b, V] of the last of `ids` [b, T] (`head=False`: its final-normed hidden [b, H] in the model
         dtype, which `sampling.sample_from_hidden` samples from); K/V of all T tokens go to cache `slots`: [T] (the
         same for every row) or [b, T] (each row its own, as the continuous-batching decode step writes). `lengths`
         [b] (decode steps): no cache position at or past a row's length is allowed, so attention may stop there.
         `last` [b] (a right-padded prefill): each row's logits or hidden at that position instead of the last.
+        `packed` (a packed prefill: `ids` [1, T] several prompts one after another, `positions` each token's own
+        in its prompt, `last` [n] the prompts' last tokens, `allowed` None): each prompt attends to its own tokens
+        only, with torch's varlen kernel where `varlen_prefill` says so, else under the block-diagonal causal mask.
 
         `compiled` uses the torch.compile'd layers or blocks (decode steps: one shape per graph); prefill
         shapes vary with the prompt width, so prefill runs the plain ones.
         """
         compiled = compiled and self._compiled is not None
         run, start, end = self._compiled if compiled else (self._layer, self._start, self._end)
+        if packed is not None and not self.varlen_prefill(ids.device):
+            allowed, packed = packed_causal_mask(packed.offsets, ids.shape[1])[None], None
         prefill = not compiled and self.sdpa and ids.is_cuda and ids.shape[1] > 1
         with sdpa_kernel(PREFILL_ATTENTION) if prefill else contextlib.nullcontext():
-            return self._forward(run, start, end, ids, positions, slots, allowed, keys, values, lengths, head, last)
+            return self._forward(run, start, end, ids, positions, slots, allowed, keys, values, lengths, head, last,
+                                 packed)
+
+    def varlen_prefill(self, device) -> bool:
+        """A packed prefill on `device` attends with torch's varlen flash kernel: CUDA, 16 bits, SDPA, torch >=
+        2.10, and a model whose attention it computes (no soft-capped scores, no sliding window)."""
+        return (self.sdpa and torch.device(device).type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+                and varlen_usable() and self.arch.sliding_window is None)
 
     def _forward(self, run, start, end, ids: Tensor, positions: Tensor, slots: Tensor, allowed: Tensor,
                  keys: list[Tensor], values: list[Tensor], lengths: Tensor | None, head: bool,
-                 last: Tensor | None) -> Tensor:
+                 last: Tensor | None, packed: Packed | None = None) -> Tensor:
         body = self.model.model
         if slots.dim() == 1:
             slots = slots.expand(ids.shape[0], -1)
-        masks = [self.attention_mask(allowed, lengths)]
-        if self.arch.sliding_window is not None:
+        masks = [packed if packed is not None else self.attention_mask(allowed, lengths)]
+        if self.arch.sliding_window is not None and packed is None:
             masks.append(self.attention_mask(self.windowed(allowed, slots), lengths))
         sliding = self.arch.sliding
         x, delta, ropes = start(ids, positions)

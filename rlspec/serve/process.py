@@ -97,18 +97,20 @@ def bridge_token(port: int) -> tuple[str, Path | None]:
 
 
 ENGINE_PROCESS = ("off", "on")
-"""`rlspec serve --engine-process`: `on` runs the engine in a process of its own (`engine_process.py`); `off` (the
-default) on the server's engine thread. Measured on H100s (docs/serving_concurrency.md), `on` led at 64 streams (TTFT
-p50 94-140 ms against 150-196 ms) and at 256 in one call of two; its loss at 256 was a pool size's first capture
-inside the burst (`--warm-pool` avoids it). It stays off until a GPU sweep with `--warm-pool` settles it."""
+"""`rlspec serve --engine-process`: `on` (the command's default) runs the engine in a process of its own
+(`engine_process.py`); `off` on the server's engine thread. Measured side by side on GPUs (docs/serving_concurrency.md,
+with `--warm-pool` and the packed prefill graphs), `on` led at 64 streams (445.6 against 341.9 requests/s, TTFT p50 64
+against 100 ms) and at 256 (0.73 against 0.58 of the engine's batched tokens/s). A trainer's own servers
+(`ServerProcess`) keep `off` unless asked: their traffic is a few large requests and the weight bridge, whose bodies
+`on` passes over one more pipe."""
 
 
 def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, allow_remote: bool = False,
-          engine_index: int = 0, max_queued_rows: int | None = None, engine_process: str = "off",
+          engine_index: int = 0, max_queued_rows: int | None = None, engine_process: str = "on",
           warm_pool: bool = False) -> None:
     """Run the server in this process until it is stopped (SIGTERM/SIGINT) or its parent dies; with `engine_process`
     (see `ENGINE_PROCESS`) its engine runs in a child process, which ends with it. `warm_pool`: every pool size's
-    decode step captured before it serves (`Scheduler.warm_pool`)."""
+    decode step and every token bucket's packed prefill captured before it serves (`Scheduler.warm_pool`)."""
     import uvicorn
 
     from .app import FAULT_ENV, MAX_QUEUED_ROWS, EngineHost, build_app
@@ -159,8 +161,8 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
         engine_host = EngineHost(build_engine(plan, engine_index), name, bound)
         warmed = engine_host.thread.warm_pool() if warm_pool else None
     if warmed is not None:
-        print(f"rlspec serve: decode pool warmed: {warmed[0]} steps captured in {warmed[1]:.1f} s", file=sys.stderr,
-              flush=True)
+        print(f"rlspec serve: serving pool warmed: {warmed[0]} graphs (decode steps, packed prefills) captured in "
+              f"{warmed[1]:.1f} s", file=sys.stderr, flush=True)
     app = build_app(engine_host, token)
     web = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     if parent_pid is not None:

@@ -217,8 +217,8 @@ class Scheduler(RowQueue):
         prefill, pool resize, copies into slots) and in decode runs (`steps` of them, each up to `check_every`
         decode steps and the read of their tokens), host clock; `slow_decodes`: decode runs over `SLOW_DECODE_S`.
         `describe` adds `gc_s` (this process's seconds in Python's garbage collector since the scheduler started, any
-        thread) and the pool's `captures` and `capture_s` (decode steps captured as CUDA graphs, within the decode
-        runs' time)."""
+        thread) and the pool's `captures` and `capture_s` (decode steps and packed prefills captured as CUDA graphs,
+        within the decode runs' and admissions' time)."""
         self._gc_at_start = _gc_clock()
         self.on_iteration: Callable[[], None] | None = None
         """Called on the engine thread before each turn of its loop (and so before it waits for work): the engine
@@ -266,9 +266,10 @@ class Scheduler(RowQueue):
         self.inbox.put(_Job(guarded, (), Future()))
 
     def warm_pool(self) -> tuple[int, float]:
-        """The slot pool made and the plain decode step of every pool size captured now (on the engine thread; the
-        caller waits), not when traffic first reaches that size (an H100 took 2.3 s to compile and capture the
-        256-slot step in the middle of a burst: every row in flight waited). (steps captured, seconds)."""
+        """The slot pool made, and the plain decode step of every pool size and the packed prefill of every token
+        bucket captured now (on the engine thread; the caller waits), not when traffic first reaches that size (an
+        H100 took 2.3 s to compile and capture the 256-slot step in the middle of a burst: every row in flight
+        waited). (graphs captured, seconds)."""
         return self.run(self._warm_pool)
 
     def _warm_pool(self) -> tuple[int, float]:

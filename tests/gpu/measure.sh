@@ -336,7 +336,7 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
     admit)  # issue 45: the serving pool's admission alone (no server), 1, 16 and 64 rows of 32-token prompts, timed with
       # the device synced, and one 64-row admission under torch.profiler (tests/gpu/probe_admit.py)
       CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 $ROOT/tests/gpu/probe_admit.py $BENCH > $OUT/admit.txt 2>&1
-      echo "admit exit $?" >> $OUT/results.txt; grep "^rows\|^refresh\|^live\|^new" $OUT/admit.txt >> $OUT/results.txt ;;
+      echo "admit exit $?" >> $OUT/results.txt; grep "^warm\|^rows\|^refresh\|^live\|^new" $OUT/admit.txt >> $OUT/results.txt ;;
     agents64)  # issue 45: the chat agent example (two turns of 4 tokens, a tool call between) with 64 agents at once on
       # one GPU (8 prompts x 8), beside a plain batched rollout of the same prompts and 8 tokens: generation samples/s
       # (timing_s/gen) over the steps after the first

@@ -33,7 +33,12 @@ def timed(fn):
 plan, _ = build_plan(sys.argv[1], sys.argv[2:])
 engine = build_engine(plan)
 pool = make_pool(engine)
-pool.warm_up()
+_, warm_ms = timed(pool.warm_up)
+buckets = sorted(pool._prefill_graphs)
+pool._prefill_graphs.clear()
+_, again_ms = timed(lambda: [pool._prefill_graph(tokens) for tokens in buckets])
+print(f"warm_up {warm_ms / 1e3:.2f} s: {pool.captures} graphs captured (decode steps; packed prefills of {buckets} "
+      f"tokens, packed prefill {pool.packed}); the prefills' captures again {again_ms / 1e3:.2f} s", flush=True)
 rng = random.Random(0)
 vocab = min(len(engine.tokenizer), 30000)
 ids = iter(range(10 ** 6))

@@ -164,7 +164,7 @@ def test_rlspec_serve_engine_process_on_serves_and_leaves_no_process_behind():
     server.start()
     try:
         ServerClient(server.url, server.token, 60, server.describe).wait_healthy(120, server.alive)
-        assert "decode pool warmed: 0 steps captured" in server.log_path.read_text()  # CPU: none to capture
+        assert "serving pool warmed: 0 graphs" in server.log_path.read_text()  # CPU: none to capture
         out = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ab=", "max_tokens": 4, "seed": 1},
                          trust_env=False, timeout=60).json()
         assert len(out["choices"][0]["token_ids"]) >= 1

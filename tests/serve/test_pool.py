@@ -1,34 +1,93 @@
-"""The serving pool's prefill on its own (CPU, fp32): prompts of different widths right-padded into one forward
-(as CUDA prefills an admission) give each prompt the K/V and last hidden it gets alone."""
+"""The serving pool's prefill on its own (CPU, fp32): prompts of different widths in one forward — right-padded, or
+one after another in one row (`packed`, as CUDA prefills an admission) — give each prompt the K/V and last hidden
+it gets alone, and rows admitted from a packed prefill decode as rows prefilled alone do."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+PROMPTS = [(5, 9, 13), (7, 8, 9, 10, 11), (3, 4, 6, 2)]
 
-def test_prompts_of_different_widths_prefill_together_as_alone():
+
+@pytest.fixture(scope="module")
+def sampler():
     from rlspec.models.factory import load_model
     from rlspec.rollout.static import GraphSampler
-    from rlspec.serve.pool import ServingPool
     from rlspec.spec import ModelSpec
 
     model = load_model(ModelSpec(dtype="float32"), 0).eval().requires_grad_(False)
-    sampler = GraphSampler(model, torch.device("cpu"))
-    prompts = [(5, 9, 13), (7, 8, 9, 10, 11), (3, 4, 6, 2)]
-    together = ServingPool(sampler, 64, 8, eos=0)
-    together._prefill_part(prompts)
-    (batch, _), = {id(b): (b, i) for b, i in (together._prompts[p] for p in prompts)}.values()
-    assert batch.width == 5 and batch.hidden.shape[0] == 3, "one forward, padded to the longest prompt"
-    for p in prompts:
-        alone = ServingPool(sampler, 64, 8, eos=0)
+    return GraphSampler(model, torch.device("cpu"))
+
+
+def pool_of(sampler, packed=False):
+    from rlspec.serve.pool import ServingPool
+
+    pool = ServingPool(sampler, 64, 8, eos=0)
+    pool.packed = packed
+    return pool
+
+
+def one_batch(pool):
+    batches = {id(b): b for b, _ in (pool._prompts[p] for p in PROMPTS)}
+    assert len(batches) == 1, "one forward"
+    return next(iter(batches.values()))
+
+
+def assert_as_alone(sampler, together):
+    batch = one_batch(together)
+    for p in PROMPTS:
+        alone = pool_of(sampler)
         alone.prefill([list(p)])
         own, _ = alone._prompts[p]
         _, row = together._prompts[p]
+        assert batch.widths[row] == len(p) and own.starts == [0]
         torch.testing.assert_close(batch.hidden[row], own.hidden[0], rtol=1e-5, atol=1e-5)
-        for mine, theirs in zip(batch.keys + batch.values, own.keys + own.values):
-            torch.testing.assert_close(mine[row, :, :len(p)], theirs[0], rtol=1e-5, atol=1e-5)
-    # the padded rows' hidden is their own last token's, not the padding's
+        start = batch.starts[row]
+        torch.testing.assert_close(batch.stack[:, :, start:start + len(p)], own.stack, rtol=1e-5, atol=1e-5)
+    # each row's hidden is its own last token's, not the padding's or the next prompt's
     assert not torch.allclose(batch.hidden[0], batch.hidden[1])
+
+
+def test_prompts_of_different_widths_prefill_padded_together_as_alone(sampler):
+    together = pool_of(sampler)
+    together._prefill_padded(PROMPTS)
+    assert one_batch(together).tokens == 3 * 5, "padded to the longest prompt"
+    assert_as_alone(sampler, together)
+
+
+def test_prompts_prefill_packed_in_one_row_as_alone(sampler):
+    """The packed forward on CPU attends under the block-diagonal causal mask (CUDA: the varlen kernel)."""
+    together = pool_of(sampler, packed=True)
+    together.prefill([list(p) for p in PROMPTS] + [list(PROMPTS[0])])
+    batch = one_batch(together)
+    assert batch.tokens == 3 + 5 + 4 and batch.starts == [0, 3, 8], "one after another, no padding, once each"
+    assert_as_alone(sampler, together)
+
+
+def test_rows_admitted_from_a_packed_prefill_decode_as_rows_prefilled_alone(sampler):
+    """The admission's copy from a packed batch (each row from its prompt's start) and its decode: the same
+    tokens as rows whose prompts were prefilled alone, log-probs within fp32 rounding."""
+    from rlspec.serve.pool import RowSampling
+
+    rows = [(i, list(p), RowSampling(key=100 + i, max_tokens=6)) for i, p in enumerate(PROMPTS + [PROMPTS[1]])]
+    results = []
+    for packed in (False, True):
+        pool = pool_of(sampler, packed=packed)
+        pool.admit(rows)
+        got = {}
+        while pool.live:
+            for d in pool.run():
+                tokens, logps = got.setdefault(d.row_id, ([], []))
+                tokens += d.tokens
+                logps += d.logprobs
+        results.append(got)
+    alone, packed = results
+    assert set(alone) == set(packed) == {0, 1, 2, 3}
+    for row in alone:
+        assert packed[row][0] == alone[row][0], row
+        assert len(alone[row][0]) == 6
+        torch.testing.assert_close(torch.tensor(packed[row][1]), torch.tensor(alone[row][1]), rtol=1e-4, atol=1e-5)
 
 
 def test_the_prefill_attention_kernels_are_a_valid_choice():
