@@ -15,7 +15,9 @@ streams this mode stalled decode runs, cause not yet found, which is why it is o
       streams, replies  <--- ("deltas", [...]) ----   every row's new tokens of one decode run, one message
 
 The engine process sends each decode run's new tokens for every request in flight as one message; the HTTP
-process applies them on its event loop. What a request samples, the order of its rows, its weight version and
+process applies them on its event loop. Each side writes the pipe from a thread of its own (`PipeWriter`): neither
+the engine thread nor the event loop waits for the other process to read (a decode run's deltas for 256 rows are
+~40 KB, most of a pipe's buffer), and messages queued meanwhile go as one `batch`. What a request samples, the order of its rows, its weight version and
 every bridge operation are the engine process's, exactly as in one process (`scheduler.py`); the bound of queued
 rows (`--max-queued-rows`, 429) is kept by the HTTP process, which counts a request's rows until the engine reports
 them admitted. A bridge message's body goes through the pipe as it came (no second copy of its tensors).
@@ -32,6 +34,7 @@ import asyncio
 import itertools
 import multiprocessing
 import os
+import queue
 import signal
 import sys
 import threading
@@ -61,6 +64,61 @@ def _raise_portable(data: tuple) -> BaseException:
     return RunError(data[1], data[2])
 
 
+class PipeWriter:
+    """Writes one end of the pipe from a thread of its own, in the order `send` was called: the caller never waits
+    for the other process to read. Messages queued while a write is under way go as one `("batch", [...])` (one
+    pickle, one write); a message with a body (a bridge call's bytes) is written with its body right after it."""
+
+    def __init__(self, conn, name: str) -> None:
+        self.conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def send(self, message, body: bytes | None = None) -> None:
+        self._queue.put((message, body))
+
+    def close(self) -> None:
+        """The thread ends after what was queued before."""
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                items = [self._queue.get()]
+                while True:
+                    try:
+                        items.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                batch: list = []
+                for item in items:
+                    if item is None:
+                        self._write(batch)
+                        return
+                    message, body = item
+                    if body is None:
+                        batch.append(message)
+                        continue
+                    self._write(batch)
+                    self.conn.send(message)
+                    self.conn.send_bytes(body)
+                self._write(batch)
+        except (OSError, ValueError):  # the pipe closed: the reader on this side sees it too
+            return
+
+    def _write(self, batch: list) -> None:
+        if len(batch) == 1:
+            self.conn.send(batch[0])
+        elif batch:
+            self.conn.send(("batch", list(batch)))
+        batch.clear()
+
+
+def received(message) -> list:
+    """The messages of one read: a `batch`'s, or the one."""
+    return message[1] if message[0] == "batch" else [message]
+
+
 # --- the engine process -------------------------------------------------------------------------------------
 class _Forwarded(Submission):
     """A request's rows in the engine process: what they sample is sent back at the end of each step."""
@@ -88,12 +146,11 @@ class EngineCore:
         """Requests in flight, by the HTTP process's id (a cancel names one)."""
         self._touched: dict[int, _Forwarded] = {}
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
+        self.writer = PipeWriter(conn, "rlspec-engine-pipe-writer")
         host.thread.on_iteration = self.flush
 
     def send(self, message) -> None:
-        with self._send_lock:
-            self.conn.send(message)
+        self.writer.send(message)
 
     def touched(self, sub: _Forwarded) -> None:
         with self._lock:
@@ -126,28 +183,32 @@ class EngineCore:
     def serve_forever(self) -> None:
         while True:
             try:
-                message = self.conn.recv()
+                messages = received(self.conn.recv())
             except (EOFError, OSError):  # the HTTP process is gone
                 os._exit(0)
-            kind = message[0]
-            if kind == "rows":
-                _, rid, prompt_ids, samplings, stops = message
-                sub = _Forwarded(prompt_ids, samplings, stops, self.decode if stops else None)
-                sub.rid, sub.core, sub.sent = rid, self, [0] * len(samplings)
-                self.subs[rid] = sub
-                self.host.thread.submit_rows(sub)
-            elif kind == "cancel":
-                sub = self.subs.get(message[1])
-                if sub is not None:
-                    sub.cancel()
-            elif kind == "call":
-                _, cid, what, args = message
-                if what == "bridge":
-                    args = (self.conn.recv_bytes(),)
-                if what == "state":
-                    self._reply(cid, lambda: self.host.state())
-                else:
-                    threading.Thread(target=self._reply, args=(cid, self._call(what, args)), daemon=True).start()
+            for message in messages:
+                self._take(message)
+
+    def _take(self, message) -> None:
+        kind = message[0]
+        if kind == "rows":
+            _, rid, prompt_ids, samplings, stops = message
+            sub = _Forwarded(prompt_ids, samplings, stops, self.decode if stops else None)
+            sub.rid, sub.core, sub.sent = rid, self, [0] * len(samplings)
+            self.subs[rid] = sub
+            self.host.thread.submit_rows(sub)
+        elif kind == "cancel":
+            sub = self.subs.get(message[1])
+            if sub is not None:
+                sub.cancel()
+        elif kind == "call":
+            _, cid, what, args = message
+            if what == "bridge":
+                args = (self.conn.recv_bytes(),)
+            if what == "state":
+                self._reply(cid, lambda: self.host.state())
+            else:
+                threading.Thread(target=self._reply, args=(cid, self._call(what, args)), daemon=True).start()
 
     def _call(self, what: str, args: tuple) -> Callable[[], Any]:
         from .app import bridge_call
@@ -299,7 +360,6 @@ class EngineProcess:
         self.proc.start()
         child.close()
         self.on_exit = on_exit
-        self._send_lock = threading.Lock()
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count()
         self.scheduler: RemoteScheduler | None = None
@@ -313,13 +373,11 @@ class EngineProcess:
             raise _raise_portable(info)
         self.info = info
         self.stopping = False
+        self.writer = PipeWriter(self.conn, "rlspec-engine-pipe-writer")
         threading.Thread(target=self._read, name="rlspec-engine-pipe", daemon=True).start()
 
     def send(self, message, body: bytes | None = None) -> None:
-        with self._send_lock:
-            self.conn.send(message)
-            if body is not None:
-                self.conn.send_bytes(body)
+        self.writer.send(message, body)
 
     def call(self, what: str, *args, body: bytes | None = None) -> Future:
         cid = next(self._ids)
@@ -336,14 +394,15 @@ class EngineProcess:
     def _read(self) -> None:
         while True:
             try:
-                message = self.conn.recv()
+                messages = received(self.conn.recv())
             except (EOFError, OSError):
                 break
-            if message[0] == "deltas":
-                loop = self.scheduler.loop
-                if loop is not None:
-                    loop.call_soon_threadsafe(self.scheduler.apply, message[1])
-            else:
+            deltas: list = []  # consecutive runs' deltas applied in one call, in order with the replies
+            for message in messages:
+                if message[0] == "deltas":
+                    deltas += message[1]
+                    continue
+                self._apply(deltas)
                 _, cid, ok, value = message
                 future = self._calls.pop(cid)
                 if future.done():  # its caller gave up
@@ -352,6 +411,7 @@ class EngineProcess:
                     future.set_result(value)
                 else:
                     future.set_exception(_raise_portable(value))
+            self._apply(deltas)
         if self.stopping:
             return
         self.proc.join(5)
@@ -368,9 +428,17 @@ class EngineProcess:
                 pass
         self.on_exit(why)
 
+    def _apply(self, deltas: list) -> None:
+        """Hand `deltas` to the event loop (then empties the list)."""
+        loop = self.scheduler.loop if self.scheduler is not None else None
+        if deltas and loop is not None:
+            loop.call_soon_threadsafe(self.scheduler.apply, list(deltas))
+        deltas.clear()
+
     def stop(self) -> None:
         """Close the pipe (the engine process exits on it), then make sure it has."""
         self.stopping = True
+        self.writer.close()
         self.conn.close()
         self.proc.join(10)
         if self.proc.is_alive():

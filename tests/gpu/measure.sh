@@ -3,7 +3,7 @@
 # with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra; under `.devicepkgs/extra` the wheels
 # `bash tests/gpu/pack_extra.sh` downloads, whose header lists them: the serve stack, the openai client, TRL).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: install gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat admit agents64 train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
+# Sections: install gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat serveprofile admit agents64 train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
 # scale7b weak15b sync7b engines2 models offload multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f multigpu_g (multigpu: all seven).
 # The multigpu parts (issue 44) each fit one 10-minute call on a 4-GPU machine, one call per part; each row runs under
 # its own timeout and every row refreshes $OUT/multigpu_table.txt (tests/gpu/multigpu_table.py), so a call cut short
@@ -333,6 +333,28 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
         echo "servechat --engine-process $ep exit $?" >> $OUT/results.txt
         grep -v Warning $OUT/servechat_$ep.log | tail -16 >> $OUT/results.txt
       done ;;
+    serveprofile)  # issue 45: where rlspec serve's processes and threads spend 256-stream bursts (the 0.5B shape,
+      # --warm-pool, --engine-process SC_ENGINE_PROCESS, default on): py-spy (from .devicepkgs/extra) samples the server,
+      # its engine process included, while bench_serve --url sends SC_LEVELS (default 256,256,256); the stacks are
+      # summarized per thread by tests/gpu/pyspy_top.py
+      python3 -m pip install -q --no-index --find-links .devicepkgs/extra py-spy > $OUT/pyspy_install.log 2>&1
+      port=18123
+      $RL serve $BENCH --port $port --warm-pool --engine-process ${SC_ENGINE_PROCESS:-on} > $OUT/serveprofile_server.log 2>&1 &
+      server=$!
+      python3 -c "import sys,time,urllib.request as u
+for _ in range(300):
+    try: u.urlopen('http://127.0.0.1:$port/health', timeout=2); sys.exit(0)
+    except Exception: time.sleep(1)
+sys.exit(1)"; echo "serveprofile server up: exit $?" >> $OUT/results.txt
+      grep warmed $OUT/serveprofile_server.log >> $OUT/results.txt
+      timeout 150 py-spy record --pid $server --subprocesses --threads -r 500 -d 60 -f raw -o $OUT/serveprofile.txt \
+        > $OUT/pyspy.log 2>&1 &
+      spy=$!; sleep 2
+      timeout 120 python3 -m rlspec.perf.bench_serve --url http://127.0.0.1:$port --concurrency ${SC_LEVELS:-256,256,256} \
+        --prompt-tokens 32 --output-tokens 64 > $OUT/serveprofile_bench.log 2>&1
+      echo "serveprofile bench exit $?" >> $OUT/results.txt; kill -INT $spy; wait $spy; kill $server; wait $server
+      grep -v Warning $OUT/serveprofile_bench.log | tail -5 >> $OUT/results.txt; tail -3 $OUT/pyspy.log >> $OUT/results.txt
+      python3 $ROOT/tests/gpu/pyspy_top.py $OUT/serveprofile.txt 15 >> $OUT/results.txt 2>&1 ;;
     admit)  # issue 45: the serving pool's admission alone (no server), 1, 16 and 64 rows of 32-token prompts, timed with
       # the device synced, and one 64-row admission under torch.profiler (tests/gpu/probe_admit.py)
       CUDA_VISIBLE_DEVICES=$ONE timeout 200 python3 $ROOT/tests/gpu/probe_admit.py $BENCH > $OUT/admit.txt 2>&1

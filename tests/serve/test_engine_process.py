@@ -193,3 +193,28 @@ def test_rlspec_serve_engine_process_on_serves_and_leaves_no_process_behind():
         assert f"the engine process (pid {engine_pid}) exited with code -9" in server.log_path.read_text()
     finally:
         server.stop()
+
+
+def test_the_pipe_writer_keeps_the_order_batches_what_queued_and_sends_a_body_after_its_message():
+    """While a write waits for the reader (a message larger than the pipe's buffer), what is queued behind it goes
+    as one batch; a message with a body is written alone, its body right after it; the order is the callers'."""
+    import multiprocessing
+
+    from rlspec.serve.engine_process import PipeWriter, received
+
+    ours, theirs = multiprocessing.Pipe()
+    writer = PipeWriter(ours, "test-writer")
+    writer.send(("big", b"x" * (1 << 20)))  # blocks the writer until we read
+    time.sleep(0.2)
+    for i in range(50):
+        writer.send(("small", i))
+    writer.send(("call", 99), body=b"body")
+    writer.send(("small", 50))
+    time.sleep(0.2)  # everything queued behind the big write
+    reads = [theirs.recv() for _ in range(2)]
+    assert reads[0][0] == "big"
+    assert reads[1][0] == "batch" and [m[1] for m in received(reads[1])] == list(range(50))
+    assert theirs.recv() == ("call", 99) and theirs.recv_bytes() == b"body"
+    assert received(theirs.recv()) == [("small", 50)]
+    writer.close()
+    ours.close()
