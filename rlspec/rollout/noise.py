@@ -32,6 +32,14 @@ def sample_keys(seed: int, samples: Tensor) -> Tensor:
     return _mix32(_mix32(samples ^ base) ^ _mix32(base ^ 0x9E3779B9))
 
 
+def sample_key_list(seed: int, first: int, count: int) -> list[int]:
+    """`sample_keys(seed, arange(first, first + count))` in Python ints: a server's request of a few rows computes
+    its keys without a dozen small tensor ops."""
+    base = _mix32(_mix32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))
+    salt = _mix32(base ^ 0x9E3779B9)
+    return [_mix32(_mix32(i ^ base) ^ salt) for i in range(first, first + count)]
+
+
 def keyed_exponential(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:
     """[B, vocab] Exp(1) draws, each a pure function of (its row's key, the row's token position `steps`, the
     token id): counter-based noise, so a sample draws the same numbers in whichever slot and batch it runs.

@@ -101,8 +101,13 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def decoder(tokenizer) -> Callable[[list[int]], str]:
-    """Ids -> text as the engine decodes a completion (special tokens dropped)."""
+    """Ids -> text as the engine decodes a completion (special tokens dropped). A fast tokenizer that cleans up no
+    spaces decodes in its Rust backend directly: the same text, without transformers' per-call conversions (a
+    server's streams decode every row after every decode run)."""
     vocab = len(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+        return lambda ids: backend.decode([t for t in ids if t < vocab], skip_special_tokens=True)
     return lambda ids: tokenizer.decode([t for t in ids if t < vocab], skip_special_tokens=True)
 
 

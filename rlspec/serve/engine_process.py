@@ -34,7 +34,6 @@ import asyncio
 import itertools
 import multiprocessing
 import os
-import queue
 import signal
 import sys
 import threading
@@ -66,36 +65,40 @@ def _raise_portable(data: tuple) -> BaseException:
 
 class PipeWriter:
     """Writes one end of the pipe from a thread of its own, in the order `send` was called: the caller never waits
-    for the other process to read. Messages queued while a write is under way go as one `("batch", [...])` (one
-    pickle, one write); a message with a body (a bridge call's bytes) is written with its body right after it."""
+    for the other process to read. Messages sent while a write is under way go as one `("batch", [...])` (one
+    pickle, one write), and wake the thread once (a wake-up is a thread switch: one per request was most of what
+    sending cost the event loop); a message with a body (a bridge call's bytes) is written with its body right
+    after it."""
 
     def __init__(self, conn, name: str) -> None:
         self.conn = conn
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: list = []
+        self._lock = threading.Lock()
+        self._wake = threading.Semaphore(0)
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def send(self, message, body: bytes | None = None) -> None:
-        self._queue.put((message, body))
+        with self._lock:
+            self._pending.append((message, body))
+            first = len(self._pending) == 1
+        if first:
+            self._wake.release()
 
     def close(self) -> None:
-        """The thread ends after what was queued before."""
-        self._queue.put(None)
+        """The thread ends after what was sent before."""
+        self.send(None)
 
     def _run(self) -> None:
         try:
             while True:
-                items = [self._queue.get()]
-                while True:
-                    try:
-                        items.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
+                self._wake.acquire()
+                with self._lock:
+                    items, self._pending = self._pending, []
                 batch: list = []
-                for item in items:
-                    if item is None:
+                for message, body in items:
+                    if message is None:
                         self._write(batch)
                         return
-                    message, body = item
                     if body is None:
                         batch.append(message)
                         continue

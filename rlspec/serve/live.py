@@ -4,7 +4,8 @@ stream of a streamed request (`live_events`), which sends each row's text as the
 A streamed row's text goes out as its tokens arrive (on CUDA a few tokens a chunk: the engine reads the batch's
 tokens every few decode steps), held back where it may be the start of a stop string or ends in an incomplete
 character (tokens that add no text at all send their log-probs at once, with an empty text); when the row ends,
-the rest of its final text (cut at the stop string, as the unstreamed reply's) and its finish reason. The chunks' texts join to the unstreamed text. A chat choice with tools is sent when it ends
+the rest of its final text (cut at the stop string, as the unstreamed reply's) and its finish reason. The chunks' texts join to the unstreamed text; the chunks of one decode run (every row's, and a row's last ones with
+`[DONE]`) go out in one write. A chat choice with tools is sent when it ends
 (its tool calls are parsed from the whole text). A client that goes away cancels the request: its rows leave the
 batch at the next step.
 """
@@ -132,6 +133,7 @@ async def live_events(planned: Planned, sub: Submission) -> AsyncIterator[str]:
         while True:
             await event.wait()
             event.clear()
+            out: list[str] = []  # this wake's chunks, every row's, sent as one write
             with sub.lock:
                 snapshot = [(list(sub.ids[i]), list(sub.logprobs[i]), list(sub.top[i]), sub.ended[i])
                             for i in range(sub.rows)]
@@ -145,16 +147,15 @@ async def live_events(planned: Planned, sub: Submission) -> AsyncIterator[str]:
                 if not state.started:
                     state.started = True
                     if kind == "chat":
-                        yield chunk(i, message={"role": "assistant", "content": ""})
+                        out.append(chunk(i, message={"role": "assistant", "content": ""}))
                     elif reply.echo_texts:
-                        yield chunk(i, reply.echo_texts[i // reply.n])
+                        out.append(chunk(i, reply.echo_texts[i // reply.n]))
                 if ended:
                     state.ended = True
                     final = planned.choice_of(c.prompt_ids, ids, logps, top or None)
                     planned.finish_choice(final)
                     finals[i] = final
-                    for piece in _final_chunks(reply, i, final, state, chunk, logprobs_of, planned.tools):
-                        yield piece
+                    out.extend(_final_chunks(reply, i, final, state, chunk, logprobs_of, planned.tools))
                     continue
                 if planned.tools:
                     continue  # a chat choice with tools goes out whole when it ends
@@ -163,19 +164,22 @@ async def live_events(planned: Planned, sub: Submission) -> AsyncIterator[str]:
                     continue  # the row is ending at its stop string: its final text goes out then
                 ready = text[:len(text) - _held(text, planned.stops)]
                 if ready.startswith(state.sent) and len(ready) > len(state.sent):
-                    yield chunk(i, ready[len(state.sent):], logprobs_of(c, state.tokens_sent, len(ids)))
+                    out.append(chunk(i, ready[len(state.sent):], logprobs_of(c, state.tokens_sent, len(ids))))
                     state.sent, state.tokens_sent = ready, len(ids)
                 elif text == state.sent and len(ids) > state.tokens_sent and reply.show_logprobs:
                     # Tokens that add no text and hold none back (ids the tokenizer decodes to nothing: special
                     # tokens, a random-init model's ids past its tokenizer): their log-probs go out now.
-                    yield chunk(i, "", logprobs_of(c, state.tokens_sent, len(ids)))
+                    out.append(chunk(i, "", logprobs_of(c, state.tokens_sent, len(ids))))
                     state.tokens_sent = len(ids)
             if all(state.ended for state in rows):
                 break
+            if out:
+                yield "".join(out)
         if reply.include_usage:
             done = planned.reply(sub.version, finals)
-            yield f"data: {json.dumps({**reply._head(obj), 'choices': [], 'usage': done.usage()})}\n\n"
-        yield "data: [DONE]\n\n"
+            out.append(f"data: {json.dumps({**reply._head(obj), 'choices': [], 'usage': done.usage()})}\n\n")
+        out.append("data: [DONE]\n\n")
+        yield "".join(out)
     finally:
         if not all(state.ended for state in rows):
             sub.cancel()

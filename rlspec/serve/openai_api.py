@@ -44,13 +44,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Union
 
-import torch
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from ..rollout.hf import prompt_token_ids
-from ..rollout.noise import sample_keys
+from ..rollout.noise import sample_key_list
 from .pool import RowSampling
 from ..rollout.sampling import SampleOptions
 from ..spec import SpecError
@@ -296,7 +295,7 @@ class OpenAIRoutes:
             encoded = prompt_token_ids(self.tokenizer, prompts, engine.spec.max_prompt_tokens) \
                 if scheduler.pool_reason is None else None
         if encoded is not None and scheduler.takes(encoded, max_tokens):
-            keys = sample_keys(seed, torch.arange(first_sample, first_sample + len(encoded) * n)).tolist()
+            keys = sample_key_list(seed, first_sample, len(encoded) * n)
             planned.rows = [ids for ids in encoded for _ in range(n)]
             planned.samplings = [RowSampling(key, max_tokens, temperature if temperature > 0 else 1.0, top_p,
                                              temperature == 0, top_logprobs) for key in keys]

@@ -337,7 +337,9 @@ fused_layers_sdpa_cublas_head_mlp,fused_layers_sdpa_live,fused_layers_sdpa_maske
       # --warm-pool, --engine-process SC_ENGINE_PROCESS, default on): py-spy (from .devicepkgs/extra) samples the server,
       # its engine process included, while bench_serve --url sends SC_LEVELS (default 256,256,256); the stacks are
       # summarized per thread by tests/gpu/pyspy_top.py
-      python3 -m pip install -q --no-index --find-links .devicepkgs/extra py-spy > $OUT/pyspy_install.log 2>&1
+      # its own folder: the extras' install into /tmp/site leaves out binaries whose bin/ exists there already
+      python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy $ROOT/.devicepkgs/extra/py_spy-*.whl \
+        > $OUT/pyspy_install.log 2>&1
       port=18123
       $RL serve $BENCH --port $port --warm-pool --engine-process ${SC_ENGINE_PROCESS:-on} > $OUT/serveprofile_server.log 2>&1 &
       server=$!
@@ -347,7 +349,7 @@ for _ in range(300):
     except Exception: time.sleep(1)
 sys.exit(1)"; echo "serveprofile server up: exit $?" >> $OUT/results.txt
       grep warmed $OUT/serveprofile_server.log >> $OUT/results.txt
-      timeout 150 py-spy record --pid $server --subprocesses --threads -r 500 -d 60 -f raw -o $OUT/serveprofile.txt \
+      timeout 150 /tmp/pyspy/bin/py-spy record --pid $server --subprocesses --threads -r 500 -d 60 -f raw -o $OUT/serveprofile.txt \
         > $OUT/pyspy.log 2>&1 &
       spy=$!; sleep 2
       timeout 120 python3 -m rlspec.perf.bench_serve --url http://127.0.0.1:$port --concurrency ${SC_LEVELS:-256,256,256} \

@@ -166,3 +166,11 @@ def test_compiled_decoder_samples_like_the_plain_one(model, layers):
     """The torch.compile'd decode step (per layer, or per block) that the CUDA path uses, run on CPU without
     graphs: the same tokens and log-probs as the plain blocks. Slow (Inductor compiles for about 30 s)."""
     check_compiled_samples_like_plain(model, compile_layers=layers)
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**31 - 1, 2**40 + 3])
+def test_the_servers_python_keys_are_the_tensor_keys(seed):
+    """`sample_key_list` (the server's requests) gives the keys `sample_keys` gives the engine's batches."""
+    from rlspec.rollout.noise import sample_key_list
+
+    assert sample_key_list(seed, 5, 300) == sample_keys(seed, torch.arange(5, 305)).tolist()

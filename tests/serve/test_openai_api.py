@@ -234,3 +234,21 @@ def test_refused_fields_get_a_4xx_naming_them_and_the_server_keeps_serving(serve
     assert 400 <= err.value.status_code < 500
     assert field in [str(part) for item in err.value.body["detail"] for part in item["loc"]], err.value.body
     assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1).choices[0].token_ids
+
+
+def test_the_streams_decoder_gives_the_tokenizers_text():
+    """`chat.decoder` (every stream decodes its rows after every decode run) takes the fast tokenizer's backend
+    directly where that is the same text: special tokens and ids past the tokenizer dropped, as `decode` does."""
+    import random
+
+    from rlspec.models.factory import load_tokenizer
+    from rlspec.serve.chat import decoder
+    from rlspec.spec import ModelSpec
+
+    tokenizer = load_tokenizer(ModelSpec())
+    assert tokenizer.clean_up_tokenization_spaces is False, "the fast path is not what this test covers"
+    decode, vocab, rng = decoder(tokenizer), len(tokenizer), random.Random(0)
+    specials = list(tokenizer.all_special_ids)
+    for _ in range(200):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(vocab + 50) for _ in range(rng.randint(0, 40))]
+        assert decode(ids) == tokenizer.decode([t for t in ids if t < vocab], skip_special_tokens=True)
