@@ -56,7 +56,8 @@ class EngineHost:
     """The engine behind the app: its scheduler (one engine thread: every request in flight in one decode batch,
     bridge jobs between decode steps; `scheduler.py`), plus the weight version it serves."""
 
-    def __init__(self, engine, model_name: str, max_queued_rows: int = MAX_QUEUED_ROWS) -> None:
+    def __init__(self, engine, model_name: str, max_queued_rows: int = MAX_QUEUED_ROWS,
+                 owns_weights: bool = False) -> None:
         fault = os.environ.get(FAULT_ENV, "")
         self.skip = fault.removeprefix("skip:") if fault.startswith("skip:") else None
         self.engine = engine
@@ -65,7 +66,7 @@ class EngineHost:
         """Changed only on the engine thread, by jobs, which run with no row in flight: a completion reports the
         version all of its tokens were sampled with."""
         self.thread = Scheduler(engine, self, max_queued_rows, on_submitted_error=self._weights_unknown,
-                                on_submitted_start=self._weights_unknown)
+                                on_submitted_start=self._weights_unknown, owns_weights=owns_weights)
         self.started = time.time()
 
     def _weights_unknown(self, _err: BaseException | None = None) -> None:

@@ -257,7 +257,8 @@ def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str,
 
             torch.set_num_threads(plan.spec.hardware.num_threads)
         engine = build(plan, engine_index)
-        host = EngineHost(engine, model_name, max_queued_rows=sys.maxsize)  # the HTTP process keeps the bound
+        # the HTTP process keeps the bound; only the bridge's jobs write this engine's weights
+        host = EngineHost(engine, model_name, max_queued_rows=sys.maxsize, owns_weights=True)
         sampler = getattr(engine, "sampler_kind", None)
         info = {"pool_reason": host.thread.pool_reason, "row_budget": host.thread.row_budget,
                 "sampler": sampler() if sampler else None, "pid": os.getpid(),

@@ -158,7 +158,7 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
                                  warm_pool=warm_pool)
         warmed = engine_host.warmed
     else:
-        engine_host = EngineHost(build_engine(plan, engine_index), name, bound)
+        engine_host = EngineHost(build_engine(plan, engine_index), name, bound, owns_weights=True)
         warmed = engine_host.thread.warm_pool() if warm_pool else None
     if warmed is not None:
         print(f"rlspec serve: serving pool warmed: {warmed[0]} graphs (decode steps, packed prefills) captured in "

@@ -9,8 +9,10 @@
 
 Weight versions: a job that writes weights waits for the rows in flight (admission stops at it, the rows drain,
 then it runs), so a completion's rows are all sampled with one set of weights, and a request reports the version
-the server held when its first row started (`Submission.version`). No completion spans a push. Whenever rows start
-in an idle pool, the pool first refreshes what it derives from the weights (fused copies, kept prefills).
+the server held when its first row started (`Submission.version`). No completion spans a push. When rows start in
+an idle pool after a job ran (or after anything, where a colocated trainer's steps write the module the engine
+shares: the agent gateway's), the pool first refreshes what it derives from the weights (fused copies, kept
+prefills).
 
 Back-pressure: rows that wait for a slot are counted; a request that would take them past `max_queued_rows` is
 refused (`QueueFull`: 429 with Retry-After) unless nothing waits (a request larger than the bound alone is
@@ -188,8 +190,13 @@ class Scheduler(RowQueue):
 
     def __init__(self, engine, host, max_queued_rows: int,
                  on_submitted_error: Callable[[BaseException], None] | None = None,
-                 on_submitted_start: Callable[[], None] | None = None) -> None:
+                 on_submitted_start: Callable[[], None] | None = None, owns_weights: bool = False) -> None:
         self.engine = engine
+        self.owns_weights = owns_weights
+        """Nothing but this scheduler's jobs writes the engine's weights (`rlspec serve`'s own engine): the pool's
+        derived copies are refreshed after a job, not whenever rows start in an idle pool (an H100 took ~25 ms
+        for that, the 0.5B shape, at the start of every burst)."""
+        self._job_ran = False
         self.host = host
         self.device = getattr(engine, "device", None)
         self.max_queued_rows = max_queued_rows
@@ -327,6 +334,7 @@ class Scheduler(RowQueue):
         """Jobs at the head of the queue, once the rows in flight have drained."""
         while self.waiting and isinstance(self.waiting[0], _Job) and not (self.pool and self.pool.live):
             job = self.waiting.popleft()
+            self._job_ran = True
             if job.future.set_running_or_notify_cancel():
                 try:
                     job.future.set_result(job.fn(*job.args))
@@ -371,10 +379,11 @@ class Scheduler(RowQueue):
         free = self.pool.free()
         if not free:
             return False
-        if not self.pool.live:
+        if not self.pool.live and (self._job_ran or not self.owns_weights):
             # Weights may have changed while the pool was idle: a job (a push), or a colocated trainer's step
             # on the module an in-process engine shares with it (the agent gateway's).
             self.pool.refresh_weights()
+            self._job_ran = False
         rows, taken = [], []  # taken: (submission, its first row admitted now, one past its last)
         for sub in self.waiting:
             if not isinstance(sub, Submission) or len(rows) == free:

@@ -221,6 +221,40 @@ def test_weights_changed_in_place_between_requests_are_the_ones_sampled(server):
         assert _summary(http.post("/v1/completions", json=body).json()) == before
 
 
+def test_a_servers_own_engine_refreshes_after_a_job_not_at_every_burst(server):
+    """`rlspec serve`'s engine (`owns_weights`: only the bridge's jobs write it): a job that writes the weights in
+    place is seen by the next request (the same prompt, whose prefill the pool kept), as by a fresh server; with no
+    job between requests the pool's derived copies are not rebuilt."""
+    from rlspec.serve.app import EngineHost
+    from rlspec.serve.openai_api import CompletionRequest, OpenAIRoutes
+
+    _, shared = server
+    host = EngineHost(shared.engine, MODEL, owns_weights=True)
+    routes = OpenAIRoutes(host)
+    body = {"model": MODEL, "prompt": "ab=", "n": 2, "seed": 21, "max_tokens": 8, "logprobs": 0}
+    norm = host.engine.model.model.norm.weight
+    original = norm.detach().clone()
+
+    def ask():
+        return _summary(routes.completion(CompletionRequest(**body)).body())
+
+    before = ask()
+    refreshes = []
+    pool = host.thread.pool
+    refresh = pool.refresh_weights
+    pool.refresh_weights = lambda: (refreshes.append(1), refresh())[1]
+    try:
+        assert ask() == before and not refreshes, "no job ran: nothing to refresh"
+        delta = torch.randn(norm.shape, generator=torch.Generator().manual_seed(0))
+        host.thread.run(lambda: norm.data.add_(delta))  # a push: a job on the engine thread
+        after = ask()
+        assert refreshes and after != before
+        assert after == _summary(OpenAIRoutes(EngineHost(host.engine, MODEL)).completion(CompletionRequest(**body)).body())
+    finally:
+        host.thread.run(lambda: norm.data.copy_(original))
+    assert ask() == before
+
+
 def test_requests_waiting_together_start_in_one_admission(server):
     """Requests queued while the engine thread is busy start in one `ServingPool.admit` (one batched prefill, one
     resize), not one admission each; the engine thread's counters say so."""
