@@ -1,11 +1,9 @@
-"""`rlspec serve`'s engine in a process of its own (`rlspec serve --engine-process on`; off by default: see
+"""`rlspec serve`'s engine in a process of its own (`rlspec serve --engine-process on`, the command's default: see
 `process.ENGINE_PROCESS`).
 
 In one process the HTTP side (the event loop: requests arriving, chunks going out, tokenizing) and the engine
-thread (admissions: a thousand and more short torch calls; decode runs) take turns at the interpreter lock. Here
-they run in two processes joined by a pipe (measured on one H100, docs/serving_concurrency.md: an admission cost
-about as much here as in one process, ~93 ms under 64 streams, so the lock was not what made it slow; and at 256
-streams this mode stalled decode runs, cause not yet found, which is why it is off by default):
+thread (admissions, decode runs) take turns at the interpreter lock. Here they run in two processes joined by a
+pipe; measured with the packed prefill (docs/serving_concurrency.md), this led at 64 and 256 streams on GPUs:
 
     HTTP process (the port, every route)            engine process (the engine, `Scheduler`, `EngineHost`)
       a request's rows  ---- ("rows", id, ...) --->   queued, admitted, decoded in the one batch
@@ -17,10 +15,10 @@ streams this mode stalled decode runs, cause not yet found, which is why it is o
 The engine process sends each decode run's new tokens for every request in flight as one message; the HTTP
 process applies them on its event loop. Each side writes the pipe from a thread of its own (`PipeWriter`): neither
 the engine thread nor the event loop waits for the other process to read (a decode run's deltas for 256 rows are
-~40 KB, most of a pipe's buffer), and messages queued meanwhile go as one `batch`. What a request samples, the order of its rows, its weight version and
-every bridge operation are the engine process's, exactly as in one process (`scheduler.py`); the bound of queued
-rows (`--max-queued-rows`, 429) is kept by the HTTP process, which counts a request's rows until the engine reports
-them admitted. A bridge message's body goes through the pipe as it came (no second copy of its tensors).
+~40 KB, most of a pipe's buffer), and messages queued meanwhile go as one `batch`. What a request samples, the
+order of its rows, its weight version and every bridge operation are the engine process's, exactly as in one
+process (`scheduler.py`); the bound of queued rows (`--max-queued-rows`, 429) is kept by the HTTP process, which
+counts a request's rows until the engine reports them admitted. A bridge message's body goes through the pipe as it came (no second copy of its tensors).
 
 Ends: the engine process ends when the pipe closes (the HTTP process exited or was killed); when the engine process
 dies, the requests in flight fail and the HTTP process is told (`on_exit`: `rlspec serve` shuts its server down and

@@ -4,10 +4,10 @@ stream of a streamed request (`live_events`), which sends each row's text as the
 A streamed row's text goes out as its tokens arrive (on CUDA a few tokens a chunk: the engine reads the batch's
 tokens every few decode steps), held back where it may be the start of a stop string or ends in an incomplete
 character (tokens that add no text at all send their log-probs at once, with an empty text); when the row ends,
-the rest of its final text (cut at the stop string, as the unstreamed reply's) and its finish reason. The chunks' texts join to the unstreamed text; the chunks of one decode run (every row's, and a row's last ones with
-`[DONE]`) go out in one write. A chat choice with tools is sent when it ends
-(its tool calls are parsed from the whole text). A client that goes away cancels the request: its rows leave the
-batch at the next step.
+the rest of its final text (cut at the stop string, as the unstreamed reply's) and its finish reason. The chunks'
+texts join to the unstreamed text; a request's chunks of one decode run (every row's, and the last ones with
+`[DONE]`) go out in one write. A chat choice with tools is sent when it ends (its tool calls are parsed from the
+whole text). A client that goes away cancels the request: its rows leave the batch at the next step.
 """
 
 from __future__ import annotations

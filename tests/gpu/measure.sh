@@ -40,7 +40,11 @@
 # engine_longtail, the longtail bench): no spec key switches the tail's schedule.
 # Every prefill (the rollout engine's and the server's pool's) runs SDPA without cuDNN's kernel since 4361cdd (its plan
 # for each new shape cost ~70 ms on an H100): generation figures taken before re-run as they were only from the
-# commits they were taken at; the server's pool also prefills prompts of any widths in one padded forward since then.
+# commits they were taken at; the server's pool also prefills prompts of any widths in one padded forward since then,
+# and since ef0e2b5 packed in one row and replayed from captured graphs (servechat and admit figures taken before
+# re-run as they were only from their commits); `rlspec serve --engine-process` defaults to on since ef0e2b5 and
+# bench_serve's started server too since 1c115be (servechat names the mode of each sweep), whose engine timing is
+# the median of three since then.
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}; mkdir -p "$FINAL"  # a new subfolder of the device tool's $OUT is made here

@@ -250,5 +250,6 @@ def test_the_streams_decoder_gives_the_tokenizers_text():
     decode, vocab, rng = decoder(tokenizer), len(tokenizer), random.Random(0)
     specials = list(tokenizer.all_special_ids)
     for _ in range(200):
-        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(vocab + 50) for _ in range(rng.randint(0, 40))]
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(vocab + 50)
+               for _ in range(rng.randint(0, 40))]
         assert decode(ids) == tokenizer.decode([t for t in ids if t < vocab], skip_special_tokens=True)
