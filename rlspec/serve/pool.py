@@ -22,34 +22,19 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..rollout.decoder import Packed
 from ..rollout.noise import keyed_exponential
 from ..rollout.sampling import exponential_race
 from ..rollout.static import BATCH_BUCKETS, CACHE_STEP, SHRINK_FLOOR, GraphSampler, bucket_for
+from .prefill import Prefill, Prefills, on_device
 
 MAX_TOP = 20
 """Top log-probs a row may ask for (the `full` step records this many for every row)."""
-PREFILL_TOKENS = 16384
-"""Tokens (prompts one after another, or padded to the longest of their forward) a prefill forward takes at most on
-CUDA."""
-PREFILL_GRAPH_TOKENS = 8192
-"""Packed prefills of up to this many tokens replay a captured graph, one per power of two from `PREFILL_GRAPH_MIN`
-tokens (the prompts, then padding): an eager prefill forward is ~1,100 torch calls, ~40 ms of host time on an H100
-for the 0.5B shape whatever its size, and a server admits a few rows at a time."""
-PREFILL_GRAPH_MIN = 128
-PREFILL_PADDING = 2048
-"""Padding a padded prefill forward (models the packed one cannot run) may carry beyond its prompts' own tokens
-before it splits: short prompts of different widths go in one forward."""
-PROMPT_CACHE = 128
-"""Distinct prompts whose prefill is kept beyond a full pool's (a group's G requests of one prompt prefill once);
-dropped at `refresh_weights`."""
 
 
 @dataclass(frozen=True)
@@ -134,18 +119,23 @@ class ServingPool:
         self._rows: dict[int, RowSampling] = {}
         self._sampled: dict[int, int] = {}
         """slot -> tokens its row has sampled (host side: how many steps a `run` may take)."""
-        self._prompts: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
+        self.prefills = Prefills(sampler, eos, self.max_slots, self.length)
         self._pointers: tuple[int, ...] = ()
-        self.captures, self.capture_s = 0, 0.0
-        """Graphs captured so far (a decode step per pool size and variant, a prefill per token bucket, on first
-        use), and the seconds they took."""
-        self.packed = sampler.use_graphs and self.decoder.varlen_prefill(self.device)
-        """Prefill prompts one after another in one row (varlen attention), not padded to the longest."""
-        self._prefill_graphs: dict[int, _PrefillGraph] = {}
-        self._prefill_memory = None
+        self._decode_captures, self._decode_capture_s = 0, 0.0
         self.refresh_weights()
 
     # --- the caller's interface ---------------------------------------------------------------------------
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far (a decode step per pool size and variant, a prefill per token bucket, on first
+        use)."""
+        return self._decode_captures + self.prefills.captures
+
+    @property
+    def capture_s(self) -> float:
+        """The seconds those captures took."""
+        return self._decode_capture_s + self.prefills.capture_s
+
     @property
     def slots(self) -> int:
         return 0 if self._pool is None else self._pool.done.shape[0]
@@ -161,13 +151,13 @@ class ServingPool:
         """After the module's weights changed (a push): the fused copies refreshed, cached prefills dropped."""
         if self.sampler.fuse:
             self.decoder.fuse_weights()
-        self._prompts.clear()
+        self.prefills.cache.clear()
         fused = tuple(t.data_ptr() for layer in self.decoder._fused or () for t in layer if t is not None)
         pointers = self.decoder.weight_pointers() + fused
         if pointers != self._pointers:  # a weight (or a fused copy) was re-allocated: graphs would read stale memory
             for pool in self._pools.values():
                 pool.graphs.clear()
-            self._prefill_graphs.clear()
+            self.prefills.graphs.clear()
             self._pointers = pointers
 
     @torch.no_grad()
@@ -178,16 +168,16 @@ class ServingPool:
             return
         with self._on_device():
             self._resize(len(self.live) + len(rows))
-            self.prefill([ids for _, ids, _ in rows])
+            self.prefills.prefill([ids for _, ids, _ in rows])
             pool, dev = self._pool, self.device
             empty = [b for b in range(self.slots) if b not in self.live][:len(rows)]
             # The prompts' K/V copied in: one gather of every layer's K and V and one indexed store per layer and
             # prefill batch they came from (each op is host time, and the server's event loop contends for the
             # interpreter while this runs). A slot takes its prompt's tokens and what follows them in the batch up to the
             # longest prompt copied; `valid` keeps those out, and decoding overwrites them.
-            sources: dict[int, tuple[_Prefill, list[int], list[int]]] = {}
+            sources: dict[int, tuple[Prefill, list[int], list[int]]] = {}
             for i, (_, ids, _) in enumerate(rows):
-                batch, index = self._prefilled(ids)
+                batch, index = self.prefills.get(ids)
                 group = sources.setdefault(id(batch), (batch, [], []))
                 group[1].append(empty[i])
                 group[2].append(index)
@@ -334,8 +324,8 @@ class ServingPool:
         if variant not in pool.graphs:
             began = time.perf_counter()
             pool.graphs[variant] = self._capture(pool, variant)
-            self.captures += 1
-            self.capture_s += time.perf_counter() - began
+            self._decode_captures += 1
+            self._decode_capture_s += time.perf_counter() - began
         return pool.graphs[variant]
 
     def _capture(self, pool: _Slots, variant: str):
@@ -374,11 +364,7 @@ class ServingPool:
             for bucket in buckets or [b for b in BATCH_BUCKETS if self.floor <= b <= self.max_slots]:
                 pool = self._slots_of(bucket)
                 self._graph(pool, "race")
-            if self.packed:
-                tokens = PREFILL_GRAPH_MIN
-                while tokens <= PREFILL_GRAPH_TOKENS:
-                    self._prefill_graph(tokens)
-                    tokens *= 2
+        self.prefills.warm_up()
 
     # --- one decode step ----------------------------------------------------------------------------------
     def _step(self, pool: _Slots, variant: str) -> None:
@@ -406,177 +392,8 @@ class ServingPool:
         pool.write.add_(advance)
         pool.step.add_(advance)
 
-    # --- prefill --------------------------------------------------------------------------------------------
-    def _prefilled(self, ids: list[int]) -> tuple["_Prefill", int]:
-        """The prefill batch holding prompt `ids` and its row there (prefilled once while cached)."""
-        key = tuple(ids)
-        if key in self._prompts:
-            self._prompts.move_to_end(key)
-            return self._prompts[key]
-        self.prefill([ids])
-        return self._prompts[key]
-
-    @torch.no_grad()
-    def prefill(self, prompts: list[list[int]]) -> None:
-        """Prefill the distinct prompts not cached yet. On CUDA, several prompts per forward: one after another in
-        one row (`packed`, each attending to its own tokens: varlen attention), up to `PREFILL_TOKENS` tokens and
-        a full pool's prompts a forward, a captured graph for up to `PREFILL_GRAPH_TOKENS`; where the model's
-        attention is not varlen's (a sliding window), right-padded to the longest of their forward (the padding at
-        most the prompts' own tokens plus `PREFILL_PADDING`). An admission is then one forward or a few, whatever
-        its prompts' widths. On CPU each alone (a prompt's K/V then do not depend on the others)."""
-        todo = list(dict.fromkeys(tuple(p) for p in prompts if tuple(p) not in self._prompts))
-        with self._on_device():
-            if not self.sampler.use_graphs and not self.packed:
-                for p in todo:
-                    self._prefill_padded([p])
-                return
-            part: list[tuple[int, ...]] = []
-            own = 0
-            for p in (todo if self.packed else sorted(todo, key=len)):
-                if self.packed:
-                    full = own + len(p) > PREFILL_TOKENS or len(part) == self.max_slots
-                else:
-                    padded = (len(part) + 1) * len(p)
-                    full = padded > PREFILL_TOKENS or padded - own - len(p) > own + len(p) + PREFILL_PADDING
-                if part and full:
-                    (self._prefill_packed if self.packed else self._prefill_padded)(part)
-                    part, own = [], 0
-                part.append(p)
-                own += len(p)
-            if part:
-                (self._prefill_packed if self.packed else self._prefill_padded)(part)
-
-    def _prefill_padded(self, part: list[tuple[int, ...]]) -> None:
-        """One prefill forward of prompts `part`, right-padded to the longest; each row's hidden is its last token's."""
-        dev = self.device
-        widths = [len(p) for p in part]
-        width, count = max(widths), len(part)
-        ids = torch.tensor([list(p) + [self.eos] * (width - len(p)) for p in part], device=dev)
-        stack, keys, values = self._new_cache(count, width)
-        positions = torch.arange(width, device=dev).expand(count, width)
-        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril().expand(count, width, width)
-        last = None if min(widths) == width else torch.tensor(widths, device=dev) - 1
-        hidden = self.decoder.forward(ids, positions, torch.arange(width, device=dev), causal, keys, values,
-                                      head=False, last=last)
-        # as one row: [2L, Hkv, count * W, D], row i's tokens from i * W
-        stack = stack.transpose(1, 2).reshape(stack.shape[0], stack.shape[2], count * width, stack.shape[4])
-        self._keep(part, _Prefill(stack, hidden, [i * width for i in range(count)], widths))
-
-    def _prefill_packed(self, part: list[tuple[int, ...]]) -> None:
-        """One prefill forward of prompts `part` one after another in one row (each attends to its own tokens); a
-        captured graph's (the next power of two of tokens, the rest padding) where there is one."""
-        widths = [len(p) for p in part]
-        total = sum(widths)
-        starts = [0]
-        for w in widths:
-            starts.append(starts[-1] + w)
-        ids = [t for p in part for t in p]
-        positions = [i for w in widths for i in range(w)]
-        last = [s - 1 for s in starts[1:]]
-        tokens = max(PREFILL_GRAPH_MIN, 1 << (total - 1).bit_length())
-        if self.sampler.use_graphs and tokens <= PREFILL_GRAPH_TOKENS and max(widths) <= self._longest(tokens):
-            graph = self._prefill_graph(tokens)
-            fill = tokens - total  # one padding sequence after the prompts, then empty ones
-            offsets = starts + [tokens] * (graph.rows + 2 - len(starts))
-            graph.inputs.copy_(torch.tensor(ids + [self.eos] * fill + positions + list(range(fill))
-                                            + last + [0] * (graph.rows - len(last)) + offsets), non_blocking=True)
-            graph.graph.replay()
-            stack, hidden = graph.stack[:, 0, :, :total].clone(), graph.hidden[:len(part)].clone()
-        else:
-            stack, keys, values = self._new_cache(1, total)
-            host = torch.tensor(ids + positions + last + starts).to(self.device, non_blocking=True)
-            hidden = self._packed_forward(host, total, len(part), max(widths), keys, values)
-            stack = stack[:, 0]
-        self._keep(part, _Prefill(stack, hidden, starts[:-1], widths))
-
-    def _packed_forward(self, inputs: Tensor, tokens: int, rows: int, longest: int, keys: list[Tensor],
-                        values: list[Tensor]) -> Tensor:
-        """The packed prefill forward of `inputs` (ids [tokens], positions [tokens], each prompt's last token [rows],
-        offsets [rows + 1 or more]); K/V into caches [1, Hkv, tokens, D]; the prompts' hidden [rows, H]."""
-        ids, positions = inputs[:tokens][None], inputs[tokens:2 * tokens][None]
-        last, offsets = inputs[2 * tokens:2 * tokens + rows], inputs[2 * tokens + rows:].int()
-        return self.decoder.forward(ids, positions, torch.arange(tokens, device=ids.device), None, keys, values,
-                                    head=False, last=last, packed=Packed(offsets, longest))
-
-    def _longest(self, tokens: int) -> int:
-        """The longest prompt a prefill graph of `tokens` tokens takes: varlen attention covers each sequence's
-        first this many tokens (the padding sequence's rest is left uncomputed, and nothing reads it)."""
-        return min(tokens, self.length)
-
-    def _prefill_graph(self, tokens: int) -> "_PrefillGraph":
-        """The captured packed prefill of `tokens` tokens (up to a full pool's prompts), captured on first use."""
-        if tokens in self._prefill_graphs:
-            return self._prefill_graphs[tokens]
-        began = time.perf_counter()
-        rows, dev = min(tokens, self.max_slots), self.device
-        inputs = torch.zeros(2 * tokens + 2 * rows + 2, dtype=torch.long, device=dev)
-        inputs[2 * tokens + rows + 1:] = tokens  # one sequence of every token for the warm-up runs
-        stack, keys, values = self._new_cache(1, tokens)
-        longest = self._longest(tokens)
-        if self._prefill_memory is None:
-            self._prefill_memory = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._packed_forward(inputs, tokens, rows, longest, keys, values)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self.sampler._capture_stream is None:
-            self.sampler._capture_stream = torch.cuda.Stream(dev)
-        with torch.cuda.graph(graph, pool=self._prefill_memory, stream=self.sampler._capture_stream):
-            hidden = self._packed_forward(inputs, tokens, rows, longest, keys, values)
-        self._prefill_graphs[tokens] = _PrefillGraph(graph, inputs, stack, hidden, rows)
-        self.captures += 1
-        self.capture_s += time.perf_counter() - began
-        return self._prefill_graphs[tokens]
-
-    def _keep(self, part: list[tuple[int, ...]], batch: "_Prefill") -> None:
-        for i, p in enumerate(part):
-            self._prompts[p] = (batch, i)
-            while len(self._prompts) > PROMPT_CACHE + self.max_slots:
-                self._prompts.popitem(last=False)
-
-    def _new_cache(self, rows: int, length: int) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """A prefill's K/V caches of every layer as one tensor [2 * layers, rows, Hkv, length, D] (one op gathers a
-        prompt's from all of them), and its per-layer views (keys, values) the eager prefill forward writes."""
-        d, layers = self.decoder, self.decoder.num_layers
-        stack = torch.zeros(2 * layers, rows, d.num_kv_heads, length, d.head_dim, dtype=d.dtype, device=self.device)
-        views = list(stack.unbind(0))
-        return stack, views[:layers], views[layers:]
-
     def _on_device(self):
-        import contextlib
-
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-
-
-@dataclass
-class _Prefill:
-    """One prefill forward's prompts as one row: every layer's K and V [2 * layers, Hkv, tokens, D] (prompt i's from
-    `starts[i]`, `widths[i]` tokens), their final-normed last hidden [prompts, H]. Kept while any of its prompts is
-    in the prompt cache."""
-
-    stack: Tensor
-    hidden: Tensor
-    starts: list[int]
-    widths: list[int]
-
-    @property
-    def tokens(self) -> int:
-        return self.stack.shape[2]
-
-
-@dataclass
-class _PrefillGraph:
-    """A captured packed prefill of a fixed number of tokens: it reads `inputs` (ids, positions, each prompt's last
-    token, offsets: `_packed_forward`), writes `stack` [2 * layers, 1, Hkv, tokens, D] and `hidden` [rows, H]."""
-
-    graph: "torch.cuda.CUDAGraph"
-    inputs: Tensor
-    stack: Tensor
-    hidden: Tensor
-    rows: int
+        return on_device(self.device)
 
 
 def _top_p_rows(probs: Tensor, top_p: Tensor) -> Tensor:

@@ -34,11 +34,11 @@ plan, _ = build_plan(sys.argv[1], sys.argv[2:])
 engine = build_engine(plan)
 pool = make_pool(engine)
 _, warm_ms = timed(pool.warm_up)
-buckets = sorted(pool._prefill_graphs)
-pool._prefill_graphs.clear()
-_, again_ms = timed(lambda: [pool._prefill_graph(tokens) for tokens in buckets])
+buckets = sorted(pool.prefills.graphs)
+pool.prefills.graphs.clear()
+_, again_ms = timed(lambda: [pool.prefills.graph(tokens) for tokens in buckets])
 print(f"warm_up {warm_ms / 1e3:.2f} s: {pool.captures} graphs captured (decode steps; packed prefills of {buckets} "
-      f"tokens, packed prefill {pool.packed}); the prefills' captures again {again_ms / 1e3:.2f} s", flush=True)
+      f"tokens, packed prefill {pool.prefills.packed}); the prefills' captures again {again_ms / 1e3:.2f} s", flush=True)
 rng = random.Random(0)
 vocab = min(len(engine.tokenizer), 30000)
 ids = iter(range(10 ** 6))
@@ -57,8 +57,8 @@ def drain():
 
 for count in (1, 16, 64, 1, 16, 64):
     batch = rows(count)
-    _, prefill_ms = timed(lambda: pool.prefill([ids_ for _, ids_, _ in batch]))
-    pool._prompts.clear()
+    _, prefill_ms = timed(lambda: pool.prefills.prefill([ids_ for _, ids_, _ in batch]))
+    pool.prefills.cache.clear()
     _, admit_ms = timed(lambda: pool.admit(batch))
     _, drain_ms = timed(drain)
     print(f"rows {count:3d}: prefill alone {prefill_ms:7.1f} ms, admit {admit_ms:7.1f} ms, decode 64 steps "

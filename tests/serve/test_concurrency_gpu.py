@@ -123,20 +123,20 @@ def test_packed_prefill_graphs_give_each_prompt_what_it_gets_alone():
     model = load_model(ModelSpec(dtype="bfloat16"), 0).to("cuda").eval().requires_grad_(False)
     sampler = GraphSampler(model, torch.device("cuda"))
     packed = ServingPool(sampler, 256, 64, eos=0)
-    assert packed.packed, "a bf16 model on CUDA prefills packed"
+    assert packed.prefills.packed, "a bf16 model on CUDA prefills packed"
     rng = random.Random(0)
     vocab = model.config.vocab_size
     for count in (40, 5):
         prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(1, 60))] for _ in range(count)]
         bucket = max(128, 1 << (sum(map(len, prompts)) - 1).bit_length())
-        packed.prefill(prompts)
-        assert bucket in packed._prefill_graphs, "the packed prefill replayed no graph"
+        packed.prefills.prefill(prompts)
+        assert bucket in packed.prefills.graphs, "the packed prefill replayed no graph"
         for p in prompts:
             alone = ServingPool(sampler, 256, 64, eos=0)
-            alone.packed = False
-            alone._prefill_padded([tuple(p)])
-            own, _ = alone._prompts[tuple(p)]
-            batch, row = packed._prompts[tuple(p)]
+            alone.prefills.packed = False
+            alone.prefills.padded([tuple(p)])
+            own, _ = alone.prefills.cache[tuple(p)]
+            batch, row = packed.prefills.cache[tuple(p)]
             start = batch.starts[row]
             mine = batch.stack[:, :, start:start + len(p)].float()
             assert torch.isfinite(mine).all() and torch.isfinite(batch.hidden[row].float()).all()
@@ -146,7 +146,7 @@ def test_packed_prefill_graphs_give_each_prompt_what_it_gets_alone():
     got = []
     for pool in (packed, ServingPool(sampler, 256, 64, eos=0)):
         if pool is not packed:
-            pool.packed = False
+            pool.prefills.packed = False
         pool.admit(rows)
         tokens = {}
         while pool.live:

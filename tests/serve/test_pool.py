@@ -24,12 +24,12 @@ def pool_of(sampler, packed=False):
     from rlspec.serve.pool import ServingPool
 
     pool = ServingPool(sampler, 64, 8, eos=0)
-    pool.packed = packed
+    pool.prefills.packed = packed
     return pool
 
 
 def one_batch(pool):
-    batches = {id(b): b for b, _ in (pool._prompts[p] for p in PROMPTS)}
+    batches = {id(b): b for b, _ in (pool.prefills.cache[p] for p in PROMPTS)}
     assert len(batches) == 1, "one forward"
     return next(iter(batches.values()))
 
@@ -38,9 +38,9 @@ def assert_as_alone(sampler, together):
     batch = one_batch(together)
     for p in PROMPTS:
         alone = pool_of(sampler)
-        alone.prefill([list(p)])
-        own, _ = alone._prompts[p]
-        _, row = together._prompts[p]
+        alone.prefills.prefill([list(p)])
+        own, _ = alone.prefills.cache[p]
+        _, row = together.prefills.cache[p]
         assert batch.widths[row] == len(p) and own.starts == [0]
         torch.testing.assert_close(batch.hidden[row], own.hidden[0], rtol=1e-5, atol=1e-5)
         start = batch.starts[row]
@@ -51,7 +51,7 @@ def assert_as_alone(sampler, together):
 
 def test_prompts_of_different_widths_prefill_padded_together_as_alone(sampler):
     together = pool_of(sampler)
-    together._prefill_padded(PROMPTS)
+    together.prefills.padded(PROMPTS)
     assert one_batch(together).tokens == 3 * 5, "padded to the longest prompt"
     assert_as_alone(sampler, together)
 
@@ -59,7 +59,7 @@ def test_prompts_of_different_widths_prefill_padded_together_as_alone(sampler):
 def test_prompts_prefill_packed_in_one_row_as_alone(sampler):
     """The packed forward on CPU attends under the block-diagonal causal mask (CUDA: the varlen kernel)."""
     together = pool_of(sampler, packed=True)
-    together.prefill([list(p) for p in PROMPTS] + [list(PROMPTS[0])])
+    together.prefills.prefill([list(p) for p in PROMPTS] + [list(PROMPTS[0])])
     batch = one_batch(together)
     assert batch.tokens == 3 + 5 + 4 and batch.starts == [0, 3, 8], "one after another, no padding, once each"
     assert_as_alone(sampler, together)
