@@ -50,7 +50,6 @@ admissions come in any number of rows, and a rollout's prompts in any width), wh
 once."""
 
 
-
 @dataclass(frozen=True)
 class Packed:
     """A packed prefill's attention (`forward(packed=...)`): prompts one after another in one row, `offsets` [n + 1]
