@@ -6,11 +6,10 @@ engine's batched generate of the same tokens.
 
 With a SPEC it starts the spec's server as a child process (`ServerProcess`, with `--warm-pool`: warm-up bursts
 need not reach every pool size, and on one H100 a 256-stream burst once waited 2.3 s for its pool's first capture),
-runs the sweep against it, stops it,
-then builds the same engine in this process and times `engine.generate` of the same prompts and lengths (the
-batched rollout a trainer runs; `engine_tokens_per_s`). With `--url` it benches a running server and skips that
-comparison. At each concurrency C: two warm-up bursts of C requests (what a first burst of that size compiles and
-captures), then C streaming requests at once, each its own prompt of `--prompt-tokens` random token ids (or, with
+runs the sweep against it, stops it, then builds the same engine in this process and times `engine.generate` of the
+same prompts and lengths (the batched rollout a trainer runs; `engine_tokens_per_s`). With `--url` it benches a
+running server and skips that comparison. At each concurrency C: two warm-up bursts of C requests (what a first
+burst of that size compiles and captures), then C streaming requests at once, each its own prompt of `--prompt-tokens` random token ids (or, with
 `--api chat`, a user message of about that many tokens) and `--output-tokens` tokens. Printed per C, one JSON line:
 requests/s and output tokens/s over the burst (its streams spread over `--clients` client processes: by default one
 per 16 streams, up to half the cores), time to first token and inter-token latency (a chunk's gap over the tokens it
@@ -185,8 +184,8 @@ async def _burst(url: str, api: str, prompts: list[list[int]], max_tokens: int, 
 
 
 ENGINE_REPEATS = 3
-"""Timed calls of the engine's batched generate per level: one call of 0.2-0.3 s ranged 53-80k tokens/s between sweeps
-of one H100 call (256 streams), so the ratio takes their median."""
+"""Timed calls of the engine's batched generate per level: single calls of 0.2-0.4 s (256 rows) ranged 50-80k
+tokens/s between sweeps on H100s, so the ratio takes their median."""
 
 
 def engine_tokens_per_s(engine, prompts: list[list[int]], max_tokens: int, seed: int) -> dict:

@@ -18,7 +18,8 @@ the engine thread nor the event loop waits for the other process to read (a deco
 ~40 KB, most of a pipe's buffer), and messages queued meanwhile go as one `batch`. What a request samples, the
 order of its rows, its weight version and every bridge operation are the engine process's, exactly as in one
 process (`scheduler.py`); the bound of queued rows (`--max-queued-rows`, 429) is kept by the HTTP process, which
-counts a request's rows until the engine reports them admitted. A bridge message's body goes through the pipe as it came (no second copy of its tensors).
+counts a request's rows until the engine reports them admitted. A bridge message's body goes through the pipe as it
+came (no second copy of its tensors).
 
 Ends: the engine process ends when the pipe closes (the HTTP process exited or was killed); when the engine process
 dies, the requests in flight fail and the HTTP process is told (`on_exit`: `rlspec serve` shuts its server down and

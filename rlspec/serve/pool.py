@@ -173,8 +173,8 @@ class ServingPool:
             empty = [b for b in range(self.slots) if b not in self.live][:len(rows)]
             # The prompts' K/V copied in: one gather of every layer's K and V and one indexed store per layer and
             # prefill batch they came from (each op is host time, and the server's event loop contends for the
-            # interpreter while this runs). A slot takes its prompt's tokens and what follows them in the batch up to the
-            # longest prompt copied; `valid` keeps those out, and decoding overwrites them.
+            # interpreter while this runs). A slot takes its prompt's tokens and what follows them in the batch up
+            # to the longest prompt copied; `valid` keeps those out, and decoding overwrites them.
             sources: dict[int, tuple[Prefill, list[int], list[int]]] = {}
             for i, (_, ids, _) in enumerate(rows):
                 batch, index = self.prefills.get(ids)
