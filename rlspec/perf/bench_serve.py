@@ -4,21 +4,21 @@ engine's batched generate of the same tokens.
     python -m rlspec.perf.bench_serve examples/bench_qwen0p5b.yaml --concurrency 1,16,64,256 \\
         --prompt-tokens 32 --output-tokens 64 --json out.json
 
-With a SPEC it starts the spec's server as a child process (`ServerProcess`, with `--warm-pool`: warm-up bursts
-need not reach every pool size, and on one H100 a 256-stream burst once waited 2.3 s for its pool's first capture),
-runs the sweep against it, stops it, then builds the same engine in this process and times `engine.generate` of the
-same prompts and lengths (the batched rollout a trainer runs; `engine_tokens_per_s`). With `--url` it benches a
-running server and skips that comparison. At each concurrency C: two warm-up bursts of C requests (what a first
-burst of that size compiles and captures), then C streaming requests at once, each its own prompt of `--prompt-tokens` random token ids (or, with
-`--api chat`, a user message of about that many tokens) and `--output-tokens` tokens. Printed per C, one JSON line:
-requests/s and output tokens/s over the burst (its streams spread over `--clients` client processes: by default one
-per 16 streams, up to half the cores), time to first token and inter-token latency (a chunk's gap over the tokens it
-carries) p50/p99, and the engine's tokens/s beside it (`serve_vs_engine`: the ratio); `server_admits`,
+With a SPEC it starts the spec's server as a child process (`ServerProcess`, with `--warm-pool`: warm-up bursts need
+not reach every pool size, and on one H100 a 256-stream burst once waited 2.3 s for its pool's first capture), runs
+the sweep against it, stops it, then builds the same engine in this process and times `engine.generate` of the same
+prompts and lengths (the batched rollout a trainer runs; `engine_tokens_per_s`). With `--url` it benches a running
+server and skips that comparison. At each concurrency C: two warm-up bursts of C requests (what a first burst of that
+size compiles and captures), then C streaming requests at once, each its own prompt of `--prompt-tokens` random token
+ids (or, with `--api chat`, a user message of about that many tokens) and `--output-tokens` tokens. Printed per C, one
+JSON line: requests/s and output tokens/s over the burst (its streams spread over `--clients` client processes: by
+default one per 16 streams, up to half the cores), time to first token and inter-token latency (a chunk's gap over the
+tokens it carries) p50/p99, and the engine's tokens/s beside it (`serve_vs_engine`: the ratio); `server_admits`,
 `server_admit_s`, `server_steps`, `server_decode_s`, `server_slow_decodes`, `server_captures`, `server_capture_s`,
 `server_gc_s`: what the server's engine thread did during the burst (`GET /health`'s scheduler counters);
 `client_cpu_share`: the busiest client process's CPU seconds over the burst's wall time (near 1: the client itself
-bounds the figures). `--engine-process on` starts the server with its engine in a process of its own.
-"""
+bounds the figures). `--engine-process` (default on, as `rlspec serve`'s) starts the server with its engine in a
+process of its own or not."""
 
 from __future__ import annotations
 
