@@ -205,6 +205,7 @@ class DeepSpeedWorker(RankWorker):
         """Forward + backward over `shard` in micro-batches of `sizes` sequences (default `micro_batch_size`
         each); every rank runs as many (see `rlspec.core.packing.plan_split`)."""
         self.maybe_fail()
+        self.tracer.begin("train")  # through optimizer_step (`rlspec.perf.rank_trace`)
         engine = self.engine
 
         def backward(loss: Tensor) -> None:
@@ -226,6 +227,7 @@ class DeepSpeedWorker(RankWorker):
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
+        self.tracer.end("train")
         return float(norm.item() if isinstance(norm, Tensor) else norm)
 
     # --- weights -------------------------------------------------------------------------------------

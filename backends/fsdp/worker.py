@@ -23,7 +23,7 @@ from ...cluster.ray_group import RankWorker, sharded_logprobs
 from ...core.batch import TrainBatch
 from ...core.grpo import LossConfig, LossNorm
 from ...core.policy import CompiledBlocks, accumulate, block_classes
-from ...core.shards import step_on_shards
+from ...core.shards import gather_flat, step_on_shards
 from ...core.trainer import build_optimizer, grad_norm_and_clip, merged_weights
 from ...core.weights import gather_groups
 from ...models.base import DTYPES
@@ -147,6 +147,7 @@ class FSDPWorker(RankWorker):
         """Forward + backward over `shard` in micro-batches of `sizes` sequences (default `micro_batch_size`
         each); every rank runs as many (see `rlspec.core.packing.plan_split`)."""
         self.maybe_fail()
+        self.tracer.begin("train")  # through optimizer_step (`rlspec.perf.rank_trace`)
 
         def backward(loss: Tensor) -> None:
             # The loss share is normalised by global counts (LossNorm); FSDP averages gradients over the
@@ -176,6 +177,7 @@ class FSDPWorker(RankWorker):
         norm = grad_norm_and_clip(self.model.parameters(), self.plan.spec.algorithm.max_grad_norm)
         step_on_shards(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        self.tracer.end("train")
         return float(norm)
 
     # --- weights -------------------------------------------------------------------------------------
@@ -193,11 +195,8 @@ class FSDPWorker(RankWorker):
             yield from self._gather(group)
 
     def _gather(self, pending: list[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        """All-gather `pending` (emptied), cast to `model.dtype` before the gather to halve the traffic."""
-        from torch.distributed.tensor import DTensor
-
-        full = [(name, t.to(self.dtype).full_tensor() if isinstance(t, DTensor) else t.to(self.dtype))
-                for name, t in pending]
+        """All-gather `pending` (emptied) in one collective (`gather_flat`), cast to `model.dtype` first."""
+        full = gather_flat(pending, self.dtype)
         pending.clear()
         full.reverse()
         while full:  # drop each tensor from this frame once it is handed over

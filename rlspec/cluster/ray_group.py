@@ -29,6 +29,7 @@ from ..core.batch import TrainBatch
 from ..core.grpo import LossNorm
 from ..core.policy import PEAK_STATS, add_stats, batch_logprobs
 from ..errors import RunError
+from ..perf.rank_trace import RankTracer, trace_env
 from ..runtime.stall import StackReporter
 from ..spec import RunPlan, SpecError
 from .placement import CPUS_PER_ACTOR, Seat, describe_layout, plan_layout, route_engines, uses_gpus, verify_route
@@ -85,6 +86,7 @@ class RankGroup:
         # logical-GPU test hook: Ray would then report the ranks' GPUs as none.)
         env = ({} if uses_gpus(plan) else {"CUDA_VISIBLE_DEVICES": ""}) | (env_vars or {})
         remote_cls = remote_class(worker_cls)  # worker classes inherit `rlspec.runtime.stall.StackReporter`
+        env |= trace_env()  # RLSPEC_RANK_TRACE: each rank records a train phase and a push
         fault = os.environ.get(FAULT_ENV)
         self.labels = [f"trainer rank {r}" for r in range(world)]
         self.ranks = [
@@ -344,6 +346,8 @@ class RankWorker(StackReporter):
         self.rank = rank
         self.world_size = world_size
         self.maybe_fail = FaultInjector(fault, rank)
+        self.tracer = RankTracer(rank)
+        """`rlspec.perf.rank_trace`: one train phase and one push under the profiler when asked for."""
 
     def pid(self) -> int:
         return os.getpid()
@@ -358,12 +362,17 @@ class RankWorker(StackReporter):
         """A transport's sender half (see `rlspec.core.weights.WeightSource`): every rank joins the gathers; the
         ranks in `senders` (rank 0, or in a colocated layout each rank with an engine beside it) run `fn` on
         their own full copy, the others drain the gathers."""
-        if self.rank in senders:
-            return fn(self.full_weights(keep=True) if gather else None, payload)
         if gather:
-            for _ in self.full_weights(keep=False):
-                pass
-        return None
+            self.tracer.begin("push")
+        try:
+            if self.rank in senders:
+                return fn(self.full_weights(keep=True) if gather else None, payload)
+            if gather:
+                for _ in self.full_weights(keep=False):
+                    pass
+            return None
+        finally:
+            self.tracer.end("push")
 
     def full_weights(self, keep: bool):
         """Every rank iterates this together (each step may be a collective gather): the full weights by HF

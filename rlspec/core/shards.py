@@ -8,6 +8,9 @@ tensors) and the norm and clip about 9 ms, both with the GPU idle.
 
 Only parameters sharded on every mesh dimension qualify (FSDP2's `Shard(0)` on a 1-D mesh): a replicated
 one would be counted once per rank in the norm. Anything else takes the DTensor path (`local_shards` is None).
+
+The full weights of such a model for a push are gathered the same way, one flat all-gather per bucket of
+local shards (`gather_flat`), not one DTensor `full_tensor()` per tensor.
 """
 
 from __future__ import annotations
@@ -111,3 +114,45 @@ def step_on_shards(optimizer: torch.optim.Optimizer) -> None:
     """`optimizer.step()` on the local shards where its parameters qualify, else on the parameters as they are."""
     with stepping_local_shards(optimizer):
         optimizer.step()
+
+
+def gather_flat(pending: list[tuple[str, Tensor]], dtype: torch.dtype) -> list[tuple[str, Tensor]]:
+    """The full tensors of `pending` in `dtype`, gathered by one all-gather of one flat buffer.
+
+    FSDP2 shards each parameter on dim 0 as `torch.chunk` does (every rank `ceil(rows / world)` rows, the last
+    non-empty rank fewer, any after it none). Each rank casts its shards into one flat buffer, each padded to the
+    full chunk, one `all_gather_into_tensor` brings every rank's buffer, and each full tensor is its chunks side
+    by side (the padding only ever trails): one collective per bucket instead of one `full_tensor()` (a
+    collective and DTensor's dispatch on the host) per tensor. Tensors that are not sharded that way (another
+    mesh or placement) take `full_tensor()`.
+    """
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    sharded = [t for _, t in pending if isinstance(t, DTensor)]
+    mesh = sharded[0].device_mesh if sharded else None
+    if not sharded or mesh.ndim != 1 or any(t.device_mesh != mesh or tuple(t.placements) != (Shard(0),)
+                                            for t in sharded):
+        return [(name, t.to(dtype).full_tensor() if isinstance(t, DTensor) else t.to(dtype)) for name, t in pending]
+    world = mesh.size()
+    rows = [-(-t.shape[0] // world) if isinstance(t, DTensor) else 0 for _, t in pending]
+    sizes = [r * math.prod(t.shape[1:]) for r, (_, t) in zip(rows, pending)]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    local = torch.zeros(sum(sizes), dtype=dtype, device=sharded[0].to_local().device)
+    for (_, t), offset in zip(pending, offsets):
+        if isinstance(t, DTensor):
+            shard = t.to_local()
+            local[offset:offset + shard.numel()].copy_(shard.reshape(-1))
+    gathered = torch.empty(world * local.numel(), dtype=dtype, device=local.device)
+    # all_gather_single is all_gather_into_tensor's name from torch 2.13 on (the old one warns there)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, local, group=mesh.get_group())
+    gathered = gathered.view(world, local.numel())
+    full = []
+    for (name, t), r, size, offset in zip(pending, rows, sizes, offsets):
+        if not isinstance(t, DTensor):
+            full.append((name, t.to(dtype)))
+            continue
+        full.append((name, gathered[:, offset:offset + size].reshape(world * r, *t.shape[1:])[:t.shape[0]]))
+    return full
