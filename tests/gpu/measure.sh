@@ -450,13 +450,14 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
     scale)  # issue 54: scaling of the 0.5B bench spec at fixed lengths, colocated, each row with every rank's trace of
       # one train phase and one push (rlspec.perf.rank_trace: kernel time by kind, host gaps, exposed collectives).
       # ROWS="<backend>:<gpus>:<prompts per GPU>[:<override>...] ..." (default: fsdp on 1 and 2 GPUs at 64 prompts
-      # a GPU); strong scaling is the same total (64:1 then 32:2), weak the same per GPU (64:1 then 64:2)
+      # a GPU); strong scaling is the same total (64:1 then 32:2), weak the same per GPU (64:1 then 64:2). Six steps:
+      # the bench's medians are of steps 1-5, the traced one (4, slowed by the profiler) one of five
       for r in ${ROWS:-fsdp:1:64 fsdp:2:64 fsdp:2:32}; do
         IFS=: read -r be n per x <<< "$r"
         hw=$([ $n = 1 ] && echo "hardware=gpu1" || echo "hardware=gpu${n}_colocated")
         row=scale_${be}_${n}gpu_${per}${x:+_$(echo $x | tr -c 'a-z0-9\n' '_' | cut -c1-40)}
-        RLSPEC_RANK_TRACE=$OUT/trace_$row mg_bench $row $n $(mg_limit $n) $be $BENCH $hw \
-          rollout.prompts_per_step=$((per * n)) algorithm.steps=4 $(echo $x | tr ':' ' ')
+        RLSPEC_RANK_TRACE=$OUT/trace_$row RLSPEC_RANK_TRACE_CALL=4 mg_bench $row $n $(mg_limit $n) $be $BENCH $hw \
+          rollout.prompts_per_step=$((per * n)) algorithm.steps=6 $(echo $x | tr ':' ' ')
         python3 -m rlspec.perf.rank_trace $OUT/trace_$row >> $OUT/results.txt 2>&1
       done ;;
     multigpu_d)  # issue 44: split on 4 GPUs (2 ranks on GPUs 0-1, 2 engines on GPUs 2-3, one nccl broadcast to both
