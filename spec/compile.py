@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from .errors import require
 from .schema import Spec
@@ -69,6 +69,21 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """How the trainer ranks hold the model, resolved from the backend's knobs and the model's size."""
+
+    num_parameters: Optional[int]
+    """The policy's parameter count from its preset or config.json (`rlspec.models.presets.parameter_count`); null
+    where the plan cannot tell (a vision-language model)."""
+    zero_stage: Optional[int]
+    """The `deepspeed` backend's ZeRO stage (`hardware.deepspeed.zero_stage`, or the plan's pick where it is null)."""
+    reshard_after_forward: Optional[bool]
+    """The `fsdp` backend's FSDP2 `reshard_after_forward` (`hardware.fsdp.reshard_after_forward`, or by rank count)."""
+    why: str
+    """The reason for the choice, in words."""
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """The frozen, fully resolved run: what `rlspec plan` prints and `Backend.setup` receives."""
 
@@ -82,6 +97,8 @@ class RunPlan:
     """How each rollout engine generates: `cuda_graph` (the hf engine's CUDA-graph sampler), `plain (<why>)`
     (transformers' forward in the hf engine's own loop), or the engine's name (vllm); from the model type
     (`rlspec.models.presets.generation_path`), read from the preset or the model directory's config.json."""
+    sharding: Sharding
+    """How the trainer ranks hold the model (`_sharding`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -107,7 +124,41 @@ def compile_plan(spec: Spec, backends: Mapping[str, BackendCaps]) -> RunPlan:
     spec.freeze()
     return RunPlan(backend=spec.backend, spec=spec, batch=batch, placement=placement,
                    sync_method=sync_method, needs_reference_model=spec.algorithm.kl_coef > 0,
-                   generation_path=_generation_path(spec, placement, sync_method))
+                   generation_path=_generation_path(spec, placement, sync_method), sharding=_sharding(spec))
+
+
+def _sharding(spec: Spec) -> Sharding:
+    """The ZeRO stage (deepspeed) or FSDP2 resharding (fsdp), each as set or, where null, picked here. ZeRO-1 keeps
+    the 16-bit weights and gradients whole on every rank (4 bytes a parameter): where that fits in
+    `hardware.deepspeed.zero1_max_gb` nothing is gathered in the forward, backward or push, and only the optimizer
+    state is partitioned (measured faster than ZeRO-3 on 1 and 2 GPUs, `docs/multigpu.md`)."""
+    from ..models.presets import parameter_count
+
+    hw, world = spec.hardware, spec.hardware.num_trainer_ranks
+    count = parameter_count(_model_config(spec)) if spec.model.kind == "causal_lm" else None
+    if spec.backend == "deepspeed":
+        stage, gb = hw.deepspeed.zero_stage, (count or 0) * 4 / 2**30
+        if stage is not None:
+            why = "hardware.deepspeed.zero_stage as set"
+        elif hw.offload_params:
+            stage, why = 3, "ZeRO-3: hardware.offload_params needs it"
+        elif count is None:
+            stage, why = 3, "ZeRO-3: the model's size is not known to the plan"
+        elif gb <= hw.deepspeed.zero1_max_gb:
+            stage, why = 1, (f"ZeRO-1: 16-bit weights and gradients {gb:.2f} GB <= hardware.deepspeed.zero1_max_gb "
+                             f"{hw.deepspeed.zero1_max_gb:g} on every rank")
+        else:
+            stage, why = 3, (f"ZeRO-3: 16-bit weights and gradients {gb:.2f} GB > hardware.deepspeed.zero1_max_gb "
+                             f"{hw.deepspeed.zero1_max_gb:g}")
+        return Sharding(count, stage, None, why)
+    if spec.backend == "fsdp":
+        reshard = hw.fsdp.reshard_after_forward
+        if reshard is not None:
+            return Sharding(count, None, reshard, "hardware.fsdp.reshard_after_forward as set")
+        why = (f"{world} trainer ranks: each block gathered for its forward and again for its backward" if world > 1
+               else "one trainer rank: the gather is a copy of what the rank holds, kept through the update")
+        return Sharding(count, None, world > 1, why)
+    return Sharding(count, None, None, "one process holds the whole model")
 
 
 def _generation_path(spec: Spec, placement: "Placement", sync_method: str) -> str:
@@ -122,15 +173,22 @@ def _generation_path(spec: Spec, placement: "Placement", sync_method: str) -> st
 def _model_type(spec: Spec) -> str | None:
     """The model type of `model.path`'s config.json (checked readable by `_check_files`, parsed again where the model
     is built), or of `model.preset`; None where neither says."""
+    return _model_config(spec).get("model_type")
+
+
+def _model_config(spec: Spec) -> dict:
+    """`model.path`'s config.json as a dict, or `model.preset`'s; empty where neither can be read (an unreadable
+    config is refused by name where the model is checked, `check_model_spec`)."""
     from ..models.presets import PRESETS
 
     model = spec.model
     if model.path is None:
-        return PRESETS.get(model.preset, {}).get("model_type")
+        return dict(PRESETS.get(model.preset, {}))
     try:
-        return json.loads((Path(model.path) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None  # an unreadable config is refused by name where the model is checked (`check_model_spec`)
+        config = json.loads((Path(model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _supporters(backends: Mapping[str, BackendCaps], ok) -> str:
@@ -189,7 +247,7 @@ def _check_deepspeed(spec: Spec) -> None:
         return
     hw = spec.hardware
     stage = hw.deepspeed.zero_stage
-    require(not hw.offload_params or stage == 3, "hardware.offload_params",
+    require(not hw.offload_params or stage in (None, 3), "hardware.offload_params",
             f"hardware.offload_params=true with hardware.deepspeed.zero_stage={stage}: DeepSpeed offloads parameters "
             "only under ZeRO-3 (ZeRO-1 and ZeRO-2 keep the full weights on every rank's device)",
             "set hardware.deepspeed.zero_stage=3 to offload parameters, or hardware.offload_params=false "

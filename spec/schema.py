@@ -315,15 +315,21 @@ class DeepSpeedSpec(Section):
     `memory_efficient_linear`) act only with `zero_stage: 3`. Other backends ignore this section.
     """
 
-    zero_stage: int = 3
+    zero_stage: Optional[int] = None
     """ZeRO stage: 3 partitions weights, gradients and optimizer state over the trainer ranks (each weight gathered
     by per-module hooks when it is used); 2 partitions gradients and optimizer state only, so every rank holds the
     full 16-bit weights and no hooks run around the modules or gather weights in the forward and backward; 1
     partitions only the optimizer state (fp32 masters and moments): every rank also holds full gradients, all-reduced
     once a step, with no per-parameter hook in the backward in fp32 and one that adds each gradient into its fp32
-    accumulator in bf16. 1 and 2 are for a model whose weights (and, for 1, gradients) fit on every rank. On one GPU
-    1 was measured the fastest (`backends/deepspeed/README.md`). Parameter offload (`hardware.offload_params`)
-    needs 3."""
+    accumulator in bf16. 1 and 2 are for a model whose weights (and, for 1, gradients) fit on every rank. null
+    (default): the plan picks (`sharding` in `rlspec plan`): 1 where the model's 16-bit weights and gradients fit in
+    `zero1_max_gb`, else 3 (and 3 with `hardware.offload_params`, which needs it, or a model whose size the plan
+    cannot tell). On 2 H200s at 32 prompts x 8 a GPU of the 0.5B bench spec, stage 1 took 0.49 s a train phase and
+    0.023 s a push against stage 3's 0.74 s and 0.068 s (`docs/multigpu.md`)."""
+    zero1_max_gb: float = 16.0
+    """With `zero_stage` null: the most GB that every rank may hold of the model's whole 16-bit weights plus
+    gradients (4 bytes a parameter) for the plan to pick ZeRO-1; larger models take ZeRO-3. 16 GB: up to 4B
+    parameters."""
     overlap_comm: bool = False
     """Overlap gradient reduce-scatter with the backward (DeepSpeed's `overlap_comm`); costs extra bucket memory."""
     contiguous_gradients: bool = True
@@ -352,9 +358,11 @@ class DeepSpeedSpec(Section):
 
     def __post_init__(self) -> None:
         p = "hardware.deepspeed"
-        require(self.zero_stage in ZERO_STAGES, f"{p}.zero_stage", f"{self.zero_stage!r} is not a ZeRO stage this backend runs",
+        require(self.zero_stage is None or self.zero_stage in ZERO_STAGES, f"{p}.zero_stage",
+                f"{self.zero_stage!r} is not a ZeRO stage this backend runs",
                 f"set {p}.zero_stage to 3 (weights partitioned), 2 (full weights on every rank) or 1 (full weights "
-                "and gradients on every rank)")
+                "and gradients on every rank), or null to let the plan pick")
+        positive(self.zero1_max_gb, f"{p}.zero1_max_gb")
         positive(self.reduce_bucket_numel, f"{p}.reduce_bucket_numel")
         non_negative(self.prefetch_bucket_numel, f"{p}.prefetch_bucket_numel")
         if self.param_persistence_numel is not None:

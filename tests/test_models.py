@@ -36,6 +36,19 @@ def test_scale_presets_have_the_published_sizes(name, low, high):
     assert low < count < high, count  # Qwen2.5-1.5B: 1.54B (tied embeddings); Qwen2.5-7B: 7.62B
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_plan_parameter_count_is_the_built_models(name):
+    """`parameter_count` (what the plan sizes ZeRO-1 against, without building the model) counts every preset's
+    parameters exactly: qwen2's biases, qwen3's and gemma's q/k norms, gemma's four norms a layer, tied or not."""
+    from transformers import AutoModelForCausalLM
+
+    from rlspec.models.presets import parameter_count
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config(name))
+    assert parameter_count(PRESETS[name]) == sum(p.numel() for p in model.parameters())
+
+
 def test_byte_tokenizer_roundtrip():
     tok = byte_tokenizer()
     text = "Grüße, 7 × 8 = 56!\n"

@@ -38,7 +38,7 @@ class DeepSpeedBackend(RankGroupBackend):
         it: bad input (exit 2), not a rank's failure."""
         from .worker import ZERO_DIR
 
-        stage = self.plan.spec.hardware.deepspeed.zero_stage
+        stage = self.plan.sharding.zero_stage
         if (Path(path) / ZERO_DIR).is_dir() and stage != 3:
             raise SpecError("hardware.deepspeed.zero_stage",
                             f"is {stage}, but {path} holds DeepSpeed's own ZeRO-3 checkpoint ({ZERO_DIR}, written by "

@@ -41,17 +41,17 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
     neutral: an omitted `gradient_clipping` clips at 1.0). ZeRO-1 and ZeRO-2 get the keys every stage reads; the
     `stage3_*` keys, parameter offload and ZeRO-3's linear only go with stage 3, which alone partitions parameters."""
     spec, batch = plan.spec, plan.batch
-    dtype, knobs = spec.model.dtype, spec.hardware.deepspeed
+    dtype, knobs, stage = spec.model.dtype, spec.hardware.deepspeed, plan.sharding.zero_stage
     offload_optimizer = "cpu" if spec.hardware.offload_optimizer else "none"
     zero: dict[str, Any] = {
-        "stage": knobs.zero_stage,
+        "stage": stage,
         "offload_optimizer": {"device": offload_optimizer, "pin_memory": offload_optimizer == "cpu"},
         "overlap_comm": knobs.overlap_comm,
         "contiguous_gradients": knobs.contiguous_gradients,
         "reduce_scatter": True,
         "reduce_bucket_size": knobs.reduce_bucket_numel,
     }
-    if knobs.zero_stage == 3:
+    if stage == 3:
         offload_params = "cpu" if spec.hardware.offload_params else "none"
         zero |= {
             "offload_param": {"device": offload_params, "pin_memory": offload_params == "cpu"},
@@ -76,7 +76,7 @@ def ds_config(plan: RunPlan, train: bool = True) -> dict[str, Any]:
         # ZeRO-1 in bf16 runs DeepSpeed's BF16_Optimizer: each gradient is added into its fp32 accumulator by a
         # hook as the backward produces it (`immediate_grad_update`), while the device still runs the backward,
         # rather than all of them in a loop after it (290 tensors for the 0.5B shape, host-bound).
-        "bf16": {"enabled": dtype == "bfloat16"} | ({"immediate_grad_update": True} if knobs.zero_stage == 1 else {}),
+        "bf16": {"enabled": dtype == "bfloat16"} | ({"immediate_grad_update": True} if stage == 1 else {}),
         "fp16": {"enabled": dtype == "float16", "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                  "hysteresis": 2, "min_loss_scale": 1},
         "zero_allow_untested_optimizer": True,
@@ -131,7 +131,7 @@ class DeepSpeedWorker(RankWorker):
 
     def __init__(self, plan: RunPlan, rank: int, world_size: int, fault: str | None = None) -> None:
         super().__init__(plan, rank, world_size, fault)
-        self.stage = plan.spec.hardware.deepspeed.zero_stage
+        self.stage = plan.sharding.zero_stage
         self.engine = None
         self.reference = None
         self.compiled = None

@@ -99,8 +99,7 @@ class FSDPWorker(RankWorker):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # fp32 master parameters (exact for a bf16 start); MixedPrecisionPolicy computes in model.dtype.
         model = apply_lora(model.float(), spec.model, spec.algorithm.seed)
-        reshard = spec.hardware.fsdp.reshard_after_forward
-        self.reshard = self.world_size > 1 if reshard is None else reshard
+        self.reshard = self.plan.sharding.reshard_after_forward
         self.model = shard_model(model, mesh, self.dtype, offload, self.reshard)  # moves the shards to the mesh's device
         if cuda:  # the 16-bit initial weights (built on the device) and the unsharded copies stay cached otherwise:
             torch.cuda.empty_cache()  # 15 GB of the 7B shape that a colocated engine needs

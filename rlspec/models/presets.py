@@ -98,3 +98,29 @@ def generation_path(model_type: str | None, device: str, cuda_graph: bool, engin
     if model_type not in FAST_MODEL_TYPES:
         return f"plain (model_type {model_type!r} is not one of {', '.join(FAST_MODEL_TYPES)})"
     return "cuda_graph"
+
+
+def parameter_count(config: dict) -> int | None:
+    """The parameter count of a decoder-only transformer from its config (a preset or a config.json's dict), without
+    building it: embeddings, each layer's attention (q, k, v, o and their biases where the model type has them; q/k
+    norms for Qwen3 and Gemma 3) and gated MLP and norms, the final norm, and an untied LM head. None for a config
+    this does not describe (a vision-language model's nested configs, a mixture of experts), where a plan then takes
+    the memory-safe choice."""
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if any(not isinstance(config.get(k), int) for k in keys) or config.get("num_local_experts") or \
+            config.get("num_experts"):
+        return None
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    kind = config.get("model_type")
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    if kind == "qwen2" or config.get("attention_bias"):
+        attention += head_dim * (heads + 2 * kv_heads)
+    if kind in ("qwen3", "gemma3_text"):
+        attention += 2 * head_dim  # the q and k norms
+    norms = (4 if kind in ("gemma2", "gemma3_text") else 2) * hidden
+    layer = attention + 3 * hidden * config["intermediate_size"] + norms
+    embeddings = config["vocab_size"] * hidden
+    head = 0 if config.get("tie_word_embeddings", True) else embeddings
+    return embeddings + config["num_hidden_layers"] * layer + hidden + head

@@ -15,17 +15,21 @@ COMMON = ["rollout.prompts_per_step=1", "algorithm.max_grad_norm=0", "algorithm.
 
 
 @pytest.mark.parametrize("backend_name, extra", [
-    ("fsdp", []), ("fsdp", ["hardware.fsdp.reshard_after_forward=true"]), ("deepspeed", []),
+    ("fsdp", []), ("fsdp", ["hardware.fsdp.reshard_after_forward=true"]),
+    pytest.param("deepspeed", [], id="deepspeed-zero1"),  # the stage the plan picks for the tiny model
+    pytest.param("deepspeed", ["hardware.deepspeed.zero_stage=3"], id="deepspeed-zero3"),
     # partitioned parameters, fetched and released around each module (every parameter persists on one rank by
     # default); the 2-rank case of tests/backends/deepspeed/test_deepspeed.py runs that path in CI
-    pytest.param("deepspeed", ["hardware.deepspeed.param_persistence_numel=100000"], marks=pytest.mark.slow,
+    pytest.param("deepspeed", ["hardware.deepspeed.zero_stage=3", "hardware.deepspeed.param_persistence_numel=100000"],
+                 marks=pytest.mark.slow,
                  id="deepspeed-partitioned"),
     # the tiny model's decoder layers gathered whole (granularity 3,093 values per module), torch's linear
-    ("deepspeed", ["hardware.deepspeed.module_granularity_numel=3200", "hardware.deepspeed.memory_efficient_linear=false"]),
+    ("deepspeed", ["hardware.deepspeed.zero_stage=3", "hardware.deepspeed.module_granularity_numel=3200",
+                   "hardware.deepspeed.memory_efficient_linear=false"]),
     pytest.param("deepspeed", ["hardware.deepspeed.zero_stage=2"], id="deepspeed-zero2"),
-    pytest.param("deepspeed", ["hardware.deepspeed.zero_stage=1"], id="deepspeed-zero1"),
     pytest.param("fsdp", ["model.compile_layers=true"], marks=pytest.mark.slow, id="fsdp-compiled"),
-    pytest.param("deepspeed", ["model.compile_layers=true"], marks=pytest.mark.slow, id="deepspeed-compiled"),
+    pytest.param("deepspeed", ["model.compile_layers=true", "hardware.deepspeed.zero_stage=3"], marks=pytest.mark.slow,
+                 id="deepspeed-compiled"),
     pytest.param("deepspeed", ["model.compile_layers=true", "hardware.deepspeed.zero_stage=2"], marks=pytest.mark.slow,
                  id="deepspeed-zero2-compiled")])
 def test_in_process_rank_matches_single_process_trainer(backend_name, extra):

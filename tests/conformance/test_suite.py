@@ -10,9 +10,10 @@ from rlspec.conformance import CASES, Report, run_suite, split_label
 from rlspec.spec import SpecError
 
 CAPS = all_caps()
-VARIANTS = ("deepspeed@hardware.deepspeed.zero_stage=2", "deepspeed@hardware.deepspeed.zero_stage=1")
-"""Registered backends run with spec overrides: the whole suite each, so with -m slow (in CI 2-rank ZeRO-2 and ZeRO-1
-tests in tests/backends/deepspeed check the same step against the single-process trainer)."""
+VARIANTS = ("deepspeed@hardware.deepspeed.zero_stage=2", "deepspeed@hardware.deepspeed.zero_stage=3")
+"""Registered backends run with spec overrides: the whole suite each, so with -m slow (plain `deepspeed` is the stage
+the plan picks for the tiny model, ZeRO-1; in CI 2-rank ZeRO-3, ZeRO-2 and ZeRO-1 tests in tests/backends/deepspeed
+check the same step against the single-process trainer)."""
 
 
 def _marks(label: str) -> list:

@@ -1,50 +1,34 @@
 #!/usr/bin/env bash
-# The GPU measurements quoted in docs/ and the backends' READMEs, as run on the GPU machine (no network) from the project root
-# with `.devicepkgs` carried (`../shared/device/README.md`: ray, deepspeed, hydra; under `.devicepkgs/extra` the wheels
-# `bash tests/gpu/pack_extra.sh` downloads, whose header lists them: the serve stack, the openai client, TRL).
+# measure.sh: the GPU measurements quoted in docs/ and the backends' READMEs, run on the GPU machine (no network).
+#
+# Usage, from the project root, with `.devicepkgs` carried (../shared/device/README.md: ray, deepspeed, hydra; under
+# .devicepkgs/extra the wheels `bash tests/gpu/pack_extra.sh` downloads: the serve stack, the openai client, TRL):
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
-# Sections: install gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat serveprofile admit agents64 train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
-# scale7b weak15b sync7b engines2 models offload multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f multigpu_g (multigpu: all seven).
-# The multigpu parts (issue 44) each fit one 10-minute call on a 4-GPU machine, one call per part; each row runs under
-# its own timeout and every row refreshes $OUT/multigpu_table.txt (tests/gpu/multigpu_table.py), so a call cut short
-# keeps the rows it finished. On fewer GPUs the rows that need more are skipped and say so.
-# Each writes its log and metrics under $OUT.
-# Several at once on one machine, each on GPUs of its own (how the 2-GPU rows ran beside one-GPU sections):
+# Each section writes its logs and metrics under $OUT; $OUT/results.txt collects the lines worth reading and
+# $OUT/all.tgz everything (both refreshed after every section, and after every row of the multi-GPU sections, so a
+# call cut short keeps what it finished). Sections are listed in the `case` below, each with a comment saying what
+# it measures and its knobs. The main kinds:
+#   one GPU, the step beside TRL's GRPOTrainer:      OUT=o bash tests/gpu/measure.sh trl32 trl64
+#   one GPU, where the engine's or trainer's time goes: OUT=o bash tests/gpu/measure.sh engine profile
+#   several GPUs, strong and weak scaling with per-rank traces (issue 54):
+#     OUT=o ROWS="fsdp:1:64 fsdp:2:64 deepspeed:1:64 deepspeed:2:64" bash tests/gpu/measure.sh scale
+#   several GPUs, the layouts of issue 44, one part per 10-minute call:  OUT=o bash tests/gpu/measure.sh multigpu_a
+#   the server under concurrent clients:              OUT=o bash tests/gpu/measure.sh servechat
+#   the GPU-marked tests:                            OUT=o bash tests/gpu/measure.sh gputests
+#
+# Knobs (environment), with their defaults:
+#   OUT (required)        where results go
+#   CUDA_VISIBLE_DEVICES  the GPUs this call may use; one-GPU sections take the first of them
+#   MG_GPUS="1 2 4"       the GPU counts of the multigpu_* rows (rows needing more GPUs than there are say so)
+#   ROWS                  the scale section's rows: backend:gpus:prompts per GPU[:override...]
+#   MEASURE_TMP=/tmp      scratch folder; MEASURE_INSTALLED=1 skips installing (another measure.sh of the call did)
+#   EXTRA, BACKENDS, P, VARIANTS, ...  per-section knobs, named in the section's comment
+# Several at once on one machine, each on GPUs of its own (at most one of them with Ray):
 #   OUT=$OUT/i bash tests/gpu/measure.sh install; export MEASURE_INSTALLED=1
 #   (CUDA_VISIBLE_DEVICES=0,1 MEASURE_TMP=/tmp/m01 MG_GPUS=2 OUT=$OUT/mg bash tests/gpu/measure.sh multigpu_a) &
 #   (CUDA_VISIBLE_DEVICES=2 MEASURE_TMP=/tmp/m2 OUT=$OUT/sc bash tests/gpu/measure.sh servechat) & wait
-# (at most one of them with Ray: two local Ray clusters on one machine are not tried).
-# The bench spec's token budget (algorithm.micro_batch_tokens) was 16k, then 32k, and is 64k now: a figure quoted at
-# an older budget re-runs with it as an override (EXTRA=algorithm.micro_batch_tokens=32768 where a section takes
-# EXTRA, BACKENDS=standalone@algorithm.micro_batch_tokens=32768 for the trl sections).
-# The CUDA engine's default decode step gained gated_mlp and sampled_head after the earlier engine figures, then
-# rope_attention and skinny_qkv: the default before the last two is profile_engine's variant
-# fused_layers_sdpa_cache_write, the one before all four fused_layers_sdpa_cublas_head_mlp (decode_kernels and
-# engine_longtail take them through VARIANTS= / FIXED_VARIANTS=); no spec key switches them, so a bench figure taken
-# before (trl*, longtail, fsdp1's generation) re-runs as it was only from the commit it was taken at.
-# deepspeed's one-rank default became every parameter persistent at the same time: its earlier figures re-run with
-# hardware.deepspeed.param_persistence_numel=100000 (trainers: deepspeed@...; bench sections: in EXTRA or BACKENDS).
-# deepspeed's inner AdamW became torch's fused kernel on CUDA (every ZeRO stage) in the same change as ZeRO-1: its
-# earlier figures re-run as they were only from the commit they were taken at.
-# The in-process fsdp and deepspeed rank (trainers, profile sections with --backend) ran at a torch thread per core
-# until it took a Ray actor's thread count (one, as in rlspec bench): an earlier in-process figure of those backends
-# re-runs as it was with hardware.num_threads=<cores> in RUNS (the rank sets that count itself).
-# Three experiments on the few-row decode step were taken out again; their figures re-run only from the commits that
-# had them: the L2 prefetch (profile_engine's variants fused_layers_sdpa_prefetch and _prefetch_all), 9c4b995; the
-# split-K gate/up (section gated_split), aa19e34; the layer as one resident kernel (variants
-# fused_layers_sdpa_persistent, _persistent1, _persistent3 and _phased), 6a1a001.
-# The long tail's pools now halve (not quarter) down to 16 slots (not one), each captured while the pool before runs:
-# the default before that is profile_engine's variant fused_layers_sdpa_quarter_floor1_no_ahead (tail, engine_longtail
-# take it through VARIANTS=); the earlier halving variant (fused_layers_sdpa_halving: to one slot, captured at the
-# move) re-runs from fe76e68, and so do the engine's own figures taken before (the engine.generate lines of tail and
-# engine_longtail, the longtail bench): no spec key switches the tail's schedule.
-# Every prefill (the rollout engine's and the server's pool's) runs SDPA without cuDNN's kernel since 4361cdd (its plan
-# for each new shape cost ~70 ms on an H100): generation figures taken before re-run as they were only from the
-# commits they were taken at; the server's pool also prefills prompts of any widths in one padded forward since then,
-# and since ef0e2b5 packed in one row and replayed from captured graphs (servechat and admit figures taken before
-# re-run as they were only from their commits); `rlspec serve --engine-process` defaults to on since ef0e2b5 and
-# bench_serve's started server too since 1c115be (servechat names the mode of each sweep), whose engine timing is
-# the median of three since then.
+# A figure in docs/ names the commit it was measured at: re-run it as it was from that commit (defaults, kernels and
+# budgets change between commits; the commit messages say which).
 set -u
 ROOT=$PWD
 FINAL=${OUT:?set OUT}; mkdir -p "$FINAL"  # a new subfolder of the device tool's $OUT is made here

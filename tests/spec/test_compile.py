@@ -131,7 +131,29 @@ def test_parameter_offload_needs_zero3_on_deepspeed_only(monkeypatch, stage):
     with pytest.raises(SpecError, match=f"hardware.offload_params=true with hardware.deepspeed.zero_stage={stage}"):
         build_plan("examples/tiny.yaml", offload, backend="deepspeed")
     assert build_plan("examples/tiny.yaml", offload, backend="fsdp")[0].spec.hardware.offload_params
-    assert build_plan("examples/tiny.yaml", offload[:2], backend="deepspeed")[0].spec.hardware.deepspeed.zero_stage == 3
+    assert build_plan("examples/tiny.yaml", offload[:2], backend="deepspeed")[0].sharding.zero_stage == 3
+
+
+@pytest.mark.parametrize("backend, overrides, want", [
+    ("deepspeed", [], (1, None, "ZeRO-1: 16-bit weights and gradients 0.00 GB")),
+    ("deepspeed", ["model=qwen2_7b_shape", "hardware.device=cuda"], (3, None, "28.37 GB > hardware.deepspeed.zero1_max_gb")),
+    ("deepspeed", ["model=qwen2_0p5b_shape", "hardware.device=cuda", "hardware.deepspeed.zero1_max_gb=1"],
+     (3, None, "1.84 GB > hardware.deepspeed.zero1_max_gb 1")),
+    ("deepspeed", ["hardware.device=cuda", "hardware.offload_params=true"], (3, None, "offload_params needs it")),
+    ("deepspeed", ["hardware.deepspeed.zero_stage=2"], (2, None, "as set")),
+    ("fsdp", [], (None, False, "one trainer rank")),
+    ("fsdp", ["hardware.num_trainer_ranks=2"], (None, True, "2 trainer ranks")),
+    ("fsdp", ["hardware.num_trainer_ranks=2", "hardware.fsdp.reshard_after_forward=false"], (None, False, "as set")),
+    ("standalone", [], (None, None, "one process"))])
+def test_plan_states_the_sharding_it_picked(monkeypatch, backend, overrides, want):
+    """ZeRO-1 where every rank can hold the 16-bit weights and gradients (`hardware.deepspeed.zero1_max_gb`), else
+    ZeRO-3; the parameter count from the preset (exact: tests/test_models.py)."""
+    monkeypatch.chdir(REPO)
+    sharding = build_plan("examples/tiny.yaml", overrides, backend=backend)[0].sharding
+    assert (sharding.zero_stage, sharding.reshard_after_forward) == want[:2]
+    assert want[2] in sharding.why
+    assert sharding.num_parameters == (7_615_616_512 if "model=qwen2_7b_shape" in overrides else
+                                       494_032_768 if "model=qwen2_0p5b_shape" in overrides else 90_944)
 
 
 def test_plan_is_frozen():

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.distributed
 
 
 def make_plan(*overrides: str):
-    spec = load_spec(TINY, ["hardware.num_trainer_ranks=2", "algorithm.max_grad_norm=0", *overrides], "deepspeed")
+    spec = load_spec(TINY, ["hardware.num_trainer_ranks=2", "algorithm.max_grad_norm=0", "hardware.deepspeed.zero_stage=3",
+                            *overrides], "deepspeed")
     return compile_plan(spec, all_caps())
 
 

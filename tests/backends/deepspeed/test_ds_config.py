@@ -20,7 +20,8 @@ KNOBS = {  # spec key under hardware.deepspeed -> (value set here, DeepSpeed's z
 
 
 def _plan(*overrides: str):
-    return compile_plan(load_spec(TINY, list(overrides), "deepspeed"), all_caps())
+    """ZeRO-3 unless `overrides` name another stage (the plan would pick ZeRO-1 for the tiny model)."""
+    return compile_plan(load_spec(TINY, ["hardware.deepspeed.zero_stage=3", *overrides], "deepspeed"), all_caps())
 
 
 def test_spec_knobs_reach_zero_optimization():
