@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Iterable, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -55,28 +57,40 @@ class RolloutEngine(Protocol):
 
 
 def collate(rollout: Rollout, advantages: Tensor, rewards: Tensor, pad_id: int) -> TrainBatch:
-    """Right-padded [N, L] tensors of prompt + completion with a loss mask on the sampled completion tokens."""
-    sequences = [p + c for p, c in zip(rollout.prompt_ids, rollout.completion_ids)]
-    length = max(len(s) for s in sequences)
-    n = len(sequences)
+    """Right-padded [N, L] tensors of prompt + completion with a loss mask on the sampled completion tokens.
+
+    Built from one flat tensor of every row's tokens and a mask of where they go (row-major), not row by row: the
+    driver collates every engine's samples, so its share of a step grows with the GPUs in weak scaling (1,024 rows
+    of 280 tokens on a loaded 2-core host: 0.31-0.46 s by rows, 0.18-0.30 s so, side by side)."""
+    prompt_len = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.long)
+    total = prompt_len + torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.long)
+    n, length = len(total), int(total.max()) if len(total) else 0
+    position = torch.arange(length).expand(n, length)
+    filled = position < total[:, None]
     input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, length), dtype=torch.long)
-    loss_mask = torch.zeros((n, length), dtype=torch.float32)
-    for i, (prompt, completion) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids)):
-        total = len(prompt) + len(completion)
-        input_ids[i, :total] = torch.tensor(prompt + completion, dtype=torch.long)
-        attention_mask[i, :total] = 1
-        if rollout.completion_mask is None:
-            loss_mask[i, len(prompt):total] = 1.0
-        else:
-            loss_mask[i, len(prompt):total] = torch.tensor(rollout.completion_mask[i], dtype=torch.float32)
-    return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
+    input_ids.masked_scatter_(filled, _flat(chain.from_iterable(chain(p, c) for p, c in zip(rollout.prompt_ids,
+                                                                              rollout.completion_ids)), np.int64))
+    completion = filled & (position >= prompt_len[:, None])
+    loss_mask = completion.float()
+    if rollout.completion_mask is not None:
+        loss_mask.masked_scatter_(completion, _flat(chain.from_iterable(rollout.completion_mask), np.float32))
+    return TrainBatch(input_ids=input_ids, attention_mask=filled.long(), loss_mask=loss_mask,
                       advantages=advantages.float(), rewards=rewards.float())
 
 
 def engine_logprobs_tensor(rollout: Rollout, like: TrainBatch) -> Tensor:
     """The engine's sampled-token log-probs laid out like `like` (zero outside completions)."""
-    out = torch.zeros(like.input_ids.shape, dtype=torch.float32)
-    for i, (prompt, logps) in enumerate(zip(rollout.prompt_ids, rollout.completion_logprobs)):
-        out[i, len(prompt):len(prompt) + len(logps)] = torch.tensor(logps, dtype=torch.float32)
+    n, length = like.input_ids.shape
+    start = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.long)[:, None]
+    end = start + torch.tensor([len(lp) for lp in rollout.completion_logprobs], dtype=torch.long)[:, None]
+    position = torch.arange(length).expand(n, length)
+    out = torch.zeros((n, length), dtype=torch.float32)
+    out.masked_scatter_((position >= start) & (position < end),
+                        _flat(chain.from_iterable(rollout.completion_logprobs), np.float32))
     return out
+
+
+def _flat(values: Iterable, dtype) -> Tensor:
+    """A 1-D tensor of Python numbers (numpy's `fromiter`: several times faster than `torch.tensor` of a list; and
+    `masked_scatter_` places them, where a boolean-index assignment took tens of milliseconds)."""
+    return torch.from_numpy(np.fromiter(values, dtype=dtype))
