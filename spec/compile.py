@@ -78,7 +78,8 @@ class Sharding:
     zero_stage: Optional[int]
     """The `deepspeed` backend's ZeRO stage (`hardware.deepspeed.zero_stage`, or the plan's pick where it is null)."""
     reshard_after_forward: Optional[bool]
-    """The `fsdp` backend's FSDP2 `reshard_after_forward` (`hardware.fsdp.reshard_after_forward`, or by rank count)."""
+    """The `fsdp` backend's FSDP2 `reshard_after_forward` (`hardware.fsdp.reshard_after_forward`, or the plan's pick
+    from the model's size where it is null)."""
     why: str
     """The reason for the choice, in words."""
 
@@ -128,7 +129,8 @@ def compile_plan(spec: Spec, backends: Mapping[str, BackendCaps]) -> RunPlan:
 
 
 def _sharding(spec: Spec) -> Sharding:
-    """The ZeRO stage (deepspeed) or FSDP2 resharding (fsdp), each as set or, where null, picked here. ZeRO-1 keeps
+    """The ZeRO stage (deepspeed) or FSDP2 resharding (fsdp), each as set or, where null, picked here (FSDP2 keeps a
+    model gathered through the update where its 16-bit weights fit `hardware.fsdp.gathered_max_gb`). ZeRO-1 keeps
     the 16-bit weights and gradients whole on every rank (4 bytes a parameter): where that fits in
     `hardware.deepspeed.zero1_max_gb` nothing is gathered in the forward, backward or push, and only the optimizer
     state is partitioned (measured faster than ZeRO-3 on 1 and 2 GPUs, `docs/multigpu.md`)."""
@@ -152,12 +154,18 @@ def _sharding(spec: Spec) -> Sharding:
                              f"{hw.deepspeed.zero1_max_gb:g}")
         return Sharding(count, stage, None, why)
     if spec.backend == "fsdp":
-        reshard = hw.fsdp.reshard_after_forward
+        reshard, gb = hw.fsdp.reshard_after_forward, (count or 0) * 2 / 2**30
         if reshard is not None:
             return Sharding(count, None, reshard, "hardware.fsdp.reshard_after_forward as set")
-        why = (f"{world} trainer ranks: each block gathered for its forward and again for its backward" if world > 1
-               else "one trainer rank: the gather is a copy of what the rank holds, kept through the update")
-        return Sharding(count, None, world > 1, why)
+        if world == 1:
+            return Sharding(count, None, False, "one trainer rank: the gather is a copy of what the rank holds, kept "
+                                                "through the update")
+        if count is not None and gb <= hw.fsdp.gathered_max_gb:
+            return Sharding(count, None, False, f"kept gathered through the update: 16-bit weights {gb:.2f} GB <= "
+                                                f"hardware.fsdp.gathered_max_gb {hw.fsdp.gathered_max_gb:g}")
+        size = "not known to the plan" if count is None else f"{gb:.2f} GB > hardware.fsdp.gathered_max_gb"
+        return Sharding(count, None, True, f"each block gathered for its forward and again for its backward: 16-bit "
+                                           f"weights {size}")
     return Sharding(count, None, None, "one process holds the whole model")
 
 

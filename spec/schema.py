@@ -379,13 +379,21 @@ class FSDPSpec(Section):
     """Free each block's gathered parameters after its forward and gather them again for its backward (FSDP2's
     `reshard_after_forward`): less memory for one more all-gather per block and micro-batch. False keeps each
     gathered block until the step's last backward (one gather per block and step, the whole model gathered at
-    once). null (default): true with more than one trainer rank, false with one, where the gather is a copy of
-    what the rank holds anyway and keeping it only costs the 16-bit copy of the weights."""
+    once). null (default): the plan picks (`sharding` in `rlspec plan`): false where the model's whole 16-bit
+    weights fit in `gathered_max_gb` (and always with one rank, where the gather is a copy of what the rank holds),
+    else true. On 2 H200s at 64 prompts x 8 a GPU of the 0.5B bench spec a rank's train phase took 0.90 s kept
+    gathered against 0.98 s resharded, and one rank alone 0.90 s (`docs/multigpu.md`)."""
+    gathered_max_gb: float = 8.0
+    """With `reshard_after_forward` null: the most GB of the model's whole 16-bit weights (2 bytes a parameter)
+    that every rank may keep gathered through an update for the plan to pick false. 8 GB: up to 4B parameters."""
     gather_during_rollout: bool = True
     """Where parameters stay gathered through an update (`reshard_after_forward` false), gather them for the next
     update while the engines sample its batch (asynchronous: while the trainer waits for it): the train phase
     then starts without the gather, and the 16-bit weights occupy the trainer's GPU memory during sampling too.
     False gathers them in the update's first forward."""
+
+    def __post_init__(self) -> None:
+        positive(self.gathered_max_gb, "hardware.fsdp.gathered_max_gb")
 
 
 @dataclass

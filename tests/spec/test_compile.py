@@ -142,7 +142,9 @@ def test_parameter_offload_needs_zero3_on_deepspeed_only(monkeypatch, stage):
     ("deepspeed", ["hardware.device=cuda", "hardware.offload_params=true"], (3, None, "offload_params needs it")),
     ("deepspeed", ["hardware.deepspeed.zero_stage=2"], (2, None, "as set")),
     ("fsdp", [], (None, False, "one trainer rank")),
-    ("fsdp", ["hardware.num_trainer_ranks=2"], (None, True, "2 trainer ranks")),
+    ("fsdp", ["hardware.num_trainer_ranks=2"], (None, False, "kept gathered through the update")),
+    ("fsdp", ["hardware.num_trainer_ranks=2", "model=qwen2_7b_shape", "hardware.device=cuda",
+              "hardware.fsdp.gathered_max_gb=4"], (None, True, "14.19 GB > hardware.fsdp.gathered_max_gb")),
     ("fsdp", ["hardware.num_trainer_ranks=2", "hardware.fsdp.reshard_after_forward=false"], (None, False, "as set")),
     ("standalone", [], (None, None, "one process"))])
 def test_plan_states_the_sharding_it_picked(monkeypatch, backend, overrides, want):
