@@ -163,6 +163,21 @@ def test_a_shuffle_seed_without_shuffling_is_refused():
         build_plan(PARQUET, ["rollout.task.shuffle=false", "rollout.task.shuffle_seed=3"], full=False)
 
 
+def test_a_run_started_before_shuffle_keeps_its_order_on_resume():
+    """A plan.json from before `rollout.task.shuffle`: its null shuffle_seed meant the file's order, and its seed 0
+    what algorithm.seed 0 now gives; resuming with another order is refused, naming the key."""
+    import json
+
+    from rlspec.spec import resume_changes
+
+    now = json.loads((REPO / "tests" / "golden" / "tiny_plan.json").read_text())["spec"]
+    for old_seed, refused in ((None, ["rollout.task.shuffle"]), (0, ["rollout.task.shuffle_seed"])):
+        started = json.loads(json.dumps(now))
+        del started["rollout"]["task"]["shuffle"]
+        started["rollout"]["task"]["shuffle_seed"] = old_seed
+        assert resume_changes(started, now) == ([], refused)
+
+
 def test_eval_mode_switches_dropout_off_and_puts_every_modules_mode_back():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Sequential(torch.nn.Dropout(0.5)))
     model.train()
