@@ -136,7 +136,7 @@ class LoraSpec(Section):
     alpha: int = 16
     """Adapter scaling numerator (scale = alpha / r)."""
     dropout: float = 0.0
-    """Dropout on the adapter input."""
+    """Dropout on the adapter input, in the update's forward only (the no-gradient log-prob passes run in eval mode)."""
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names that receive adapters."""
 
