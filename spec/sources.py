@@ -109,7 +109,7 @@ class TaskSpec(Section):
     """The column handed to the reward as `answer` (the reference; a.b for field b of a struct column, as verl's
     reward_model.ground_truth); every column also arrives under its own name."""
     shuffle: bool = True
-    """Records are drawn pass after pass over the data, each pass in a new order (from `shuffle_seed`); false: file order."""
+    """Records are drawn pass after pass over the data, each pass in a new order (`shuffle_seed`'s); false: file order."""
     shuffle_seed: Optional[int] = None
     """Seed of the record order; null: algorithm.seed (so a sweep over seeds varies the data), a number fixes the
     order across seeds."""
@@ -145,8 +145,8 @@ class TaskSpec(Section):
         non_negative(self.num_records, f"{p}.num_records")
         if self.shuffle_seed is not None:
             non_negative(self.shuffle_seed, f"{p}.shuffle_seed")
-            require(self.shuffle, f"{p}.shuffle_seed", f"is {self.shuffle_seed}, but rollout.task.shuffle=false keeps the "
-                    "file's order", "unset rollout.task.shuffle_seed, or set rollout.task.shuffle=true")
+            require(self.shuffle, f"{p}.shuffle_seed", f"is {self.shuffle_seed}, but rollout.task.shuffle=false keeps "
+                    "the file's order", "unset rollout.task.shuffle_seed, or set rollout.task.shuffle=true")
         require(bool(self.split), f"{p}.split", "is empty", "name a split, e.g. train")
         require(bool(self.prompt_column), f"{p}.prompt_column", "is empty", "name the column holding the prompts")
         require(self.name != "copy_char" or self.data_path is None, f"{p}.data_path",

@@ -179,7 +179,8 @@ def test_a_run_started_before_shuffle_keeps_its_order_on_resume():
 
 
 def test_eval_mode_switches_dropout_off_and_puts_every_modules_mode_back():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Sequential(torch.nn.Dropout(0.5)))
+    dropout = torch.nn.Dropout(0.5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), dropout, torch.nn.Sequential(torch.nn.Dropout(0.5)))
     model.train()
     model[2].eval()  # a frozen part stays as it was
     x = torch.ones(2, 4)
