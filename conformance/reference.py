@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..core.batch import TrainBatch
 from ..core.grpo import LossConfig, LossNorm, policy_loss, read_stats
-from ..core.policy import sequence_logprobs
+from ..core.policy import eval_mode, sequence_logprobs
 from ..core.step import update
 from ..core.trainer import LocalTrainer, grad_norm_and_clip
 from ..spec import BackendCaps, Spec, compile_plan
@@ -65,7 +65,8 @@ def _record(step: int, stats: dict[str, float], grad_norms: list[float], kl_on: 
 
 @torch.no_grad()
 def _logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> Tensor:
-    return sequence_logprobs(model, batch, temperature)[0]
+    with eval_mode(model):  # as every backend's no-gradient pass
+        return sequence_logprobs(model, batch, temperature)[0]
 
 
 def run_reference(spec: Spec, fixture: Fixture) -> CaseRun:

@@ -55,6 +55,10 @@ class BatchPlan:
     grad_accum_steps: int
     """Micro-batches per optimizer step on one rank."""
     max_tokens_per_sequence: int
+    max_trained_tokens: int
+    """Most loss (sampled) tokens one sequence can hold, Dr. GRPO's constant L_max (`rlspec.core.grpo`):
+    rollout.max_new_tokens; with rollout.agent every turn's sampled tokens are trained, so
+    rollout.agent.max_turns x rollout.max_new_tokens."""
 
 
 @dataclass(frozen=True)
@@ -296,6 +300,14 @@ def _batch_plan(spec: Spec) -> BatchPlan:
             f"{per_update} sequences per update do not split evenly over {ranks} trainer ranks",
             f"choose rollout.prompts_per_step so prompts_per_step x group_size / updates_per_batch is a multiple of {ranks}")
     per_rank = per_update // ranks
+    agent = rollout.agent
+    if agent.enabled:
+        fewest = fewest_agent_rows(rollout.prompts_per_step, algo.group_size, agent.max_failure_rate)
+        require(algo.updates_per_batch <= fewest, "algorithm.updates_per_batch",
+                f"an agent step may keep as few as {fewest} of its {sequences} trajectories (failures up to "
+                f"rollout.agent.max_failure_rate={agent.max_failure_rate:g}, and a group left with one member is "
+                f"dropped), fewer than the {algo.updates_per_batch} mini-batches to split them into",
+                f"set algorithm.updates_per_batch to at most {fewest}, or lower rollout.agent.max_failure_rate")
     require(algo.micro_batch_size <= per_rank, "algorithm.micro_batch_size",
             f"{algo.micro_batch_size} is larger than the {per_rank} sequences each rank gets per update",
             f"set algorithm.micro_batch_size to at most {per_rank}")
@@ -305,7 +317,20 @@ def _batch_plan(spec: Spec) -> BatchPlan:
         sequences_per_update_per_rank=per_rank, micro_batch_size=algo.micro_batch_size,
         grad_accum_steps=math.ceil(per_rank / algo.micro_batch_size),
         max_tokens_per_sequence=rollout.max_prompt_tokens + rollout.max_new_tokens,
+        max_trained_tokens=rollout.max_new_tokens * (rollout.agent.max_turns if rollout.agent.enabled else 1),
     )
+
+
+def fewest_agent_rows(prompts: int, group_size: int, max_failure_rate: float) -> int:
+    """The fewest trajectories an agent step keeps without failing the run (`rlspec.agent.gateway`): up to
+    `max_failure_rate` of the prompts x group_size may fail, and a group left with one member is dropped whole.
+    Emptying a group takes group_size - 1 failures for group_size rows, so the fewest come from emptying all but
+    one group that the failures allow, then cutting the others down towards two members each."""
+    jobs = prompts * group_size
+    failures = max(k for k in range(jobs + 1) if k / jobs <= max_failure_rate)  # the gateway's own test
+    emptied = min(prompts - 1, failures // (group_size - 1))
+    left = prompts - emptied
+    return left * group_size - min(failures - emptied * (group_size - 1), left * (group_size - 2))
 
 
 def _check_servers(spec: Spec, caps: BackendCaps) -> None:

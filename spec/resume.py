@@ -47,6 +47,8 @@ def resume_changes(started: dict, now: dict) -> tuple[list[str], list[str]]:
     """(allowed, refused): the dotted keys whose values differ between two `Spec` dicts (`RunPlan.to_dict()["spec"]`),
     split by `RESUMABLE_CHANGES`. A field the started run's rlspec did not have yet counts as its default."""
     old, new = flatten(started), flatten(now)
+    if "rollout.task.shuffle" not in old and old.get("rollout.task.shuffle_seed", 0) is None:
+        old["rollout.task.shuffle"] = False  # before `shuffle` existed, a null shuffle_seed kept the file's order
     defaults = flatten(dataclasses.asdict(Spec()))
     changed = [key for key in sorted(old.keys() | new.keys())
                if old.get(key, defaults.get(key, _ABSENT)) != new.get(key, _ABSENT)]

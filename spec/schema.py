@@ -83,11 +83,12 @@ class AlgorithmSpec(Section):
     `rlspec.core.packing` states the rule). 0 = off: `micro_batch_size` sequences per micro-batch.
     The no-gradient log-prob passes keep `micro_batch_size`."""
     updates_per_batch: int = 1
-    """Optimizer updates per rollout batch (the batch is split into this many mini-batches)."""
+    """Optimizer updates per rollout batch: the batch splits into exactly this many mini-batches, as equal as its rows
+    allow (an agent's batch size varies)."""
     steps: int = 100
     """Rollout/update steps to run."""
     seed: int = 0
-    """Seed for model init, data order and sampling."""
+    """Seed for model init, sampling and the data order (the record order unless rollout.task.shuffle_seed is set)."""
 
     def __post_init__(self) -> None:
         p = "algorithm"
@@ -135,7 +136,7 @@ class LoraSpec(Section):
     alpha: int = 16
     """Adapter scaling numerator (scale = alpha / r)."""
     dropout: float = 0.0
-    """Dropout on the adapter input."""
+    """Dropout on the adapter input, in the update's forward only (the no-gradient log-prob passes run in eval mode)."""
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names that receive adapters."""
 

@@ -108,8 +108,11 @@ class TaskSpec(Section):
     answer_column: Optional[str] = None
     """The column handed to the reward as `answer` (the reference; a.b for field b of a struct column, as verl's
     reward_model.ground_truth); every column also arrives under its own name."""
-    shuffle_seed: Optional[int] = 0
-    """Records are drawn pass after pass over the data, each pass in a new order drawn from this seed; null: file order."""
+    shuffle: bool = True
+    """Records are drawn pass after pass over the data, each pass in a new order (`shuffle_seed`'s); false: file order."""
+    shuffle_seed: Optional[int] = None
+    """Seed of the record order; null: algorithm.seed (so a sweep over seeds varies the data), a number fixes the
+    order across seeds."""
     num_records: int = 0
     """Use only the first N records of the data (file order, before shuffling); 0 uses all."""
     reward: str = "task"
@@ -140,6 +143,10 @@ class TaskSpec(Section):
         require(self.reward != "task" or self.rewards or self.name != "dataset", f"{p}.reward",
                 "the dataset task has no reward of its own", "name a function: rollout.task.reward=path/to/file.py:function")
         non_negative(self.num_records, f"{p}.num_records")
+        if self.shuffle_seed is not None:
+            non_negative(self.shuffle_seed, f"{p}.shuffle_seed")
+            require(self.shuffle, f"{p}.shuffle_seed", f"is {self.shuffle_seed}, but rollout.task.shuffle=false keeps "
+                    "the file's order", "unset rollout.task.shuffle_seed, or set rollout.task.shuffle=true")
         require(bool(self.split), f"{p}.split", "is empty", "name a split, e.g. train")
         require(bool(self.prompt_column), f"{p}.prompt_column", "is empty", "name the column holding the prompts")
         require(self.name != "copy_char" or self.data_path is None, f"{p}.data_path",

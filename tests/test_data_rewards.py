@@ -55,7 +55,7 @@ def task_spec(root, path="d.jsonl", **kw) -> TaskSpec:
 @pytest.mark.parametrize("path, split", [("d.jsonl", "train"), ("d.parquet", "train"), ("saved", "train"),
                                          ("splits", "train"), ("splits", "test")])
 def test_every_format_reads_the_same_records(data_dir, path, split):
-    task = build_task(task_spec(data_dir, path, split=split, shuffle_seed=None), seed=0)
+    task = build_task(task_spec(data_dir, path, split=split, shuffle=False), seed=0)
     want = RECORDS if split == "train" else RECORDS[:2]
     prompts = task.sample(0, len(want))
     assert [p.text for p in prompts] == [r["question"] for r in want]
@@ -69,7 +69,7 @@ def test_records_are_drawn_pass_after_pass_in_a_seeded_order(data_dir):
     assert sorted(first) == sorted(second) == list(range(5)) and first != second  # every record once per pass
     assert RecordOrder(5, seed=3).indices(1, 5) == second  # a step's draws depend on its number only
     assert RecordOrder(5, seed=None).indices(1, 3) == [3, 4, 0]
-    task = build_task(task_spec(data_dir, num_records=4, shuffle_seed=None), seed=0)
+    task = build_task(task_spec(data_dir, num_records=4, shuffle=False), seed=0)
     assert [p.text for p in task.sample(0, 6)] == ["q0", "q1", "q2", "q3", "q0", "q1"]
 
 
@@ -191,7 +191,7 @@ def test_chat_messages_are_rendered_with_the_chat_template():
     from rlspec.spec import ModelSpec
 
     spec = TaskSpec(name="dataset", data_path=str(REPO / "examples/data/letters_chat.jsonl"), prompt_column="messages",
-                    reward="examples/rewards/letters.py:copies", shuffle_seed=None)
+                    reward="examples/rewards/letters.py:copies", shuffle=False)
     record = json.loads((REPO / "examples/data/letters_chat.jsonl").read_text().splitlines()[0])
     prompt = build_task(spec, 0, ModelSpec()).sample(0, 1)[0]
     want = load_tokenizer(ModelSpec()).apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=False)
@@ -205,7 +205,8 @@ def test_a_run_started_before_these_fields_existed_resumes():
 
     now = json.loads((REPO / "tests" / "golden" / "tiny_plan.json").read_text())["spec"]
     started = json.loads(json.dumps(now))
-    for key in ("split", "prompt_column", "prompt_template", "answer_column", "shuffle_seed", "num_records", "rewards"):
+    for key in ("split", "prompt_column", "prompt_template", "answer_column", "shuffle", "shuffle_seed", "num_records",
+                "rewards"):
         del started["rollout"]["task"][key]
     assert resume_changes(started, now) == ([], [])
 

@@ -62,7 +62,7 @@ def test_gsm8k_parquet(tmp_path):
     records = [json.loads(line) for line in open(SAMPLE)][:5]
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(records), path)
-    task = build_task(TaskSpec(name="gsm8k", data_path=str(path), shuffle_seed=None), 0)
+    task = build_task(TaskSpec(name="gsm8k", data_path=str(path), shuffle=False), 0)
     assert [p.meta["answer"] for p in task.sample(0, 5)] == [r["answer"] for r in records]
 
 

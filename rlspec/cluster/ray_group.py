@@ -164,15 +164,15 @@ class RankGroup:
         return torch.cat([out[:, :width] for out, (a, b) in zip(outs, bounds) if b > a], dim=0)
 
     def forward_backward(self, batch: TrainBatch, norm: LossNorm) -> dict[str, float]:
-        """Each rank accumulates gradients on its shard: contiguous and even, or with
+        """Each rank accumulates gradients on its shard: contiguous and even (as even as the rows allow), or with
         `algorithm.micro_batch_tokens` balanced by real tokens (`TrainBatch.token_shards`); statistics summed,
         memory peak maxed."""
         world = len(self.ranks)
         budget = self.plan.spec.algorithm.micro_batch_tokens
         if budget:
             args = [(shard, norm, sizes) for shard, sizes in batch.token_shards(world, budget)]
-        elif len(batch) % world:
-            raise RunError(f"{len(batch)} sequences do not split evenly over {world} trainer ranks")
+        elif len(batch) % world:  # a mini-batch of a batch whose size varies (`rlspec.core.step.mini_batch_bounds`)
+            args = [(shard, norm, sizes) for shard, sizes in batch.row_shards(world, self.plan.batch.micro_batch_size)]
         else:
             args = [(batch.shard(r, world), norm, None) for r in range(world)]
         stats = self.call("forward_backward", args)

@@ -121,6 +121,16 @@ class TrainBatch:
         per_rank = len(self) // world_size
         return self.select(rank * per_rank, (rank + 1) * per_rank)
 
+    def row_shards(self, world_size: int, micro_batch_size: int) -> list[tuple["TrainBatch", list[int]]]:
+        """Contiguous shares of a batch whose rows do not divide by `world_size` (an agent's), as equal as the rows
+        allow, each with its micro-batch sizes in rows (`micro_batch_size` each, 0 = a placeholder) so that every
+        rank runs as many micro-batches; a rank left without rows gets the first row, as placeholders only."""
+        bounds = [(len(self) * r // world_size, len(self) * (r + 1) // world_size) for r in range(world_size)]
+        sizes = [chunk_sizes(stop - start, micro_batch_size) for start, stop in bounds]
+        count = max(len(s) for s in sizes)
+        return [(self.select(start, stop) if stop > start else self.select(0, 1), s + [0] * (count - len(s)))
+                for (start, stop), s in zip(bounds, sizes)]
+
     def token_shards(self, world_size: int, micro_batch_tokens: int) -> list[tuple["TrainBatch", list[int]]]:
         """The token-budget split (`rlspec.core.packing.plan_split`): per rank, its sequences (in micro-batch
         order) and its micro-batch sizes, for `rlspec.core.policy.accumulate`. Read on the host."""

@@ -27,8 +27,14 @@ Aggregation over the batch B behind one optimizer step (`algorithm.loss_agg`)::
 
     token-mean                 L = sum_i sum_{t in T_i} l_t / sum_i |T_i|
     seq-mean-token-mean        L = (1/|B|) sum_i (1/|T_i|) sum_{t in T_i} l_t     (the GRPO paper)
-    seq-mean-token-sum-norm    L = (1/|B|) sum_i sum_{t in T_i} l_t / L_max        (Dr. GRPO; L_max =
-                                                                                    rollout.max_new_tokens)
+    seq-mean-token-sum-norm    L = (1/|B|) sum_i sum_{t in T_i} l_t / L_max        (Dr. GRPO)
+
+Dr. GRPO's L_max is a constant no |T_i| can exceed: the plan's `batch.max_trained_tokens`, which is
+`rollout.max_new_tokens`, or for a multi-turn agent (`rollout.agent`), whose every turn's sampled tokens are
+trained, `rollout.agent.max_turns x rollout.max_new_tokens` (a turn samples at most max_new_tokens). The paper
+divides by the generation budget, a constant; verl divides by the width of its response tensor
+(`loss_mask.shape[-1]`: the configured response length where responses are padded to it, multi-turn ones
+included) unless `loss_scale_factor` sets the constant.
 
 Truncated importance sampling (TIS, as in verl; Yao et al. 2025): the engine sampled from its own
 policy mu — older weights in `rollout.mode=async`, or different numerics (bf16, another kernel) — while
@@ -73,7 +79,7 @@ class LossNorm:
     """Sequences with at least one completion token in the whole step's batch (a dropped sample, or a row
     that only pads a batch to an even split over ranks, has none)."""
     max_new_tokens: int
-    """Dr. GRPO's constant L_max."""
+    """Dr. GRPO's constant L_max: the trained-token budget of a sequence (the plan's `batch.max_trained_tokens`)."""
 
     @staticmethod
     def of(loss_mask: Tensor, max_new_tokens: int) -> "LossNorm":

@@ -250,14 +250,30 @@ def sequence_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: fl
     return logp * member.to(logp.dtype), entropy
 
 
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode inside (dropout off), every module's own mode put back after. The no-gradient passes
+    score the policy itself, not one dropout draw of it: the old log-probs (two passes agree exactly, and the
+    ratio departs from 1 only by the update forward's own dropout, as in verl), the reference's, and those checked
+    against the engine's, which samples in eval mode. The update's forward stays in train mode."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float, micro_batch_size: int,
                    device: torch.device | str) -> Tensor:
-    """[N, L] token log-probs of `batch` under `model`, computed micro-batch by micro-batch, returned on CPU
-    (gathered on `device`, then copied once); automatic garbage collection off meanwhile, as in `accumulate`."""
+    """[N, L] token log-probs of `batch` under `model` in eval mode (`eval_mode`), computed micro-batch by
+    micro-batch, returned on CPU (gathered on `device`, then copied once); automatic garbage collection off
+    meanwhile, as in `accumulate`."""
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
     split = batch.split(chunk_sizes(len(batch), micro_batch_size), device, packs(model, batch))
-    with collection_paused():
+    with collection_paused(), eval_mode(model):
         for start, (mb, packing) in zip(range(0, len(batch), micro_batch_size), split):
             logp, _ = sequence_logprobs(model, mb, temperature, packing)
             out[start:start + len(mb), :mb.input_ids.shape[1]] = logp.float()

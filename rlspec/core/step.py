@@ -94,16 +94,19 @@ def check_reward_errors(scores: Scores, max_rate: float, step: int) -> None:
 def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
     """All optimizer updates of one rollout batch (mini-batch after mini-batch).
 
+    The batch splits into exactly `algorithm.updates_per_batch` consecutive mini-batches, as equal as its rows
+    allow (`mini_batch_bounds`): an agent's batch loses its failed trajectories, so its row count varies per step.
+    Each mini-batch's loss is normalised over that mini-batch (`LossNorm`).
+
     A mini-batch without a loss token (every sample in it dropped) is always skipped: its loss has no
     gradient, yet AdamW would move the weights on momentum and weight decay. A mini-batch whose advantages
     are all zero (`nothing_to_learn`) is skipped when `algorithm.skip_zero_advantage_updates` is on.
     `StepResult.skipped` counts them; `skip_reason` says why a step took no optimizer step at all."""
-    size = len(batch) // plan.batch.updates_per_batch  # env rollouts: rows vary per step (a multiple of this split)
-    starts = range(0, len(batch), size)
+    bounds = mini_batch_bounds(len(batch), plan.batch.updates_per_batch)
     skip = plan.spec.algorithm.skip_zero_advantage_updates
-    empty = [not bool(batch.loss_mask[start:start + size].any()) for start in starts]
-    todo = [start for start, none in zip(starts, empty)
-            if not none and not (skip and nothing_to_learn(plan, batch.select(start, start + size)))]
+    empty = [not bool(batch.loss_mask[start:stop].any()) for start, stop in bounds]
+    todo = [(start, stop) for (start, stop), none in zip(bounds, empty)
+            if not none and not (skip and nothing_to_learn(plan, batch.select(start, stop)))]
     reason = None
     if not todo:
         reason = SKIP_REASONS["dropped"] if all(empty) else SKIP_REASONS["zero_advantage"]
@@ -113,9 +116,9 @@ def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
         batch.ref_logprobs = backend.logprobs(batch, reference=True)
     totals: dict[str, float] = {}
     grad_norms = []
-    for start in todo:
-        mini = batch.select(start, start + size)
-        norm = LossNorm.of(mini.loss_mask, plan.spec.rollout.max_new_tokens)
+    for start, stop in todo:
+        mini = batch.select(start, stop)
+        norm = LossNorm.of(mini.loss_mask, plan.batch.max_trained_tokens)
         stats = backend.forward_backward(mini, norm)
         grad_norms.append(backend.optimizer_step())
         for key, value in stats.items():  # sums over mini-batches; a peak is a peak
@@ -124,7 +127,17 @@ def update(plan: RunPlan, backend: Backend, batch: TrainBatch) -> StepResult:
             # a trainer in this process (the driver of a Ray backend starts no CUDA context)
             used = gpu_used_gb(plan.placement.trainer_devices[0])
             totals["gpu_used_gb"] = max(totals.get("gpu_used_gb", 0.0), used)
-    return StepResult(batch, totals, grad_norms, skipped=len(starts) - len(todo), skip_reason=reason)
+    return StepResult(batch, totals, grad_norms, skipped=len(bounds) - len(todo), skip_reason=reason)
+
+
+def mini_batch_bounds(num_rows: int, num_updates: int) -> list[tuple[int, int]]:
+    """[start, stop) of `num_updates` consecutive mini-batches over `num_rows` rows, as equal as the rows allow:
+    the first `num_rows % num_updates` hold one row more (numpy's `array_split`). With fewer rows than updates the
+    last ones are empty (and skipped: no loss token); the plan refuses an agent that could keep that few
+    (`algorithm.updates_per_batch`)."""
+    size, extra = divmod(num_rows, num_updates)
+    stops = [size * (i + 1) + min(i + 1, extra) for i in range(num_updates)]
+    return list(zip([0, *stops[:-1]], stops))
 
 
 def nothing_to_learn(plan: RunPlan, mini: TrainBatch) -> bool:

@@ -32,19 +32,28 @@ def check_task(spec: TaskSpec) -> None:
 
 
 def build_task(spec: TaskSpec, seed: int, model: ModelSpec | None = None) -> Task:
-    """The task `spec` names, its records read; chat-format prompts are rendered with `model`'s tokenizer."""
+    """The task `spec` names, its records read; chat-format prompts are rendered with `model`'s tokenizer. `seed`
+    (algorithm.seed) draws copy_char's prompts and, unless `rollout.task.shuffle_seed` is set, the record order."""
     functions = _checked(spec)
     rewards = Rewards(functions, log_each=bool(spec.rewards)) if functions else None  # none: the judge scores
     if spec.name == "copy_char":
         task = RewardTask("copy_char", _copy_char_source(spec), rewards, seed)
     else:
         prompts = data.to_prompts(data.load_records(spec), spec, _template(spec), _renderer(model))
-        task = RewardTask(spec.name, prompts, rewards, seed, spec.shuffle_seed)
+        task = RewardTask(spec.name, prompts, rewards, seed, order_seed(spec, seed))
     if spec.reward == "llm_judge":
         from .llm_judge import build_judge_task
 
         return build_judge_task(task, spec.judge, seed)
     return task
+
+
+def order_seed(spec: TaskSpec, seed: int) -> int | None:
+    """The seed of the record order (`rlspec.tasks.base.RecordOrder`): `rollout.task.shuffle_seed`, or where it is null
+    `seed` (algorithm.seed); None keeps the file's order (`rollout.task.shuffle=false`)."""
+    if not spec.shuffle:
+        return None
+    return seed if spec.shuffle_seed is None else spec.shuffle_seed
 
 
 def _checked(spec: TaskSpec) -> list:

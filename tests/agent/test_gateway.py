@@ -61,6 +61,10 @@ def test_two_turn_agent_trains_only_model_tokens_on_exactly_what_the_engine_saw(
         context = engine.tokenizer.decode([t for t, m in zip(ids, mask) if m == 0])
         assert re.search(r"\|\d>$", context), context
         assert 1 <= sum(mask) <= 8
+    # Dr. GRPO's constant is the trajectory's budget (2 turns x 4 tokens): more than one turn's tokens, never exceeded
+    trained = [sum(mask) for mask in rollout.completion_mask]
+    budget = build_plan(str(REPO / SPEC), SMALL, full=False)[0].batch.max_trained_tokens
+    assert 4 < max(trained) <= budget == 8
     # The trainer's log-probs of the assembled sequences equal the engine's at every model token: the
     # context is token for token what the engine was given.
     trainer = batch_logprobs(engine.model, batch, engine.spec.temperature, 8, "cpu")

@@ -34,6 +34,37 @@ def fixed_batch(n: int = 8, prompt: int = 5, max_new: int = 8, seed: int = 0) ->
     return TrainBatch(input_ids, attention_mask, loss_mask, advantages=torch.randn(n, generator=gen), rewards=rewards)
 
 
+def ragged_batch(n: int) -> TrainBatch:
+    """`n` rows (up to 16) of `fixed_batch`'s kind, for a batch whose size an agent's dropped trajectories set."""
+    parts = [fixed_batch(min(n, 8), seed=0), *([fixed_batch(n - 8, seed=1)] if n > 8 else [])]
+    return TrainBatch(**{k: torch.cat([p.tensors()[k] for p in parts]) for k in parts[0].tensors()})
+
+
+UNEVEN_UPDATES = ((13, 2), (7, 4))
+"""(rows, algorithm.updates_per_batch) of `check_uneven_updates`: mini-batches of 7 and 6 rows, then 2, 2, 2, 1."""
+
+
+def check_uneven_updates(backend, reference, plan_with_updates) -> None:
+    """`rlspec.core.step.update` on batches that split into mini-batches of odd row counts (`UNEVEN_UPDATES`), which
+    the ranks share unevenly (a mini-batch of one row leaves a rank only placeholders): exactly `updates_per_batch`
+    optimizer steps, each with the reference trainer's grad norm, and its weights after. `plan_with_updates(k)` is the
+    plan with k updates per batch (the ranks keep the micro-batch size they were set up with)."""
+    import pytest
+
+    from rlspec.core.step import update
+
+    for rows, updates in UNEVEN_UPDATES:
+        plan = plan_with_updates(updates)
+        want = update(plan, reference, ragged_batch(rows))
+        got = update(plan, backend, ragged_batch(rows))
+        assert len(got.grad_norms) == len(want.grad_norms) == updates
+        assert got.grad_norms == pytest.approx(want.grad_norms, rel=1e-4, abs=1e-6)
+        assert got.stats["loss"] == pytest.approx(want.stats["loss"], abs=1e-5)
+    diff = max_weight_diff(dict(backend.export_weights()), dict(reference.export_weights()))
+    print(f"  {len(UNEVEN_UPDATES)} updates of uneven mini-batches: max abs weight diff vs LocalTrainer {diff:.3g}")
+    assert diff < 2e-5
+
+
 def run_steps(trainer, plan, batch: TrainBatch, steps: int = 3, between=None) -> list[tuple[float, float, float]]:
     """(loss, grad norm, kl) per step, with old and reference log-probs filled the way `rlspec.core.loop` does;
     `between(trainer)` runs before every step but the first (where the loop pushes weights and samples)."""

@@ -14,8 +14,8 @@ from rlspec.conformance.tolerances import TOLERANCES, weights_tolerance
 from rlspec.core.backend import all_caps, create_backend
 from rlspec.spec import compile_plan, load_spec
 from rlspec.sync import build_transport
-from tests.backends.ranks import (TINY, kill_a_rank_mid_run, fixed_batch, max_weight_diff, reference_trainer, rlspec_run,
-                                  run_steps)
+from tests.backends.ranks import (TINY, check_uneven_updates, kill_a_rank_mid_run, fixed_batch, max_weight_diff,
+                                  reference_trainer, rlspec_run, run_steps)
 
 pytestmark = pytest.mark.distributed
 
@@ -67,6 +67,9 @@ def test_matches_local_trainer_and_transports(ray_session, case):
                         for n in want), reverse=True)[:3]
         print("  worst tensors (max diff, #elements > 1e-5, name):", worst)
         assert diff < (2e-5 if "adamw" in case else 1e-6)
+        check_uneven_updates(backend, reference, lambda k: make_plan(
+            "rollout.prompts_per_step=4", "algorithm.group_size=4", *CASES[case], "algorithm.micro_batch_size=1",
+            f"algorithm.updates_per_batch={k}"))
         # Every transport this backend offers: after a push, the engine scores like the trainer.
         engine = backend.rollout_engine()
         trainer_logp = backend.logprobs(batch)

@@ -22,8 +22,8 @@ from rlspec.core.step import update
 from rlspec.cluster.ray_group import FAULT_ENV
 from rlspec.spec import compile_plan, load_spec
 from rlspec.sync import build_transport
-from tests.backends.ranks import (TINY, kill_a_rank_mid_run, fixed_batch, max_weight_diff, preempt_whole_tree,
-                                  reference_trainer, rlspec_run, run_steps)
+from tests.backends.ranks import (TINY, check_uneven_updates, kill_a_rank_mid_run, fixed_batch, max_weight_diff,
+                                  preempt_whole_tree, reference_trainer, rlspec_run, run_steps)
 
 pytestmark = pytest.mark.distributed
 
@@ -43,15 +43,17 @@ def check_steps(expected, got) -> None:
 
 def test_matches_local_trainer_transports_and_fault(ray_session, monkeypatch):
     """SGD (a gradient-scale bug shows in the weights), seq-mean-token-mean, k3 KL with the sharded reference
-    model, micro-batches of 3, clipping at 0.05, gradient checkpointing; then every transport; then a rank that
-    raises (the fault hook) stops the call with its traceback."""
-    plan = make_plan("algorithm.optimizer=sgd", "algorithm.lr=1e-1", "algorithm.micro_batch_size=3",
-                     "algorithm.loss_agg=seq-mean-token-mean", "algorithm.kl_coef=0.1", "algorithm.max_grad_norm=0.05",
-                     "model.gradient_checkpointing=true")
+    model, micro-batches of 3, clipping at 0.05, gradient checkpointing; updates of mini-batches whose rows do not
+    split evenly over the ranks; then every transport; then a rank that raises (the fault hook) stops the call with
+    its traceback."""
+    overrides = ("algorithm.optimizer=sgd", "algorithm.lr=1e-1", "algorithm.micro_batch_size=3",
+                 "algorithm.loss_agg=seq-mean-token-mean", "algorithm.kl_coef=0.1", "algorithm.max_grad_norm=0.05",
+                 "model.gradient_checkpointing=true")
+    plan = make_plan(*overrides)
     batch = fixed_batch()
     reference = reference_trainer(plan)
     expected = run_steps(reference, plan, batch)
-    monkeypatch.setenv(FAULT_ENV, "rank=1,step=3,mode=raise")  # the 4th forward_backward call
+    monkeypatch.setenv(FAULT_ENV, "rank=1,step=9,mode=raise")  # the forward_backward call after the 3 + 2 + 4 below
     backend = create_backend("fsdp")
     try:
         backend.setup(plan)
@@ -61,6 +63,10 @@ def test_matches_local_trainer_transports_and_fault(ray_session, monkeypatch):
         diff = max_weight_diff(have, dict(reference.export_weights()))
         print(f"\nSGD + KL + clip + checkpointing: max abs weight diff vs LocalTrainer after 3 steps {diff:.3g}")
         assert diff < 1e-6
+        check_uneven_updates(backend, reference, lambda k: make_plan(
+            *overrides, "rollout.prompts_per_step=4", "algorithm.group_size=4", "algorithm.micro_batch_size=1",
+            f"algorithm.updates_per_batch={k}"))
+        have = dict(backend.export_weights())
         dropped = TrainBatch(**batch.tensors())
         dropped.loss_mask = torch.zeros_like(batch.loss_mask)  # every sample dropped: no step, no weight moves
         assert update(plan, backend, dropped).skip_reason == "every sample was dropped"
