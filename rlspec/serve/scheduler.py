@@ -439,7 +439,7 @@ class Scheduler(RowQueue):
             touched[id(sub)] = sub
             if d.ended:
                 self._end_row(d.row_id)
-            elif sub.stops and sub.stop_window is not None and _stopped(sub, i):
+            elif sub.stops and sub.stop_window is not None and _stopped(sub, i, len(d.tokens)):
                 stopped.append(d.slot)
                 self._end_row(d.row_id)
         self.pool.release(stopped)
@@ -457,10 +457,11 @@ class Scheduler(RowQueue):
             sub.notify()
 
 
-def _stopped(sub: Submission, i: int) -> bool:
-    """Whether row `i`'s recent text holds a stop string (its last tokens: a stop of L characters spans at most
-    4 L tokens of a byte-level vocabulary, plus one that completes it)."""
-    window = 4 * max(len(s) for s in sub.stops) + 2
+def _stopped(sub: Submission, i: int, new: int) -> bool:
+    """Whether row `i`'s text holds a stop string after its `new` latest tokens (one decode run's: up to 8 on
+    CUDA). A stop completed by any of them ends within the window decoded: those tokens and, before them, the
+    4 L tokens a stop of L characters spans at most in a byte-level vocabulary, plus one."""
+    window = new + 4 * max(len(s) for s in sub.stops) + 1
     text = sub.stop_window(sub.ids[i][-window:])
     return any(s in text for s in sub.stops)
 
