@@ -148,8 +148,7 @@ def _prompt_errors(field_name: str = "prompt"):
     try:
         yield
     except SpecError as err:
-        raise HTTPException(status_code=400, detail=[{"loc": ["body", field_name], "msg": f"{field_name}: {err.problem}",
-                                                      "spec_key": err.where, "fix": err.fix}]) from None
+        raise bad(field_name, f"{field_name}: {err.problem}", spec_key=err.where, fix=err.fix) from None
 
 
 def _encode(tokenizer, prompts: list, max_prompt_tokens: int, field_name: str) -> list[list[int]]:

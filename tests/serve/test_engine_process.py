@@ -220,7 +220,7 @@ def test_the_pipe_writer_keeps_the_order_batches_what_queued_and_sends_a_body_af
     ours.close()
 
 
-@pytest.mark.parametrize("engine_process,in_flight", [("on", False), ("off", True),
+@pytest.mark.parametrize("engine_process,in_flight", [("on", False), pytest.param("off", True, marks=pytest.mark.slow),
                                                       pytest.param("on", True, marks=pytest.mark.slow)])
 def test_sigterm_cuts_off_what_is_in_flight_after_the_shutdown_timeout_and_exits(engine_process, in_flight):
     """`rlspec serve --shutdown-timeout-s 1`, SIGTERM idle or while a long stream is in flight: the stream is cut
