@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the spec's rollout engine as an HTTP server (OpenAI-compatible completions)",
                            usage="rlspec serve SPEC [key=value ...] [--host H [--allow-remote]] [--port P] [--backend B] "
-                                 "[--max-queued-rows N] [--engine-process off] [--warm-pool]")
+                                 "[--max-queued-rows N] [--engine-process off] [--warm-pool] [--shutdown-timeout-s S]")
     serve.add_argument("spec")
     serve.add_argument("--backend")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="capture the decode step of every pool size and the prefill of every token bucket before "
                             "serving (a minute at start on a GPU; else the first burst to reach a size waits while its "
                             "graph compiles and captures)")
+    serve.add_argument("--shutdown-timeout-s", type=float, default=5.0,
+                       help="on SIGTERM/SIGINT the server stops accepting, gives the requests in flight this long to "
+                            "finish (then cuts them off) and exits (default 5)")
     serve.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit when this process dies
     serve.add_argument("--engine-index", type=int, default=0, help=argparse.SUPPRESS)  # a run's server i: its device
 
@@ -127,7 +130,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         plan, _ = build_plan(args.spec, args.overrides, args.backend)
         serve(plan, args.host, args.port, args.parent_pid, args.allow_remote, args.engine_index, args.max_queued_rows,
-              args.engine_process, args.warm_pool)
+              args.engine_process, args.warm_pool, args.shutdown_timeout_s)
         return EXIT_OK
     if args.command == "bench":
         from pathlib import Path

@@ -111,7 +111,7 @@ def test_cli_surface_is_frozen():
         "run": ["--backend", "--multirun", "--no-progress", "--out", "--resume", "-m"],
         "plan": ["--backend"],
         "serve": ["--allow-remote", "--backend", "--engine-index", "--engine-process", "--host", "--max-queued-rows",
-                  "--parent-pid", "--port", "--warm-pool"],
+                  "--parent-pid", "--port", "--shutdown-timeout-s", "--warm-pool"],
         "bench": ["--backends", "--multirun", "--out", "--reference", "--warmup-steps", "-m"],
         "conformance": ["--backends", "--dump", "--json"],
     }

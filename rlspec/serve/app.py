@@ -16,9 +16,10 @@ Endpoints:
   bridge message; needs `Authorization: Bearer TOKEN`. A pickled body, a malformed one or an unknown operation
   gets a 400 naming the problem; a failing operation a 500 with JSON `{"error", "traceback", "sync_error"}`.
 
-A bad request gets a 4xx whose `detail` names the field (and, where a spec setting decides it, e.g. a prompt
-longer than `rollout.max_prompt_tokens`, the `spec_key` and its `fix`, which a trainer's client turns back
-into the `SpecError` the colocated engine raises); a failing bridge call a 500 with the server's
+A bad request gets 400 with OpenAI's error object (`shapes.py`: `{"error": {"message", "type", "param",
+"code"}}`, `param` naming the field; and, where a spec setting decides it, e.g. a prompt longer than
+`rollout.max_prompt_tokens`, the `spec_key` and its `fix`, which a trainer's client turns back into the
+`SpecError` the colocated engine raises), an unknown model 404; a failing bridge call a 500 with the server's
 traceback. A request past the scheduler's bound of queued rows gets 429 with `Retry-After`. All engine work runs
 on one engine thread, in order (every request in flight decoding in one batch); `/health` never waits for it.
 """
@@ -38,6 +39,7 @@ from pydantic import BaseModel, Field
 from . import ops
 from .openai_api import OpenAIRoutes
 from .scheduler import Scheduler
+from .shapes import install_error_handlers
 
 MAX_QUEUED_ROWS = 8192
 """`rlspec serve --max-queued-rows`'s default: rows that may wait for a decode slot before requests get 429."""
@@ -156,6 +158,7 @@ async def bridge_call(host: EngineHost, body: bytes) -> tuple[int, str, bytes]:
 
 def build_app(host: EngineHost, token: str) -> FastAPI:
     app = FastAPI(title="rlspec rollout server", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
 
     @app.get("/health")
     def health() -> dict:

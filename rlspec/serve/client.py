@@ -172,9 +172,13 @@ def _raise_spec_error(response, context: str) -> None:
     """A 4xx whose detail names a spec key (the input broke a spec limit, e.g. `rollout.max_prompt_tokens`)
     is bad input, as in the colocated engine: raise that `SpecError` (exit 2)."""
     try:
-        detail = response.json().get("detail")
+        body = response.json()
     except ValueError:
         return
+    error = body.get("error") if isinstance(body, dict) else None  # OpenAI's error object (`serve/shapes.py`)
+    if isinstance(error, dict) and error.get("spec_key"):
+        raise SpecError(error["spec_key"], f"{error.get('message', '')} ({context})", error.get("fix", ""))
+    detail = body.get("detail") if isinstance(body, dict) else None  # a server of an earlier release
     for item in detail if isinstance(detail, list) else ():
         if isinstance(item, dict) and item.get("spec_key"):
             raise SpecError(item["spec_key"], f"{item.get('msg', '')} ({context})", item.get("fix", ""))

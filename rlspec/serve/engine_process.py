@@ -21,7 +21,8 @@ process (`scheduler.py`); the bound of queued rows (`--max-queued-rows`, 429) is
 counts a request's rows until the engine reports them admitted. A bridge message's body goes through the pipe as it
 came (no second copy of its tensors).
 
-Ends: the engine process ends when the pipe closes (the HTTP process exited or was killed); when the engine process
+Ends: the engine process ends at a `("stop",)` message (the server is stopping) or when the pipe closes (the HTTP
+process exited or was killed); when the engine process
 dies, the requests in flight fail and the HTTP process is told (`on_exit`: `rlspec serve` shuts its server down and
 exits 1 naming the engine process).
 The engine process ignores SIGINT (a terminal's Ctrl-C reaches both; the HTTP process's shutdown ends it).
@@ -46,6 +47,8 @@ from .scheduler import RowQueue, Submission
 
 STATE_TIMEOUT_S = 30.0
 """How long a state query (`/health`, the weight version) waits for the engine process's answer."""
+STOP_WAIT_S = 2.0
+"""How long a stopping server waits for its engine process to exit (it exits at the stop message) before killing it."""
 
 
 # --- errors across the pipe ---------------------------------------------------------------------------------
@@ -74,7 +77,8 @@ class PipeWriter:
         self._pending: list = []
         self._lock = threading.Lock()
         self._wake = threading.Semaphore(0)
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
 
     def send(self, message, body: bytes | None = None) -> None:
         with self._lock:
@@ -193,6 +197,8 @@ class EngineCore:
 
     def _take(self, message) -> None:
         kind = message[0]
+        if kind == "stop":  # the server is stopping: nothing in flight is read any more
+            os._exit(0)
         if kind == "rows":
             _, rid, prompt_ids, samplings, stops = message
             sub = _Forwarded(prompt_ids, samplings, stops, self.decode if stops else None)
@@ -260,6 +266,7 @@ def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str,
         host = EngineHost(engine, model_name, max_queued_rows=sys.maxsize, owns_weights=True)
         sampler = getattr(engine, "sampler_kind", None)
         info = {"pool_reason": host.thread.pool_reason, "row_budget": host.thread.row_budget,
+                "context": host.thread.context,
                 "sampler": sampler() if sampler else None, "pid": os.getpid(),
                 "warmed": host.thread.warm_pool() if warm_pool else None}
     except BaseException as err:  # noqa: BLE001 - the HTTP process raises it (a SpecError stays exit 2)
@@ -293,6 +300,7 @@ class RemoteScheduler(RowQueue):
         self.proc = proc
         self.pool_reason = info["pool_reason"]
         self.row_budget = info["row_budget"]
+        self.context = info["context"]
         self.max_queued_rows = max_queued_rows
         self.queued_rows = 0
         self.stats = {"refused": 0}
@@ -439,14 +447,18 @@ class EngineProcess:
         deltas.clear()
 
     def stop(self) -> None:
-        """Close the pipe (the engine process exits on it), then make sure it has."""
+        """Tell the engine process to exit, then make sure it has. A message, not the pipe's close: this process's
+        reader thread is blocked reading the pipe, which keeps it open for the engine process whatever `close` does
+        here (it waited out 10 s, then was killed)."""
         self.stopping = True
+        self.send(("stop",))
         self.writer.close()
-        self.conn.close()
-        self.proc.join(10)
+        self.writer.thread.join(STOP_WAIT_S)
+        self.proc.join(STOP_WAIT_S)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)
+        self.conn.close()
 
 
 class RemoteHost:

@@ -90,17 +90,17 @@ class _RowStream:
 
 
 def _held(text: str, stops: list[str]) -> int:
-    """Characters at the end of `text` to hold back: the longest that starts a stop string, or an incomplete
-    character (decoded as U+FFFD)."""
-    if text.endswith("\ufffd"):
-        return len(text) - len(text.rstrip("\ufffd"))
+    """Characters at the end of `text` to hold back: any incomplete character (decoded as U+FFFD: the next tokens
+    may complete it), and before it the longest end that starts a stop string (the next tokens may complete the
+    stop, which the final text is cut before). What goes out is then always a prefix of the final text."""
+    whole = text.rstrip("\ufffd")
     held = 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), held, -1):
-            if text.endswith(stop[:k]):
+        for k in range(min(len(stop) - 1, len(whole)), held, -1):
+            if whole.endswith(stop[:k]):
                 held = k
                 break
-    return held
+    return len(text) - len(whole) + held
 
 
 async def live_events(planned: Planned, sub: Submission) -> AsyncIterator[str]:
@@ -200,7 +200,7 @@ def _final_chunks(reply, i: int, final: Choice, state: _RowStream, chunk, logpro
                         logprobs=logprobs)
     else:
         text = final.message.get("content") or "" if final.message is not None else final.text
-        rest = text[len(state.sent):] if text.startswith(state.sent) else text
+        rest = text[len(state.sent):]  # what was sent is a prefix of it (`_held`): never sent twice
         logprobs = logprobs_of(final, state.tokens_sent, len(final.ids))
         if rest or logprobs is not None:
             yield chunk(i, rest, logprobs)

@@ -9,7 +9,10 @@ What the fields mean here:
   default 0) numbers the request's samples from there in the seed's noise: a trainer that splits a step over
   several servers sends each part with the index of its first sample, so each sample is what one server would draw.
 - `logprobs: k` (completions) / `logprobs: true, top_logprobs: k` (chat, k <= 20): the chosen tokens' log-probs
-  and the k most likely tokens of the same distribution at each step.
+  and the k most likely tokens of the same distribution at each step; tokens as OpenAI names them (their text,
+  their bytes, completions' `text_offset`: `shapes.TokenText`).
+- `max_tokens`: a prompt plus it past the server's limit (the pool's rows, `rollout.max_prompt_tokens +
+  rollout.max_new_tokens` rounded up, or the model's context) is refused with a 400 naming both numbers.
 - `stop` (a string or a list): a choice ends at the first token after which its text contains a stop string; the
   text ends before the stop string (as OpenAI's), `token_ids` keep the token that completed it, and
   `finish_reason` is "stop" (also when the model sampled its end-of-sequence token; "length" otherwise).
@@ -20,12 +23,13 @@ What the fields mean here:
 - `tools` (chat): a Qwen/Hermes-style `<tool_call>{"name": ..., "arguments": ...}</tool_call>` in the sampled text
   naming a given tool becomes a `tool_calls` entry (finish_reason "tool_calls"); other `<tool_call>` text stays
   in the content and is counted in the choice's `malformed_tool_calls` (and in `/v1/rlspec/counters`).
-  Tool results come back as `role: tool` messages, rendered by the chat template.
+  Tool results come back as `role: tool` messages, rendered by the chat template. `tool_choice: "none"` keeps the
+  tools in the prompt (as OpenAI shows them) and takes no call out of the text.
 - `echo` (completions) puts the prompt's text before each choice's text.
 - Refused with a 400 naming the field: `logit_bias`, `presence_penalty`, `frequency_penalty`, `best_of` > 1,
   `suffix`, `response_format` other than text, `tool_choice` other than auto/none, `functions`,
   `function_call`, `audio`, `modalities` other than text, `prediction`, `echo` with `logprobs`. Unknown fields
-  are ignored, as OpenAI does.
+  are ignored and null is the default, as OpenAI does. Refusals come as OpenAI's error object (`shapes.py`).
 - Each choice also carries `token_ids` and `prompt_token_ids`; a response carries the `weight_version` it was
   sampled with.
 
@@ -46,7 +50,7 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictInt, model_validator
 
 from ..rollout.hf import prompt_token_ids
 from ..rollout.noise import sample_key_list
@@ -57,6 +61,7 @@ from .chat import ChatError, TemplateError, decoder, normalize_messages, parse_t
 from .live import Choice, live_events
 from .live import Planned as _Planned
 from .scheduler import QueueFull, Submission
+from .shapes import token_text
 
 MAX_PROMPTS = 4096
 MAX_TOP_LOGPROBS = 20
@@ -68,7 +73,13 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """Fields both routes share; unknown fields are ignored, as OpenAI does."""
+    """Fields both routes share; unknown fields are ignored, as OpenAI does, and a field given as null takes its
+    default (OpenAI's clients send null for settings left unset)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     model: Optional[str] = None
     temperature: float = Field(1.0, ge=0.0, le=100.0)
@@ -84,10 +95,11 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, List[str], List[int], List[List[int]]]
-    """Text, texts, token ids, or lists of token ids."""
+    prompt: Union[str, List[str], List[StrictInt], List[List[StrictInt]]]
+    """Text, texts, token ids, or lists of token ids (`true` is not an id)."""
     max_tokens: int = Field(16, ge=1, le=1 << 16)
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """A count of top log-probs (`true` is refused: it is chat's field)."""
     first_sample: int = Field(0, ge=0)
     echo: bool = False
     best_of: Optional[int] = None
@@ -111,8 +123,9 @@ class ChatRequest(_Common):
     prediction: Optional[Any] = None
 
 
-def bad(field_name: str, message: str, status: int = 400) -> HTTPException:
-    return HTTPException(status_code=status, detail=[{"loc": ["body", field_name], "msg": message}])
+def bad(field_name: str, message: str, status: int = 400, **extra: Any) -> HTTPException:
+    """A refusal naming a request field (the app sends it as OpenAI's error object: `shapes.py`)."""
+    return HTTPException(status_code=status, detail=[{"loc": ["body", field_name], "msg": message, **extra}])
 
 
 def _refuse_unsupported(req: BaseModel) -> None:
@@ -128,14 +141,37 @@ def _refuse_unsupported(req: BaseModel) -> None:
 
 
 @contextlib.contextmanager
-def _prompt_errors():
-    """A prompt longer than rollout.max_prompt_tokens is bad input: the spec key and its fix go along (a trainer's
-    client turns them back into the `SpecError` a colocated engine raises)."""
+def _prompt_errors(field_name: str = "prompt"):
+    """A prompt longer than rollout.max_prompt_tokens is bad input (naming `field_name`, chat's `messages`): the
+    spec key and its fix go along (a trainer's client turns them back into the `SpecError` a colocated engine
+    raises)."""
     try:
         yield
     except SpecError as err:
-        raise HTTPException(status_code=400, detail=[{"loc": ["body", "prompt"], "msg": err.problem,
-                                                      "spec_key": err.where, "fix": err.fix}]) from None
+        raise bad(field_name, f"{field_name}: {err.problem}", spec_key=err.where, fix=err.fix) from None
+
+
+def _encode(tokenizer, prompts: list, max_prompt_tokens: int, field_name: str) -> list[list[int]]:
+    """Each prompt's ids; a prompt past `rollout.max_prompt_tokens` is refused naming `field_name` and its length
+    (never its ids: a chat prompt is rendered ids)."""
+    encoded = prompt_token_ids(tokenizer, prompts, 1 << 62)
+    longest = max(len(ids) for ids in encoded)
+    if longest > max_prompt_tokens:
+        what = "the rendered messages are" if field_name == "messages" else "a prompt is"
+        raise SpecError("rollout.max_prompt_tokens", f"{what} {longest} tokens long, past this server's "
+                        f"rollout.max_prompt_tokens={max_prompt_tokens}",
+                        "raise rollout.max_prompt_tokens (the server's spec) or shorten the prompt")
+    return encoded
+
+
+@contextlib.contextmanager
+def _queue_full():
+    """`QueueFull` as 429 with Retry-After."""
+    try:
+        yield
+    except QueueFull as full:
+        raise HTTPException(429, detail=[{"loc": ["server"], "msg": str(full)}],
+                            headers={"Retry-After": str(full.retry_after_s)}) from None
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -192,26 +228,24 @@ class Reply:
         logprobs = self._completion_logprobs(c, 0, len(c.ids)) if self.show_logprobs else None
         return {"index": i, "text": text, "finish_reason": c.finish_reason, "logprobs": logprobs, **extra}
 
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
     def _chat_logprobs(self, c: Choice, start: int, end: int) -> list[dict[str, Any]]:
+        tokens = token_text(self.tokenizer)
+
         def entry(token_id: int, logp: float) -> dict[str, Any]:
-            token = self._token(token_id)
-            return {"token": token, "logprob": logp, "bytes": list(token.encode())}
+            return {"token": tokens.text(token_id), "logprob": logp, "bytes": list(tokens.bytes(token_id))}
 
         return [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in (c.top[k] if c.top else [])[:self.top_logprobs]]}
                 for k, (t, lp) in enumerate(zip(c.ids[start:end], c.logprobs[start:end]), start=start)]
 
     def _completion_logprobs(self, c: Choice, start: int, end: int) -> dict[str, Any]:
-        # The tokenizer's own token strings: `top_logprobs` are dicts keyed by them, and decoded text can collide
-        # (every lone byte of a multi-byte character decodes to the same replacement character).
-        symbol = self.tokenizer.convert_ids_to_tokens
+        # Tokens by their text (`shapes.TokenText`: a part of a character is named by its bytes, so the keys of
+        # `top_logprobs` do not collide on the replacement character).
+        tokens = token_text(self.tokenizer)
         top = None
         if self.top_logprobs and c.top is not None:
-            top = [{symbol(a): b for a, b in c.top[k][:self.top_logprobs]} for k in range(start, end)]
-        return {"tokens": symbol(c.ids[start:end]), "token_logprobs": c.logprobs[start:end],
-                "top_logprobs": top, "text_offset": None}
+            top = [{tokens.text(a): b for a, b in c.top[k][:self.top_logprobs]} for k in range(start, end)]
+        return {"tokens": [tokens.text(t) for t in c.ids[start:end]], "token_logprobs": c.logprobs[start:end],
+                "top_logprobs": top, "text_offset": tokens.offsets(c.ids, start, end)}
 
     def _events(self) -> Iterator[str]:
         chunks = self._chat_chunks() if self.kind == "chat" else self._completion_chunks()
@@ -283,18 +317,20 @@ class OpenAIRoutes:
             raise bad("model", f"this server serves {self.host.model_name!r}", status=404)
 
     def _job(self, prompts: list, n: int, seed: int | None, max_tokens: int, temperature: float, top_p: float,
-             top_logprobs: int, stops: list[str], first_sample: int = 0) -> "_Planned":
+             top_logprobs: int, stops: list[str], first_sample: int = 0, field_name: str = "prompt",
+             max_tokens_given: bool = True) -> "_Planned":
         """The request as the scheduler takes it: its rows (each prompt `n` times, each row its noise key, sample
         `first_sample + i` of `seed`), or, where the decode batch cannot take it, the engine job that samples it
-        alone; and how a row's tokens become a choice cut at its stop string."""
+        alone; and how a row's tokens become a choice cut at its stop string. A prompt plus `max_tokens` past the
+        server's limit is refused (`max_tokens_given` false: the default is cut to fit instead)."""
         engine = self.host.engine
         seed = seed if seed is not None else secrets.randbits(31)
         planned = _Planned(stops=stops, tokenizer=self.tokenizer)
         scheduler = self.host.thread
-        with _prompt_errors():
-            encoded = prompt_token_ids(self.tokenizer, prompts, engine.spec.max_prompt_tokens) \
-                if scheduler.pool_reason is None else None
-        if encoded is not None and scheduler.takes(encoded, max_tokens):
+        with _prompt_errors(field_name):
+            encoded = _encode(self.tokenizer, prompts, engine.spec.max_prompt_tokens, field_name)
+        max_tokens = self._fit(encoded, max_tokens, max_tokens_given)
+        if scheduler.takes(encoded, max_tokens):
             keys = sample_key_list(seed, first_sample, len(encoded) * n)
             planned.rows = [ids for ids in encoded for _ in range(n)]
             planned.samplings = [RowSampling(key, max_tokens, temperature if temperature > 0 else 1.0, top_p,
@@ -305,6 +341,23 @@ class OpenAIRoutes:
                             first_sample)
         return planned
 
+    def _fit(self, encoded: list[list[int]], max_tokens: int, given: bool) -> int:
+        """`max_tokens`, checked against the server's limit on a row's prompt plus its tokens
+        (`RowQueue.token_limit`): 400 naming max_tokens past it; a default (not `given`) cut to fit."""
+        limit, why, spec_key = self.host.thread.token_limit()
+        longest = max(len(ids) for ids in encoded)
+        if limit is None:
+            return max_tokens
+        if not given:
+            max_tokens = max(1, min(max_tokens, limit - longest))
+        if longest + max_tokens > limit:
+            room = f"at most {limit - longest}" if limit > longest else "none: the prompt alone reaches it"
+            extra = {"spec_key": spec_key, "fix": f"raise {spec_key} in the server's spec, or ask for fewer tokens"} \
+                if spec_key else {}
+            raise bad("max_tokens", f"max_tokens={max_tokens} and a prompt of {longest} tokens make "
+                                    f"{longest + max_tokens} tokens, past {why}; max_tokens can be {room}", **extra)
+        return max_tokens
+
     def _reply(self, planned: "_Planned", version: int | None, choices: list[Choice]) -> Reply:
         for c in choices:
             planned.finish_choice(c)
@@ -314,8 +367,9 @@ class OpenAIRoutes:
         """A planned request (`_completion` / `_chat`) served from a worker thread (the agent gateway's)."""
         with _prompt_errors():
             if planned.generate is not None:
-                return self._reply(planned, *planned.rollout_choices(*self.host.thread.run(generate_alone, self.host,
-                                                                                            *planned.generate)))
+                with self._counted(planned):
+                    return self._reply(planned, *planned.rollout_choices(*self.host.thread.run(
+                        generate_alone, self.host, *planned.generate)))
             sub = self._submit(planned)
             sub.done.wait()
             return self._reply(planned, *planned.submission_choices(sub))
@@ -326,8 +380,9 @@ class OpenAIRoutes:
         rows. Returns the reply, or the live stream's response."""
         with _prompt_errors():
             if planned.generate is not None:
-                return self._reply(planned, *planned.rollout_choices(*(await self.host.generate_alone(
-                    *planned.generate))))
+                with self._counted(planned):
+                    return self._reply(planned, *planned.rollout_choices(*(await self.host.generate_alone(
+                        *planned.generate))))
             sub = self._submit(planned)
             if stream:
                 return StreamingResponse(live_events(planned, sub), media_type="text/event-stream")
@@ -336,11 +391,19 @@ class OpenAIRoutes:
 
     def _submit(self, planned: "_Planned") -> Submission:
         sub = Submission(planned.rows, planned.samplings, planned.stops, planned.decode)
-        try:
+        with _queue_full():
             return self.host.thread.submit_rows(sub)
-        except QueueFull as full:
-            raise HTTPException(429, detail=[{"loc": ["server"], "msg": str(full)}],
-                                headers={"Retry-After": str(full.retry_after_s)}) from None
+
+    @contextlib.contextmanager
+    def _counted(self, planned: "_Planned"):
+        """A request that runs alone, its rows counted against the queue's bound meanwhile (429 past it)."""
+        prompts, n = planned.generate[0], planned.generate[1]
+        with _queue_full():
+            self.host.thread._queue(len(prompts) * n)
+        try:
+            yield
+        finally:
+            self.host.thread._unqueue(len(prompts) * n)
 
     def completion(self, req: CompletionRequest) -> Reply:
         return self._run(self._completion(req))
@@ -393,21 +456,23 @@ class OpenAIRoutes:
         self._check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise bad("top_logprobs", "top_logprobs needs logprobs: true")
-        tools = req.tools if req.tool_choice != "none" else None
+        tools = req.tools
+        parse_tools = bool(tools) and req.tool_choice != "none"  # "none": the tools stay visible, none is called
         try:
             prompt_ids = render(self.tokenizer, normalize_messages(req.messages), tools, sampled)
         except ChatError as err:
             refusal = bad(err.field, str(err))
             refusal.detail[0]["template_dropped_turn"] = isinstance(err, TemplateError)
             raise refusal from None
-        max_tokens = req.max_completion_tokens or req.max_tokens or self.host.engine.spec.max_new_tokens
-        planned = self._job([prompt_ids], req.n, req.seed, max_tokens, req.temperature, req.top_p,
-                            req.top_logprobs or 0, _stops(req.stop))
+        asked = req.max_completion_tokens or req.max_tokens
+        planned = self._job([prompt_ids], req.n, req.seed, asked or self.host.engine.spec.max_new_tokens,
+                            req.temperature, req.top_p, req.top_logprobs or 0, _stops(req.stop),
+                            field_name="messages", max_tokens_given=asked is not None)
         names = {(t.get("function") or t).get("name") for t in tools or []}
-        planned.tools = bool(tools)
+        planned.tools = parse_tools
 
         def finish_choice(c: Choice) -> None:
-            content, calls, c.malformed_tool_calls = parse_tool_calls(c.text, names) if tools else (c.text, [], 0)
+            content, calls, c.malformed_tool_calls = parse_tool_calls(c.text, names) if parse_tools else (c.text, [], 0)
             c.message = {"role": "assistant", "content": content}
             if calls:
                 c.message["tool_calls"] = calls

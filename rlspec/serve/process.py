@@ -27,6 +27,9 @@ from . import TOKEN_ENV, TOKEN_FILE_ENV
 
 PARENT_POLL_S = 0.5
 STOP_GRACE_S = 5.0
+SHUTDOWN_TIMEOUT_S = 5.0
+"""`rlspec serve --shutdown-timeout-s`'s default: what the requests in flight get to finish once the server is told to
+stop (SIGTERM: `docker stop` and Kubernetes wait 10 and 30 s before they kill)."""
 
 
 SWITCH_INTERVAL_S = 0.0005
@@ -107,16 +110,22 @@ against 100 ms) and at 256 (0.73 against 0.58 of the engine's batched tokens/s).
 
 def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, allow_remote: bool = False,
           engine_index: int = 0, max_queued_rows: int | None = None, engine_process: str = "on",
-          warm_pool: bool = False) -> None:
+          warm_pool: bool = False, shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
     """Run the server in this process until it is stopped (SIGTERM/SIGINT) or its parent dies; with `engine_process`
     (see `ENGINE_PROCESS`) its engine runs in a child process, which ends with it. `warm_pool`: every pool size's
-    decode step and every token bucket's packed prefill captured before it serves (`Scheduler.warm_pool`)."""
+    decode step and every token bucket's packed prefill captured before it serves (`Scheduler.warm_pool`).
+    Stopping: no new connection is accepted, the requests in flight get `shutdown_timeout_s` to finish (then are cut
+    off), and the process exits (the engine process told to stop, not waited out)."""
     import uvicorn
 
     from .app import FAULT_ENV, MAX_QUEUED_ROWS, EngineHost, build_app
     from .engine_process import settle_heap
 
     check_bind(host, allow_remote)
+    if not shutdown_timeout_s >= 0:
+        raise SpecError("--shutdown-timeout-s", f"must be a number of seconds >= 0, got {shutdown_timeout_s}",
+                        f"e.g. --shutdown-timeout-s {SHUTDOWN_TIMEOUT_S:g} (what requests in flight get to finish "
+                        "when the server stops)")
     if max_queued_rows is not None and max_queued_rows < 1:
         raise SpecError("--max-queued-rows", f"must be at least 1, got {max_queued_rows}",
                         "e.g. --max-queued-rows 8192 (rows waiting for a decode slot before requests get 429)")
@@ -164,7 +173,8 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
         print(f"rlspec serve: serving pool warmed: {warmed[0]} graphs (decode steps, packed prefills) captured in "
               f"{warmed[1]:.1f} s", file=sys.stderr, flush=True)
     app = build_app(engine_host, token)
-    web = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    web = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                        timeout_graceful_shutdown=shutdown_timeout_s))
     if parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if os.environ.get(FAULT_ENV) == "hang_start":
@@ -172,17 +182,27 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
             time.sleep(1)
     where = f"pid {os.getpid()}" + (f", engine process pid {engine_host.engine_pid}" if engine_process == "on" else "")
     print(f"rlspec serve: {name} on http://{host}:{port} ({where})", file=sys.stderr, flush=True)
-    if token_path is not None:
-        # uvicorn re-raises the SIGTERM it shut down on: exit through Python, so the token file goes with the server.
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # uvicorn re-raises the SIGTERM it shut down on: exit through Python, so the token file goes with the server.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     settle_heap()
+    code = None
     try:
         web.run()
+    except SystemExit as stop:  # SIGTERM, after uvicorn's shutdown (`shutdown_timeout_s`)
+        code = stop.code
+    except KeyboardInterrupt:
+        code = 130
     finally:
         if engine_process == "on":
             engine_host.stop()
         if token_path is not None:
             shutil.rmtree(token_path.parent, ignore_errors=True)
+    if code is not None:
+        # Stopped: nothing is left to write, so exit now, without the interpreter's teardown of torch and the model
+        # (a second of a server's idle exit, measured on CPU).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if gone:
         raise RunError(gone[0])
 

@@ -19,8 +19,10 @@ refused (`QueueFull`: 429 with Retry-After) unless nothing waits (a request larg
 accepted). A request accepted is never dropped: only its client can cancel it (`Submission.cancel`, when it
 disconnects), which frees its rows at the next step.
 
-Requests the pool cannot take (an engine that is not in this process, a model the slot pool cannot run, a prompt
-plus max_tokens past the pool's cache length) run as jobs, one at a time, as the server ran every request before.
+Requests the pool cannot take (an engine that is not in this process, a model the slot pool cannot run) run as
+jobs, one at a time, as the server ran every request before; their rows count against the same bound while they
+wait and run. A prompt plus max_tokens past the pool's cache length or the model's context is refused by the
+routes (`RowQueue.token_limit`).
 """
 
 from __future__ import annotations
@@ -166,11 +168,25 @@ class RowQueue:
     """What the routes ask of a scheduler before rows go to it, kept where the requests arrive: whether rows join
     the decode batch, and the count of rows waiting for a slot against `max_queued_rows` (`Scheduler` here,
     `engine_process.RemoteScheduler` in the HTTP process of an engine of its own). Subclasses set `pool_reason`,
-    `row_budget`, `max_queued_rows`, `queued_rows`, `stats` (with "refused") and `_count_lock`."""
+    `row_budget`, `context`, `max_queued_rows`, `queued_rows`, `stats` (with "refused") and `_count_lock`."""
 
     def takes(self, prompt_ids: list[list[int]], max_tokens: int) -> bool:
         """Whether rows of these prompts join the decode batch (else the request runs as a job)."""
         return self.pool_reason is None and all(len(p) + max_tokens <= self.row_budget for p in prompt_ids)
+
+    def token_limit(self) -> tuple[int | None, str, str | None]:
+        """(the most tokens a row's prompt plus max_tokens may reach here (None: no limit known), what sets it, the
+        spec key that raises it): the model's context (`context`) and, where rows join the decode batch, the pool's
+        cache length. A request past it is refused (400): one past the pool would run alone, outside the batch, the
+        queue's bound and its client's cancel, and one past the context decodes positions the model never saw."""
+        limits = []
+        if self.context is not None:
+            limits.append((self.context, f"the model's context of {self.context} positions", None))
+        if self.pool_reason is None:
+            limits.append((self.row_budget, f"this server's limit of {self.row_budget} tokens a row (its spec's "
+                                            "rollout.max_prompt_tokens + rollout.max_new_tokens, rounded up)",
+                           "rollout.max_new_tokens"))
+        return min(limits, key=lambda limit: limit[0]) if limits else (None, "", None)
 
     def _queue(self, rows: int) -> None:
         """Count `rows` as waiting for a slot; `QueueFull` past the bound (nothing counted then)."""
@@ -209,6 +225,8 @@ class Scheduler(RowQueue):
         self._beside: ThreadPoolExecutor | None = None
         self.row_budget = row_budget(engine) if self.pool_reason is None else 0
         """Prompt plus max tokens a row of the pool may reach (its cache length)."""
+        self.context = model_context(engine)
+        """The model's positions (None where unknown: an engine outside this process)."""
         self.pool: ServingPool | None = None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: deque = deque()
@@ -439,7 +457,7 @@ class Scheduler(RowQueue):
             touched[id(sub)] = sub
             if d.ended:
                 self._end_row(d.row_id)
-            elif sub.stops and sub.stop_window is not None and _stopped(sub, i):
+            elif sub.stops and sub.stop_window is not None and _stopped(sub, i, len(d.tokens)):
                 stopped.append(d.slot)
                 self._end_row(d.row_id)
         self.pool.release(stopped)
@@ -457,10 +475,11 @@ class Scheduler(RowQueue):
             sub.notify()
 
 
-def _stopped(sub: Submission, i: int) -> bool:
-    """Whether row `i`'s recent text holds a stop string (its last tokens: a stop of L characters spans at most
-    4 L tokens of a byte-level vocabulary, plus one that completes it)."""
-    window = 4 * max(len(s) for s in sub.stops) + 2
+def _stopped(sub: Submission, i: int, new: int) -> bool:
+    """Whether row `i`'s text holds a stop string after its `new` latest tokens (one decode run's: up to 8 on
+    CUDA). A stop completed by any of them ends within the window decoded: those tokens and, before them, the
+    4 L tokens a stop of L characters spans at most in a byte-level vocabulary, plus one."""
+    window = new + 4 * max(len(s) for s in sub.stops) + 1
     text = sub.stop_window(sub.ids[i][-window:])
     return any(s in text for s in sub.stops)
 
@@ -479,6 +498,13 @@ def pool_unsupported(engine) -> str | None:
     if not isinstance(engine, HFEngine):
         return f"the engine ({type(engine).__name__}) samples outside this process"
     return unsupported_reason(engine.model)
+
+
+def model_context(engine) -> int | None:
+    """The positions `engine`'s model was built for (its config's `max_position_embeddings`), None if unknown."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    context = getattr(config, "max_position_embeddings", None)
+    return context if isinstance(context, int) else None
 
 
 def row_budget(engine) -> int:

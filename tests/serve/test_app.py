@@ -57,15 +57,38 @@ def test_completions_return_the_engines_tokens_and_logprobs(served):
     ({"prompt": "a", "best_of": 2}, "best_of"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "n": "many"}, "n"),
+    ({"prompt": "a", "max_tokens": 600}, "max_tokens"),  # past the pool's rows and the model's context
+    ({"prompt": "a", "logprobs": True}, "logprobs"),  # chat's boolean: not a count
+    ({"prompt": [True, False]}, "prompt"),  # not token ids
 ])
 def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(served, body, field):
     client, _, _ = served
     out = client.post("/v1/completions", json=body)
-    assert 400 <= out.status_code < 500, out.text
-    assert field in [str(part) for item in out.json()["detail"] for part in item["loc"]], out.text
+    assert out.status_code == 400, out.text
+    assert out.json()["error"]["param"] == field, out.text
     assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["sampler"] == "plain (not on CUDA)"
+
+
+def test_a_prompt_plus_max_tokens_past_the_limit_is_refused_naming_max_tokens_and_the_numbers(served):
+    from rlspec.serve.scheduler import RowQueue
+
+    client, host, _ = served
+    limit = host.thread.row_budget  # the pool's rows: rollout.max_prompt_tokens + max_new_tokens, rounded up
+    assert limit < host.thread.context == 512
+    prompt = [5, 6, 7]
+    out = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": limit - 2})
+    error = out.json()["error"]
+    assert out.status_code == 400 and error["param"] == "max_tokens", out.text
+    assert f"max_tokens={limit - 2} and a prompt of 3 tokens make {limit + 1} tokens" in error["message"]
+    assert f"limit of {limit} tokens" in error["message"] and f"at most {limit - 3}" in error["message"]
+    assert error["spec_key"] == "rollout.max_new_tokens"
+    queue = RowQueue()  # where the model's context is the lower limit, it decides (and no spec key raises it)
+    queue.pool_reason, queue.row_budget, queue.context = None, 4096, 512
+    assert queue.token_limit() == (512, "the model's context of 512 positions", None)
+    queue.pool_reason, queue.context = "an engine outside this process", None
+    assert queue.token_limit()[0] is None
 
 
 def _client(client):
@@ -173,9 +196,9 @@ def test_a_too_long_prompt_is_bad_input_naming_the_spec_key_on_both_sides(served
     client, _, engine = served
     out = client.post("/v1/completions", json={"prompt": "a" * 300})
     assert out.status_code == 400
-    detail = out.json()["detail"][0]
-    assert detail["loc"] == ["body", "prompt"] and detail["spec_key"] == "rollout.max_prompt_tokens"
-    assert "raise rollout.max_prompt_tokens" in detail["fix"]
+    error = out.json()["error"]
+    assert error["param"] == "prompt" and error["spec_key"] == "rollout.max_prompt_tokens"
+    assert "raise rollout.max_prompt_tokens" in error["fix"] and error["type"] == "invalid_request_error"
     remote = ServerClient("http://testserver", TOKEN)
     remote.http = client  # the app in-process, through the trainer's own client code
     served_engine = ServedEngine(remote, engine.tokenizer, engine.spec, starts_in_sync=True)

@@ -155,3 +155,38 @@ def test_packed_prefill_graphs_give_each_prompt_what_it_gets_alone():
         got.append(tokens)
     same = [i for i in got[0] if got[0][i] == got[1][i]]
     assert len(same) >= len(rows) - 2, (got[0], got[1])
+
+
+def test_a_one_character_stop_early_in_a_decode_run_ends_the_row_there():
+    """A decode run on CUDA hands over up to 8 tokens at once; a stop string completed by any of them (here a
+    one-character stop at each of the first 8 characters of a seeded text) ends the row after that run, not at
+    max_tokens (the check once decoded only the run's last 4 L + 2 tokens)."""
+    _stops_end_rows_in_their_run("cuda")
+
+
+def _stops_end_rows_in_their_run(device: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from rlspec.models.factory import load_model, load_tokenizer
+    from rlspec.rollout.hf import HFEngine
+    from rlspec.serve.app import EngineHost, build_app
+    from rlspec.spec import ModelSpec, RolloutSpec
+
+    spec = ModelSpec()
+    engine = HFEngine(load_model(spec, 0).to(device).eval().requires_grad_(False), load_tokenizer(spec),
+                      RolloutSpec(max_new_tokens=256), device)
+    host = EngineHost(engine, "tiny", owns_weights=True)
+    with TestClient(build_app(host, "tok")) as http:
+        body = {"prompt": "ab=", "seed": 1, "max_tokens": 200}
+        full = http.post("/v1/completions", json=body).json()["choices"][0]
+        tried = 0
+        for at, stop in enumerate(full["text"][:8]):
+            if stop in full["text"][:at] or stop == "\ufffd":
+                continue  # the stop must first appear here
+            steps = host.thread.stats["steps"]
+            cut = http.post("/v1/completions", json={**body, "stop": stop}).json()["choices"][0]
+            assert cut["text"] == full["text"][:at] and cut["finish_reason"] == "stop", (at, stop)
+            runs = host.thread.stats["steps"] - steps
+            assert runs <= math.ceil(len(cut["token_ids"]) / host.thread.pool.check_every) + 1, (at, stop, runs)
+            tried += 1
+        assert tried >= 3

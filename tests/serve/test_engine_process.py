@@ -218,3 +218,70 @@ def test_the_pipe_writer_keeps_the_order_batches_what_queued_and_sends_a_body_af
     assert received(theirs.recv()) == [("small", 50)]
     writer.close()
     ours.close()
+
+
+@pytest.mark.parametrize("engine_process,in_flight", [("on", False), pytest.param("off", True, marks=pytest.mark.slow),
+                                                      pytest.param("on", True, marks=pytest.mark.slow)])
+def test_sigterm_cuts_off_what_is_in_flight_after_the_shutdown_timeout_and_exits(engine_process, in_flight):
+    """`rlspec serve --shutdown-timeout-s 1`, SIGTERM idle or while a long stream is in flight: the stream is cut
+    off after the timeout and the server (and its engine process: told to stop, not waited out for 10 s while the
+    pipe's reader held the pipe open) exits soon after, exit code 143, its token file removed."""
+    import subprocess
+    import sys
+    import threading
+
+    import httpx
+
+    from rlspec.serve.process import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "rlspec.cli", "serve", "examples/tiny.yaml", "--port", str(port),
+                             "--engine-process", engine_process, "--shutdown-timeout-s", "1", "hardware.num_threads=1"],
+                            env={k: v for k, v in os.environ.items() if not k.startswith("RLSPEC_SERVE_TOKEN")},
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while not _healthy(url):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+            time.sleep(0.2)
+        started, ended = threading.Event(), []
+
+        def stream():  # 256 rows of 300 tokens: far longer than the timeout on a CPU
+            body = {"prompt": "ab=", "n": 256, "max_tokens": 300, "seed": 0, "stream": True}
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120, trust_env=False) as out:
+                    for _ in out.iter_lines():
+                        started.set()
+            except httpx.HTTPError as err:
+                ended.append(err)
+            ended.append("closed")
+
+        reader = threading.Thread(target=stream, daemon=True)
+        if in_flight:
+            reader.start()
+            assert started.wait(120)
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        took = time.monotonic() - began
+        if in_flight:
+            reader.join(10)
+            assert ended, "the stream was still open after the server exited"
+        assert took < (6 if in_flight else 5), f"{took:.1f} s from SIGTERM to exit with --shutdown-timeout-s 1"
+        token_file = proc.stderr.read().decode().split("bridge token written to ")[1].split(" ")[0]
+        assert code == 143 and not os.path.exists(token_file)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -140,6 +140,35 @@ def test_stream_chunks_join_to_the_unstreamed_text(served):
     assert streamed == client.completions.create(**comp).choices[0].text
 
 
+def test_streams_equal_the_unstreamed_text_with_stops_of_multi_byte_characters(served):
+    """A stop whose first character the text holds before a multi-byte character was once sent, then the whole
+    text again (tests/serve/test_stops.py covers random stops and decode runs without a server)."""
+    client, _, _ = served
+    checked = 0
+    for seed in (3, 4):  # seeds whose text holds a multi-byte character
+        for route in ("completions", "chat"):
+            kwargs = dict(model=MODEL, seed=seed, max_tokens=24, n=2)
+            if route == "chat":
+                create, kwargs["messages"] = client.chat.completions.create, USER
+                text_of, delta_of = (lambda c: c.message.content), (lambda c: c.delta.content)
+            else:
+                create, kwargs["prompt"] = client.completions.create, "ab="
+                text_of, delta_of = (lambda c: c.text), (lambda c: c.text)
+            full = text_of(create(**kwargs).choices[0]) or ""
+            at = next((k for k in range(1, len(full)) if ord(full[k]) > 0x7F and full[k] != "\ufffd"), None)
+            if at is None:
+                continue
+            stop = full[at - 1:at + 1]
+            whole = create(**kwargs, stop=[stop, "\u0800"]).choices
+            streamed = {0: "", 1: ""}
+            for chunk in create(**kwargs, stop=[stop, "\u0800"], stream=True):
+                for c in chunk.choices:
+                    streamed[c.index] += delta_of(c) or ""
+            assert [streamed[c.index] for c in whole] == [text_of(c) or "" for c in whole], (seed, route, stop)
+            checked += 1
+    assert checked == 4
+
+
 class ScriptedEngine:
     """An engine whose every completion is the given text (then the end token): the tool-call parser's input."""
 
@@ -183,6 +212,12 @@ def test_tool_calls_are_parsed_and_tool_results_go_back_through_the_template():
         assert prompt.endswith('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call></s>\n'
                                "<|im_start|>tool\n3</s>\n<|im_start|>assistant\n"), prompt
         assert prompt.startswith("<|im_start|>system\ntools: add</s>\n")
+        # tool_choice "none": the tools stay in the prompt (as OpenAI shows them), and no call is taken out of the text
+        none = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="none").choices[0]
+        prompt = http.app.state.openai.tokenizer.decode(none.prompt_token_ids)
+        assert prompt.startswith("<|im_start|>system\ntools: add</s>\n"), prompt
+        assert none.message.content == "let me add " + call and not none.message.tool_calls
+        assert none.finish_reason == "stop"
     for text, malformed in (('<tool_call>{"name": "add", "arguments": </tool_call>', 1),  # bad JSON
                             ('<tool_call>{"name": "mul", "arguments": {}}</tool_call>', 1),  # no such tool
                             ('<tool_call>{"name": "add"', 1)):  # never closed
@@ -210,6 +245,8 @@ CHAT_REFUSED = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"stop": [""]}, "stop"),
     ({"model": "another"}, "model"),
+    ({"max_tokens": 600}, "max_tokens"),  # past the pool's rows and the model's context
+    ({"messages": [{"role": "user", "content": "a" * 300}]}, "messages"),  # past rollout.max_prompt_tokens
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
 ]
@@ -219,6 +256,9 @@ COMPLETION_REFUSED = [
     ({"echo": True, "logprobs": 1}, "echo"),
     ({"logprobs": 21}, "logprobs"),
     ({"prompt": [[1, 10**6]]}, "prompt"),
+    ({"prompt": [True, False]}, "prompt"),
+    ({"logprobs": True}, "logprobs"),
+    ({"max_tokens": 600}, "max_tokens"),
 ]
 
 
@@ -231,9 +271,52 @@ def test_refused_fields_get_a_4xx_naming_them_and_the_server_keeps_serving(serve
             client.chat.completions.create(**{"model": MODEL, "messages": USER, "max_tokens": 2, **extra})
         else:
             client.completions.create(**{"model": MODEL, "prompt": "ab=", "max_tokens": 2, **extra})
-    assert 400 <= err.value.status_code < 500
-    assert field in [str(part) for item in err.value.body["detail"] for part in item["loc"]], err.value.body
+    assert err.value.status_code == (404 if field == "model" else 400), err.value.body
+    assert err.value.param == field and err.value.type == "invalid_request_error", err.value.body
+    assert err.value.code == ("model_not_found" if field == "model" else None)
     assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1).choices[0].token_ids
+
+
+def test_null_is_the_default_wherever_openai_allows_it(served):
+    client, _, _ = served
+    nulls = dict(temperature=None, top_p=None, n=None, stream=None, stop=None, stream_options=None)
+    plain = client.completions.create(model=MODEL, prompt="ab=", seed=2)
+    nulled = client.completions.create(model=MODEL, prompt="ab=", seed=2, max_tokens=None, echo=None, logprobs=None,
+                                       **nulls)
+    assert nulled.choices[0].token_ids == plain.choices[0].token_ids
+    plain = client.chat.completions.create(model=MODEL, messages=USER, seed=2)
+    nulled = client.chat.completions.create(model=MODEL, messages=USER, seed=2, logprobs=None, max_tokens=None,
+                                            tool_choice=None, **nulls)
+    assert nulled.choices[0].token_ids == plain.choices[0].token_ids and nulled.choices[0].logprobs is None
+
+
+def test_logprobs_name_tokens_by_their_text_and_bytes_rebuild_the_text(served):
+    """OpenAI's (and vLLM's) shapes: a token is its decoded text (not the tokenizer's symbol, 'Ġ' for a space), a
+    part of a character is named by its bytes; chat's `bytes` join to the content; `text_offset` says where each
+    token's text begins."""
+    client, http, engine = served
+    tokenizer, special = engine.tokenizer, set(engine.tokenizer.all_special_ids)
+    comp = client.completions.create(model=MODEL, prompt="ab=", seed=3, max_tokens=24, logprobs=20).choices[0]
+    tokens, offsets = comp.logprobs.tokens, comp.logprobs.text_offset
+    assert len(tokens) == len(offsets) == len(comp.token_ids)
+    for k, token_id in enumerate(comp.token_ids):
+        alone = tokenizer.decode([token_id])
+        assert tokens[k] == alone if "\ufffd" not in alone else tokens[k].startswith("bytes:\\x"), (k, tokens[k])
+        before = tokenizer.decode(comp.token_ids[:k], skip_special_tokens=True)
+        if not before.endswith("\ufffd"):
+            assert offsets[k] == len(before), k
+    assert offsets == sorted(offsets) and any(ord(ch) > 0x7F and ch != "\ufffd" for ch in comp.text)
+    keys = {key for top in comp.logprobs.top_logprobs for key in top}
+    # bytes 0-32 as themselves, not as the byte-level symbols 'Ā'...'Ġ' (U+0100-U+0120) a tokenizer writes them in
+    assert any(key < " " for key in keys) and not any("\u0100" <= ch <= "\u0143" for key in keys for ch in key)
+    chat = client.chat.completions.create(model=MODEL, messages=USER, seed=3, max_tokens=24, logprobs=True,
+                                          top_logprobs=2).choices[0]
+    joined = b"".join(bytes(e.bytes) for e, t in zip(chat.logprobs.content, chat.token_ids) if t not in special)
+    assert joined.decode("utf-8", "replace") == chat.message.content
+    assert any(ord(ch) > 0x7F and ch != "\ufffd" for ch in chat.message.content)
+    for entry in chat.logprobs.content:
+        for top in entry.top_logprobs:
+            assert top.token == bytes(top.bytes).decode() if not top.token.startswith("bytes:") else top.bytes
 
 
 def test_the_streams_decoder_gives_the_tokenizers_text():
