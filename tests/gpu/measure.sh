@@ -4,7 +4,8 @@
 # `bash tests/gpu/pack_extra.sh` downloads, whose header lists them: the serve stack, the openai client, TRL).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
 # Sections: install gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat serveprofile admit agents64 train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
-# scale7b weak15b sync7b engines2 models offload multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f multigpu_g (multigpu: all seven).
+# scale7b weak15b sync7b engines2 models offload multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f multigpu_g (multigpu: all seven)
+# faults soak (tests/gpu/faults.py: one call each, per backend; on fewer than 4 GPUs they run on 2, or 1).
 # The multigpu parts (issue 44) each fit one 10-minute call on a 4-GPU machine, one call per part; each row runs under
 # its own timeout and every row refreshes $OUT/multigpu_table.txt (tests/gpu/multigpu_table.py), so a call cut short
 # keeps the rows it finished. On fewer GPUs the rows that need more are skipped and say so.
@@ -500,6 +501,18 @@ print('kv cache GB (prompts up to 128 tokens):', round(slots * length * c['num_h
         rollout.prompts_per_step=$P algorithm.steps=4 model.compile_layers=false ${EXTRA:-} --backends ${runs#,} --out $SCRATCH/b_offload \
         > $OUT/offload_$SHAPE.log 2>&1; echo "offload $SHAPE exit $?" >> $OUT/results.txt
       keep offload_$SHAPE $SCRATCH/b_offload; tail -22 $OUT/offload_$SHAPE.log >> $OUT/results.txt ;;
+    faults)  # issue 57: each fault (a killed rank, a killed engine, a stopped rank, a rank out of memory, SIGTERM then
+      # --resume on half the GPUs) injected into a colocated run on every GPU here (at most 4) of the bench spec;
+      # a JSON row each (tests/gpu/faults.py's header says what is in it). FAULT_BACKENDS= fsdp (default) or deepspeed:
+      # one backend a call; FAULTS= a subset
+      timeout 580 python3 $ROOT/tests/gpu/faults.py faults --spec $BENCH --out $OUT/faults \
+        --backends ${FAULT_BACKENDS:-fsdp} --faults ${FAULTS:-kill_rank,kill_engine,stop_rank,oom,sigterm} \
+        >> $OUT/results.txt 2> $OUT/faults.log; echo "faults exit $?" >> $OUT/results.txt ;;
+    soak)  # issue 57: SOAK_S (default 480) seconds of the bench spec colocated on every GPU here (at most 4), a push
+      # every step, stopped by SIGTERM: GPU memory at step 10 and at the end, step times against their median, the
+      # run's host RSS trend (tests/gpu/faults.py soak); SOAK_BACKEND= fsdp (default) or deepspeed
+      timeout 590 python3 $ROOT/tests/gpu/faults.py soak --spec $BENCH --out $OUT/soak --backend ${SOAK_BACKEND:-fsdp} \
+        --seconds ${SOAK_S:-480} >> $OUT/results.txt 2> $OUT/soak.log; echo "soak exit $?" >> $OUT/results.txt ;;
     *) echo "unknown section $section" >> $OUT/results.txt ;;
   esac
   echo "-- $section took $(( $(date +%s) - start )) s" >> $OUT/results.txt
