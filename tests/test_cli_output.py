@@ -30,7 +30,8 @@ def test_the_readmes_first_command_prints_no_warning(tmp_path):
     args = readme_first_run()
     args[args.index("--out") + 1] = str(tmp_path / "tiny")
     # A user's environment: without what the test session sets to keep other tests quiet.
-    env = {k: v for k, v in os.environ.items() if k not in ("TOKENIZERS_PARALLELISM", "RAY_AUTH_MODE", "PYTHONWARNINGS")}
+    quiet = ("TOKENIZERS_PARALLELISM", "RAY_AUTH_MODE", "PYTHONWARNINGS")
+    env = {k: v for k, v in os.environ.items() if k not in quiet}
     proc = subprocess.run(rlspec_cmd(*args, "algorithm.steps=2", "checkpoint.every_n_steps=1"), cwd=REPO,
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

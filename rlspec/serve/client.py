@@ -108,7 +108,8 @@ class ServerClient:
             self.health(HEALTH_PROBE_S)
         except ServerHung:
             raise ServerHung(f"{self.label} stopped answering: {what} got no answer within {waited:g} s, nor a health "
-                             f"check within {HEALTH_PROBE_S:g} s (its process is stopped or hung){self.describe()}") from None
+                             f"check within {HEALTH_PROBE_S:g} s (its process is stopped or hung){self.describe()}"
+                             ) from None
 
     def health(self, timeout_s: float = HEALTH_PROBE_S) -> dict:
         response = self._call("a health check", "GET", "/health", timeout_s)

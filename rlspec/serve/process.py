@@ -99,7 +99,8 @@ def bind_port(host: str, port: int) -> socket.socket:
         sock.close()
         if err.errno == errno.EADDRINUSE:
             raise SpecError("--port", f"port {port} is already in use on {host} (another process listens there)",
-                            f"choose a free port, e.g. --port {free_port(host)}, or stop the process on {where}") from None
+                            f"choose a free port, e.g. --port {free_port(host)}, or stop the process on {where}"
+                            ) from None
         if err.errno == errno.EACCES:
             raise SpecError("--port", f"binding {where} is not permitted for this user ({err.strerror})",
                             "choose a port above 1023") from None

@@ -82,8 +82,10 @@ def assert_cleaned_up(cluster, backend: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     deadline = time.monotonic() + 20
-    while (left := run_actors(cluster, TITLES[backend]) + run_actors(cluster, ENGINE_TITLE)) and time.monotonic() < deadline:
+    left = run_actors(cluster, TITLES[backend]) + run_actors(cluster, ENGINE_TITLE)
+    while left and time.monotonic() < deadline:
         time.sleep(0.5)
+        left = run_actors(cluster, TITLES[backend]) + run_actors(cluster, ENGINE_TITLE)
     assert not left, f"actor processes left: {left}"
     assert cluster.head_node.remaining_processes_alive(), "the joined cluster was stopped with the run"
     latest = sorted((out / "checkpoints").iterdir())[-1]
@@ -125,7 +127,8 @@ def test_out_of_memory_in_a_rank_names_the_micro_batch_budget():
     from tests.backends.ranks import TINY
 
     plan = compile_plan(load_spec(str(TINY), ["algorithm.micro_batch_tokens=4096"], "fsdp"), all_caps())
-    failed = RunError("trainer rank 1 failed: OutOfMemoryError", "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory")
+    failed = RunError("trainer rank 1 failed: OutOfMemoryError",
+                      "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory")
     named = out_of_memory(plan, "forward_backward", failed)
     assert str(named).startswith("trainer rank 1 failed: OutOfMemoryError: out of GPU memory in forward_backward at "
                                  "algorithm.micro_batch_tokens=4096 per micro-batch — lower it")
@@ -143,9 +146,12 @@ def test_a_fault_mid_run_ends_it_within_a_minute_naming_the_actor(cluster, tmp_p
                  env_extra={"RLSPEC_FAULT_INJECT": oom[0]} if oom else None)
     hit = []
     title = ENGINE_TITLE if fault == "kill_engine" else TITLES[backend]
-    inject = lambda: hit.append(_kill_one(cluster, title, signal.SIGSTOP if fault == "stop_rank" else signal.SIGKILL))  # noqa: E731
-    if fault == "oom":
-        inject = lambda: None  # noqa: E731 - the rank runs out of memory in its third forward_backward by itself
+    signum = signal.SIGSTOP if fault == "stop_rank" else signal.SIGKILL
+
+    def inject() -> None:
+        if fault != "oom":  # the rank runs out of memory in its third forward_backward by itself
+            hit.append(_kill_one(cluster, title, signum))
+
     try:
         err, took = interrupt_after_rows(proc, out / "metrics.jsonl", 2, inject, timeout_s=120)
     finally:
@@ -155,7 +161,8 @@ def test_a_fault_mid_run_ends_it_within_a_minute_naming_the_actor(cluster, tmp_p
             except ProcessLookupError:
                 pass
     line = [ln for ln in err.splitlines() if ln.startswith("rlspec: run failed")][-1:]
-    print(f"\n{fault} in a 2-rank colocated {backend} run on logical GPUs: exit {proc.returncode} {took:.1f} s later; {line}")
+    print(f"\n{fault} in a 2-rank colocated {backend} run on logical GPUs: exit {proc.returncode} {took:.1f} s later; "
+          f"{line}")
     assert proc.returncode == 1, err[-4000:]
     assert took < FAULT_TO_EXIT_S
     if fault == "kill_rank":

@@ -5,7 +5,7 @@
 
 Both run `rlspec run` (python3 -m rlspec.cli, the installed package) colocated on every GPU this process may use, at
 most 4: 4 GPUs run `hardware=gpu4_colocated`, 2 or 3 run `gpu2_colocated`, 1 runs `gpu1` (so a 2-GPU machine still
-runs every row, on 2).
+runs every row, on 2). FAULTS_CPU=1 runs the same rows on 2 CPU ranks (GPU columns empty), to try the script.
 
 faults: per backend, one run per fault (SPEC with 2 prompts per GPU x its group, checkpoints every 2 steps, stall
 timeout 20 s, compiled layers off so that a run starts sooner), the fault injected once the run has written
@@ -16,9 +16,10 @@ timeout 20 s, compiled layers off so that a run starts sooner), the fault inject
   oom          a rank out of GPU memory (RLSPEC_FAULT_INJECT=...,mode=oom)   -> exit 1, names the micro-batch budget
   sigterm      SIGTERM to every process of the run                      -> exit 143, then --resume on half the GPUs
 One row per fault: exit code (and the one expected), seconds from the fault to the exit, whether the message names
-what it should, GPU processes of the run left 20 s after the exit (checked as soon as they are gone), GPU memory in use then against before the run
-(MiB, all GPUs), whether the latest checkpoint loads (transformers' from_pretrained), and for sigterm the resumed
-run's exit code and mean reward of its steps against the 3 before the signal. Rows go to stdout and DIR/faults.jsonl.
+what it should, GPU processes of the run left 20 s after the exit (checked as soon as they are gone), GPU memory in
+use then against before the run (MiB, all GPUs), whether the latest checkpoint loads (transformers'
+from_pretrained), and for sigterm the resumed run's exit code and mean reward of its steps against the 3 before the
+signal. Rows go to stdout and DIR/faults.jsonl.
 Every fault row should end within 60 s; one call on a 4-GPU machine runs one backend (`--backends` one at a time:
 about 5 x 100 s); a call cut short keeps the rows it finished (faults.jsonl), `--faults` runs the rest.
 
@@ -53,6 +54,8 @@ EXPECTED_EXIT = {"sigterm": 143}
 
 def visible_gpus() -> list[str]:
     """The GPU indices this process may use (CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists)."""
+    if CPU:
+        return ["0", "1"]
     given = os.environ.get("CUDA_VISIBLE_DEVICES")
     if given:
         return [g for g in given.split(",") if g]
@@ -60,16 +63,27 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(len(out.strip().splitlines()))]
 
 
-def hardware_for(count: int) -> tuple[str, int]:
-    """The hardware preset for `count` GPUs, and how many it uses."""
+CPU = os.environ.get("FAULTS_CPU") == "1"
+"""FAULTS_CPU=1: the same rows on CPU ranks (2, resumed on 1), to try this script where there is no GPU (its GPU
+columns then read empty)."""
+
+
+def hardware_for(count: int) -> tuple[list[str], int]:
+    """The hardware overrides for `count` GPUs, and how many GPUs they use."""
+    if CPU:
+        n = min(count, 2)
+        return ["hardware.device=cpu", f"hardware.num_trainer_ranks={n}", f"hardware.num_rollout_engines={n}",
+                "hardware.rollout=colocated"], n
     if count >= 4:
-        return "hardware=gpu4_colocated", 4
+        return ["hardware=gpu4_colocated"], 4
     if count >= 2:
-        return "hardware=gpu2_colocated", 2
-    return "hardware=gpu1", 1
+        return ["hardware=gpu2_colocated"], 2
+    return ["hardware=gpu1"], 1
 
 
 def gpu_memory_mib(gpus: list[str]) -> list[int]:
+    if CPU:
+        return []
     out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True).stdout
     used = dict(line.split(", ") for line in out.strip().splitlines())
@@ -77,6 +91,8 @@ def gpu_memory_mib(gpus: list[str]) -> list[int]:
 
 
 def gpu_pids() -> set[int]:
+    if CPU:
+        return set()
     out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
                          text=True).stdout
     return {int(p) for p in out.split() if p.strip().isdigit()}
@@ -155,7 +171,8 @@ def inject(fault: str, proc: subprocess.Popen, backend: str, last: dict) -> list
         return []  # the hook fires by itself
     title = "EngineWorker" if fault == "kill_engine" else WORKER_TITLES[backend]
     if fault == "kill_rank":  # the next step's train phase: after its generation (and reward) time
-        time.sleep(last.get("timing_s/gen", 0.0) + last.get("timing_s/reward", 0.0) + 0.25 * last.get("timing_s/train", 0.0))
+        time.sleep(last.get("timing_s/gen", 0.0) + last.get("timing_s/reward", 0.0)
+                   + 0.25 * last.get("timing_s/train", 0.0))
     else:  # mid-rollout
         time.sleep(0.3 * last.get("timing_s/gen", 0.0))
     pids = titled(proc.pid, title)
@@ -168,9 +185,9 @@ def inject(fault: str, proc: subprocess.Popen, backend: str, last: dict) -> list
 def fault_row(spec: str, backend: str, fault: str, gpus: list[str], root: Path) -> dict:
     hardware, used = hardware_for(len(gpus))
     out = root / f"{backend}_{fault}"
-    overrides = [hardware, f"rollout.prompts_per_step={2 * used}", "algorithm.steps=1000", "checkpoint.every_n_steps=2",
+    overrides = [*hardware, f"rollout.prompts_per_step={2 * used}", "algorithm.steps=1000", "checkpoint.every_n_steps=2",
                  "checkpoint.keep_last=1", "hardware.stall_timeout_s=20", "model.compile_layers=false"]
-    env = {"RLSPEC_FAULT_INJECT": "rank=1,step=3,mode=oom" if used > 1 else "rank=0,step=3,mode=oom"} if fault == "oom" else {}
+    env = {"RLSPEC_FAULT_INJECT": f"rank={used - 1},step=3,mode=oom"} if fault == "oom" else {}
     before = gpu_memory_mib(gpus)
     proc = launch(spec, backend, out, overrides, env)
     row: dict = {"backend": backend, "fault": fault, "gpus": used}
@@ -217,9 +234,9 @@ def resume_on_half(spec: str, backend: str, out: Path, gpus: list[str], used: in
     hardware, _ = hardware_for(half)
     before = rows(out)
     last = before[-1]["step"]
-    proc = launch(spec, backend, out, [hardware, f"rollout.prompts_per_step={2 * used}", f"algorithm.steps={last + 5}",
-                                       "checkpoint.every_n_steps=2", "checkpoint.keep_last=1", "model.compile_layers=false",
-                                       "--resume"], {"CUDA_VISIBLE_DEVICES": ",".join(gpus[:half])})
+    overrides = [*hardware, f"rollout.prompts_per_step={2 * used}", f"algorithm.steps={last + 5}",
+                 "checkpoint.every_n_steps=2", "checkpoint.keep_last=1", "model.compile_layers=false", "--resume"]
+    proc = launch(spec, backend, out, overrides, {"CUDA_VISIBLE_DEVICES": ",".join(gpus[:half])})
     code = proc.wait(timeout=400)
     after = [r for r in rows(out) if r["step"] > last]
     mean = lambda rs: round(statistics.fmean(r["reward/mean"] for r in rs), 4) if rs else None  # noqa: E731
@@ -241,7 +258,7 @@ def _exists(pid: int) -> bool:
 def soak(spec: str, backend: str, seconds: float, gpus: list[str], root: Path) -> dict:
     hardware, used = hardware_for(len(gpus))
     out = root / "soak"
-    proc = launch(spec, backend, out, [hardware, "algorithm.steps=100000", "sync.every_n_steps=1",
+    proc = launch(spec, backend, out, [*hardware, "algorithm.steps=100000", "sync.every_n_steps=1",
                                        "checkpoint.every_n_steps=0", "hardware.preempt_grace_s=60"])
     started = time.monotonic()
     samples: list[tuple[float, int, int, float]] = []  # (s since launch, rows, GPU MiB, host RSS MiB)

@@ -4,8 +4,9 @@
 # `bash tests/gpu/pack_extra.sh` downloads, whose header lists them: the serve stack, the openai client, TRL).
 #   OUT=<dir> bash tests/gpu/measure.sh SECTION...
 # Sections: install gputests fsdp1 nccl ipc bridge dsync async trl8 trl32 trl64 engine profile longtail engine_longtail tail servechat serveprofile admit agents64 train_ab profile_ab trace32 trainers threads head headtrain decode_kernels few_kernels decode_step host split ab
-# scale7b weak15b sync7b engines2 models offload multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f multigpu_g (multigpu: all seven)
-# faults soak (tests/gpu/faults.py: one call each, per backend; on fewer than 4 GPUs they run on 2, or 1).
+# scale7b weak15b sync7b engines2 models offload multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f multigpu_g
+# (multigpu: all seven), faults soak (tests/gpu/faults.py: one call each, per backend; on fewer than 4 GPUs they run
+# on 2, or 1).
 # The multigpu parts (issue 44) each fit one 10-minute call on a 4-GPU machine, one call per part; each row runs under
 # its own timeout and every row refreshes $OUT/multigpu_table.txt (tests/gpu/multigpu_table.py), so a call cut short
 # keeps the rows it finished. On fewer GPUs the rows that need more are skipped and say so.
