@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -146,6 +147,10 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
     start_step, created = prepare_out_dir(out_dir, plan, resume)
     if plan.spec.hardware.num_threads:
         torch.set_num_threads(plan.spec.hardware.num_threads)
+    if not torch.cuda.is_available():
+        # What DeepSpeed detects here anyway, said up front: transformers' save_pretrained imports it where it is
+        # installed, and it would log a WARNING about falling back to the CPU into every run's output.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from .sync import build_transport
 
     backend = create_backend(plan.backend)

@@ -14,6 +14,8 @@ RESUMABLE_CHANGES = (
     "hardware.ray_address", "hardware.placement_strategy",
     "backend", "hardware.num_trainer_ranks", "hardware.device", "hardware.offload_params", "hardware.offload_optimizer",
     "hardware.rollout", "sync.method",
+    # how many engines sample a step: sample i's noise is keyed by (seed, i, position), whichever engine draws it
+    "hardware.num_rollout_engines",
     "sync.timeout_s", "sync.verify", "sync.bucket_mb",
     "rollout.request_timeout_s", "rollout.server_start_timeout_s", "rollout.server_url",
     "rollout.server_urls",

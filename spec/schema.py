@@ -243,7 +243,8 @@ class RolloutSpec(Section):
     """hardware.rollout=separate, standalone: join these `rlspec serve`s (one per hardware.num_rollout_engines, one bridge
     token for all) instead of starting them; each step's groups are split across them."""
     request_timeout_s: float = 600.0
-    """A rollout-server request (one generation batch) that takes longer fails the run."""
+    """A rollout-server request (one generation batch) that takes longer fails the run; if the server then answers no
+    health check either (stopped or hung), one the run started is restarted (as when lost) and a joined one is named."""
     server_start_timeout_s: float = 300.0
     """A rollout server (started or joined) that is not healthy within this many seconds fails the run."""
     server_reconnect_s: float = 60.0

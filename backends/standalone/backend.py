@@ -105,7 +105,7 @@ class StandaloneBackend:
             raise SpecError(key, f"no healthy rollout server at {url} ({err})",
                             "start `rlspec serve` there first, or fix the URL") from None
         return ServedEngine(client, self.trainer.tokenizer, rollout, starts_in_sync=False,
-                            reconnect_s=rollout.server_reconnect_s)
+                            reconnect_s=rollout.server_reconnect_s, joined_as=key)
 
     def _started(self, plan: RunPlan, server):
         from ...serve.client import ServedEngine, ServerClient

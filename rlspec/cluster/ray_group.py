@@ -35,8 +35,9 @@ from ..spec import RunPlan, SpecError
 from .placement import CPUS_PER_ACTOR, Seat, describe_layout, plan_layout, route_engines, uses_gpus, verify_route
 
 FAULT_ENV = "RLSPEC_FAULT_INJECT"
-"""Test hook, `rank=R,step=S,mode=raise|exit|hang`: rank R fails in its S-th forward_backward (0-based);
-`hang` first lets a side thread die with an exception (the kind Ray only writes to the worker's log), then blocks."""
+"""Test hook, `rank=R,step=S,mode=raise|exit|hang|oom`: rank R fails in its S-th forward_backward (0-based);
+`hang` first lets a side thread die with an exception (the kind Ray only writes to the worker's log), then blocks;
+`oom` runs out of memory (on CUDA a real allocation past the GPU's size)."""
 
 
 class RankGroup:
@@ -133,8 +134,11 @@ class RankGroup:
         from .ray_utils import wait_all
 
         self._settle()
-        return wait_all([getattr(rank, method).remote(*args) for rank, args in zip(self.ranks, per_rank_args)],
-                        self.labels)
+        try:
+            return wait_all([getattr(rank, method).remote(*args) for rank, args in zip(self.ranks, per_rank_args)],
+                            self.labels)
+        except RunError as err:
+            raise out_of_memory(self.plan, method, err) or err
 
     def call_all(self, method: str, *args) -> list:
         return self.call(method, [args] * len(self.ranks))
@@ -198,6 +202,21 @@ class RankGroup:
         pids = dict(zip(self.labels, self.call_all("pid")))
         pids.update(zip(self.engines.labels, self.engines.pids()))
         return pids
+
+
+def out_of_memory(plan: RunPlan, method: str, err: RunError) -> RunError | None:
+    """A rank's failure that is torch's out-of-memory error, as a `RunError` that names the knob to turn (the
+    rank's traceback kept); None for any other failure."""
+    text = str(err)
+    if "OutOfMemoryError" not in text and "CUDA out of memory" not in text:
+        return None
+    algorithm = plan.spec.algorithm
+    budget = (f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens}" if algorithm.micro_batch_tokens
+              else f"algorithm.micro_batch_size={algorithm.micro_batch_size}")
+    first = text.splitlines()[0]
+    return RunError(f"{first}: out of GPU memory in {method} at {budget} per micro-batch — lower it (e.g. halve it), "
+                    "or set model.gradient_checkpointing=true or hardware.offload_optimizer=true",
+                    err.worker_traceback)
 
 
 def actor_threads() -> int:
@@ -421,6 +440,10 @@ class FaultInjector:
         if self.fault and self.fault["rank"] == self.rank and self.fault["step"] == call:
             if self.fault["mode"] == "exit":
                 os._exit(3)
+            if self.fault["mode"] == "oom":
+                if torch.cuda.is_available():  # a real one: more than any GPU holds
+                    torch.empty(1 << 46, dtype=torch.uint8, device="cuda")
+                raise torch.OutOfMemoryError(f"injected fault ({FAULT_ENV}): out of memory on trainer rank {self.rank}")
             if self.fault["mode"] == "hang":
                 self._hang()
             raise RuntimeError(f"injected fault ({FAULT_ENV}) on trainer rank {self.rank} at call {call}")

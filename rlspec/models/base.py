@@ -25,6 +25,16 @@ BYTE_CHAT_TEMPLATE = (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a transformers model's forward takes its KV cache (a `Cache` object) by: `cache` from the
+    transformers release that renamed it (`past_key_values` then warns that it is deprecated), `past_key_values`
+    before (the project accepts transformers from 4.56). A PEFT wrapper passes keywords on to its base model."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer: 4 specials (pad, bos, eos, unk) then one token per byte, no merges; its chat
     template is `BYTE_CHAT_TEMPLATE`."""

@@ -87,6 +87,8 @@ def cached_decode_logprobs(model, rollout, temperature: float) -> list[list[floa
     this dtype."""
     from transformers import DynamicCache
 
+    from ..models.base import cache_keyword
+
     prompts, completions = rollout.prompt_ids, rollout.completion_ids
     device, n = model.device, len(prompts)
     width, steps = max(len(p) for p in prompts), max(len(c) for c in completions)
@@ -100,16 +102,15 @@ def cached_decode_logprobs(model, rollout, temperature: float) -> list[list[floa
         tokens[i, :len(c)] = torch.tensor(c)
     ids, mask, tokens = ids.to(device), mask.to(device), tokens.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()  # filled in place, as the `hf` engine's own decode loop uses it
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                   use_cache=True).logits[:, -1]
+    cache = {cache_keyword(model): DynamicCache()}  # filled in place, as the `hf` engine's own decode loop uses it
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache).logits[:, -1]
     logps = []
     for t in range(steps):
         logps.append(torch.log_softmax(logits.float() / temperature, -1).gather(-1, tokens[:, t:t + 1])[:, 0])
         mask = torch.cat([mask, mask.new_ones(n, 1)], 1)
         positions = positions[:, -1:] + 1
-        logits = model(input_ids=tokens[:, t:t + 1], attention_mask=mask, position_ids=positions,
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=tokens[:, t:t + 1], attention_mask=mask, position_ids=positions, use_cache=True,
+                       **cache).logits[:, -1]
     table = torch.stack(logps, 1).cpu()
     return [table[i, :len(c)].tolist() for i, c in enumerate(completions)]
 

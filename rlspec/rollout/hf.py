@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..core.batch import TrainBatch, position_ids
 from ..core.policy import batch_logprobs
+from ..models.base import cache_keyword
 from ..models.factory import copy_weights
 from ..spec import RolloutSpec, SpecError
 from .base import Rollout
@@ -158,9 +159,9 @@ class HFEngine:
         keys = sample_keys(seed, torch.arange(first_sample, first_sample + input_ids.shape[0], device=self.device))
         eos, temperature = self.tokenizer.eos_token_id, self.spec.temperature
         positions = position_ids(attention_mask)
-        cache = DynamicCache()
+        cache = {cache_keyword(self.model): DynamicCache()}
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True).logits[:, -1]
+                            use_cache=True, **cache).logits[:, -1]
         next_position = positions[:, -1:] + 1
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=self.device)
         tokens, logps, top_ids, top_logps = [], [], [], []
@@ -178,7 +179,7 @@ class HFEngine:
                 break
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
             logits = self.model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_position,
-                                past_key_values=cache, use_cache=True).logits[:, -1]
+                                use_cache=True, **cache).logits[:, -1]
             next_position = next_position + 1
         top = (torch.stack(top_ids, dim=1).cpu(), torch.stack(top_logps, dim=1).cpu()) if top_ids else None
         return torch.stack(tokens, dim=1).cpu(), torch.stack(logps, dim=1).float().cpu(), top

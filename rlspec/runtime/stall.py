@@ -169,11 +169,39 @@ def actor_stacks(actors: Sequence[tuple[str, Any]], timeout_s: float = ACTOR_ANS
         try:
             out[label] = ray.get(ref, timeout=0.1)
         except ray.exceptions.GetTimeoutError:
-            out[label] = (f"{label} did not answer within {timeout_s:.0f} s: its process is frozen while holding the "
-                          "GIL (a C extension that does not release it) or it is gone\n")
+            handle = dict(actors)[label]
+            state = process_state(handle)
+            if state is not None and state[1] in "Tt":
+                out[label] = (f"{SILENT}{STOPPED}{label} did not answer within {timeout_s:.0f} s: its process (pid "
+                              f"{state[0]}) is stopped (state {state[1]}: SIGSTOP or a debugger)\n")
+            else:
+                out[label] = (f"{SILENT}{label} did not answer within {timeout_s:.0f} s: its process is stopped, "
+                              "frozen while holding the GIL (a C extension that does not release it) or gone\n")
         except Exception as err:  # noqa: BLE001 - a dead actor: say how it died
             out[label] = f"{label} could not report: {err}\n"
     return out
+
+
+SILENT = "SILENT: "
+"""How the dump of an actor that did not answer begins (the stall message names those actors)."""
+STOPPED = "STOPPED: "
+"""After `SILENT`, for an actor whose process on this node is seen stopped: the one to name when its peers, blocked in
+a collective, cannot answer either (on CUDA they may wait holding the GIL)."""
+
+
+def process_state(handle) -> tuple[int, str] | None:
+    """(pid, state letter from /proc) of an actor's process when it runs on this node, else None."""
+    try:
+        import ray
+        from ray._private import state as ray_state  # the GCS actor table: the actor's pid and node
+
+        info = ray_state.actors(actor_id=handle._actor_id.hex())
+        if info["Address"]["NodeID"] != ray.get_runtime_context().get_node_id():
+            return None
+        with open(f"/proc/{info['Pid']}/stat") as f:
+            return int(info["Pid"]), f.read().rsplit(")", 1)[1].split()[0]
+    except Exception:  # noqa: BLE001 - another Ray layout, another node, a process gone: nothing to add
+        return None
 
 
 def _file_name(label: str) -> str:
@@ -223,17 +251,22 @@ class StallWatchdog:
                 self._stop.wait(min(left, 1.0))
                 continue
             waited = time.monotonic() - self._last_beat
-            where = self.dump(waited)
+            where, silent = self.dump(waited)
             after = "the start of the loop" if self.last_step is None else f"step {self.last_step}"
+            # A rank stopped or frozen mid-step leaves its peers waiting in a collective, which answer for their
+            # stacks; the one that cannot answer is the one to name.
+            culprit = (f"; {', '.join(silent)} did not answer (stopped, frozen or gone: the likely cause, its peers "
+                       "wait for it)") if silent else ""
             self.on_stall(f"stalled: no step completed for {waited:.0f} s after {after} "
-                          f"(hardware.stall_timeout_s={self.timeout_s:g}); stacks of the driver and every actor"
-                          f"{' and GPU state' if self.cuda else ''} in {where}")
+                          f"(hardware.stall_timeout_s={self.timeout_s:g}){culprit}; stacks of the driver and every "
+                          f"actor{' and GPU state' if self.cuda else ''} in {where}")
             if not self.keep_watching:
                 return
             self._last_beat = time.monotonic()
 
-    def dump(self, waited_s: float) -> Path:
-        """Write the stacks (and GPU state) into a new `OUT/stall/<n>/`; return that directory."""
+    def dump(self, waited_s: float) -> tuple[Path, list[str]]:
+        """Write the stacks (and GPU state) into a new `OUT/stall/<n>/`; return that directory and the labels of the
+        actors that did not answer (of those seen stopped, if any were)."""
         folder = self.out_dir / "stall" / str(len(self.dumps) + 1)
         folder.mkdir(parents=True, exist_ok=True)
         self.dumps.append(folder)
@@ -244,8 +277,13 @@ class StallWatchdog:
         except Exception as err:  # noqa: BLE001 - the dump must not fail on a half-torn-down backend
             actors = []
             (folder / "actors_error.txt").write_text(f"could not list the backend's actors: {err!r}\n")
+        silent, stopped = [], []
         for label, text in actor_stacks(actors).items() if actors else ():
             (folder / _file_name(label)).write_text(text)
+            if text.startswith(SILENT):
+                silent.append(label)
+            if text.startswith(SILENT + STOPPED):
+                stopped.append(label)
         if self.cuda:
             (folder / "gpu.txt").write_text(nvidia_smi())
-        return folder
+        return folder, stopped or silent

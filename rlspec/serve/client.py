@@ -2,7 +2,9 @@
 
 Every failure names the server and what was being done: a connection that fails (the server died), a
 timeout, a 4xx (the request was bad) or a 500 from the bridge (the engine half of a transport raised; the
-server's traceback is attached).
+server's traceback is attached). A request that times out is followed by a health check: a server that answers
+neither is stopped (SIGSTOP) or hung (`ServerHung`), which `ServedEngine` restarts when the run started it and
+names in the failure when the run joined it.
 """
 
 from __future__ import annotations
@@ -30,8 +32,18 @@ class _Recovery:
     running: bool = False
 
 
+HEALTH_PROBE_S = 5.0
+"""How long the health check after a timed-out request waits: a live server answers it from its event loop, however
+busy its engine is."""
+
+
 class ServerLost(RunError):
     """The server did not answer at all (connection refused or dropped): it died, or is restarting."""
+
+
+class ServerHung(ServerLost):
+    """The server holds its connections but answers nothing, not a request and not the health check after it: its
+    process is stopped (SIGSTOP, a debugger) or hung."""
 
 
 class ServerClient:
@@ -73,8 +85,13 @@ class ServerClient:
         try:
             response = self.http.request(method, path, timeout=timeout_s or self.timeout_s, **kwargs)
         except httpx.TimeoutException as err:
-            raise RunError(f"{self.label}: {what} did not answer within {timeout_s or self.timeout_s:g} s "
-                           f"({type(err).__name__}){self.describe()}") from None
+            waited = timeout_s or self.timeout_s
+            if path == "/health":
+                raise ServerHung(f"{self.label}: {what} did not answer within {waited:g} s ({type(err).__name__})"
+                                 f"{self.describe()}") from None
+            self._check_answers(what, waited)
+            raise RunError(f"{self.label}: {what} did not answer within {waited:g} s ({type(err).__name__}; the "
+                           f"server still answers health checks){self.describe()}") from None
         except httpx.TransportError as err:  # refused, reset, closed mid-answer: the server is gone
             raise ServerLost(f"{self.label} is unreachable during {what}: {type(err).__name__}: {err}{self.describe()}") from None
         except httpx.HTTPError as err:
@@ -84,7 +101,17 @@ class ServerClient:
             raise RunError(f"{self.label} refused {what} ({response.status_code}): {response.text}")
         return response
 
-    def health(self, timeout_s: float = 5.0) -> dict:
+    def _check_answers(self, what: str, waited: float) -> None:
+        """After `what` timed out: raise `ServerHung` if the health check gets no answer either (`ServerLost` if the
+        server is gone meanwhile)."""
+        try:
+            self.health(HEALTH_PROBE_S)
+        except ServerHung:
+            raise ServerHung(f"{self.label} stopped answering: {what} got no answer within {waited:g} s, nor a health "
+                             f"check within {HEALTH_PROBE_S:g} s (its process is stopped or hung){self.describe()}"
+                             ) from None
+
+    def health(self, timeout_s: float = HEALTH_PROBE_S) -> dict:
         response = self._call("a health check", "GET", "/health", timeout_s)
         response.raise_for_status()
         return response.json()
@@ -194,11 +221,17 @@ class ServedEngine:
     `resync` (installed by the training loop) reconnects the transport and pushes the trainer's current weights,
     and the interrupted call runs again: the interrupted step's rollouts are re-run, and each request of an agent
     gateway waiting on this engine is retried. One thread recovers; the others wait for it and retry.
+
+    A hung server (`ServerHung`: a request timed out, `rollout.request_timeout_s`, and a health check got no answer)
+    that this run started is recovered the same way, its stopped process killed by the restart; one it joined
+    (`joined_as`, the spec key that names it) is not the run's to restart: the run fails naming it.
     """
 
     def __init__(self, client: ServerClient, tokenizer, rollout_spec, starts_in_sync: bool,
-                 reconnect_s: float = 0.0, restart: Callable[[], None] | None = None) -> None:
+                 reconnect_s: float = 0.0, restart: Callable[[], None] | None = None,
+                 joined_as: str | None = None) -> None:
         self.client = client
+        self.joined_as = joined_as
         self.tokenizer = tokenizer
         self.spec = rollout_spec
         self.starts_in_sync = starts_in_sync
@@ -221,9 +254,18 @@ class ServedEngine:
             try:
                 return call()
             except ServerLost as lost:
+                self._refuse_hung_joined(lost)
                 if self.reconnect_s <= 0 or self.recovery.running:
                     raise  # no waiting asked for, or lost again while recovering (the recovery reports it)
                 self.recover(epoch, lost)
+
+    def _refuse_hung_joined(self, lost: ServerLost) -> None:
+        """A hung server that this run did not start fails the run, named: waiting for it would wait for whoever
+        stopped it, and killing it is its owner's call."""
+        if isinstance(lost, ServerHung) and self.restart is None:
+            key = f"{self.joined_as}: " if self.joined_as else ""
+            raise RunError(f"{key}{lost}\nthe run joined this server and does not restart it: resume or restart it "
+                           "(rlspec serve), then continue the run with --resume") from None
 
     def recover(self, epoch: int, lost: BaseException) -> None:
         """Bring the server back (see the class docstring), unless another thread did since `epoch`."""
@@ -232,6 +274,7 @@ class ServedEngine:
             if state.epoch != epoch:
                 return  # another thread brought the server back meanwhile
             start = time.monotonic()
+            print(f"rlspec: {str(lost).splitlines()[0]}", file=sys.stderr, flush=True)
             print(f"rlspec: {self.label} was lost; waiting up to {self.reconnect_s:g} s for it to come back "
                   f"(rollout.server_reconnect_s)", file=sys.stderr, flush=True)
             state.running = True
@@ -295,13 +338,15 @@ class ServedEngine:
             self.resync = resync
         return ReconnectingTransport(transport, self)
 
-    def lost(self) -> bool:
-        """Whether the server does not answer a health check now."""
+    def lost(self) -> ServerLost | None:
+        """How the server fails a health check now (gone or hung), or None when it answers."""
         try:
-            self.client.health(timeout_s=5.0)
-        except RunError:
-            return True
-        return False
+            self.client.health()
+        except ServerLost as err:
+            return err
+        except RunError as err:
+            return ServerLost(str(err))
+        return None
 
 
 class ReconnectingTransport:
@@ -321,7 +366,11 @@ class ReconnectingTransport:
         try:
             return self.transport.push(weights, engine)
         except RunError as err:  # SyncError included
-            if self.engine.reconnect_s <= 0 or self.engine.recovery.running or not self.engine.lost():
+            loss = self.engine.lost() if not self.engine.recovery.running else None
+            if loss is None:
+                raise
+            self.engine._refuse_hung_joined(loss)
+            if self.engine.reconnect_s <= 0:
                 raise
             self.engine.recover(epoch, err)
             return 0  # the recovery pushed the current weights

@@ -10,10 +10,12 @@ trainer is killed outright (SIGKILL runs no handler).
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -85,6 +87,31 @@ def check_bind(host: str, allow_remote: bool) -> None:
           file=sys.stderr, flush=True)
 
 
+def bind_port(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything is built or announced: a port another process holds is
+    bad input naming `--port` (exit 2), and once bound the port stays this server's (no other process can take it
+    between a check and the server's start)."""
+    where = f"{host}:{port}"
+    if not 0 < port < 65536:
+        raise SpecError("--port", f"{port} is not a TCP port", "choose a port from 1 to 65535, e.g. --port 8000")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses its port at once
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise SpecError("--port", f"port {port} is already in use on {host} (another process listens there)",
+                            f"choose a free port, e.g. --port {free_port(host)}, or stop the process on {where}"
+                            ) from None
+        if err.errno == errno.EACCES:
+            raise SpecError("--port", f"binding {where} is not permitted for this user ({err.strerror})",
+                            "choose a port above 1023") from None
+        raise SpecError("--host", f"cannot bind {where}: {err.strerror or err}",
+                        "choose an address of this machine, e.g. --host 127.0.0.1") from None
+    return sock
+
+
 def bridge_token(port: int) -> tuple[str, Path | None]:
     """The bridge token: `RLSPEC_SERVE_TOKEN`, or a fresh one written to a file only this user can read (in a
     new private directory), whose path is returned to be named. The token itself is never printed."""
@@ -147,6 +174,7 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
     except ValueError:
         raise SpecError(SWITCH_INTERVAL_ENV, f"must be a positive number of seconds, got {interval!r}",
                         f"e.g. {SWITCH_INTERVAL_ENV}=0.0005, or unset it") from None
+    sock = bind_port(host, port)  # before the first line is printed: a taken port is exit 2 with nothing announced
     token, token_path = bridge_token(port)
     if token_path is not None:
         print(f"rlspec serve: bridge token written to {token_path} (mode 0600); a trainer that joins reads it "
@@ -187,12 +215,13 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
     settle_heap()
     code = None
     try:
-        web.run()
+        web.run(sockets=[sock])
     except SystemExit as stop:  # SIGTERM, after uvicorn's shutdown (`shutdown_timeout_s`)
         code = stop.code
     except KeyboardInterrupt:
         code = 130
     finally:
+        sock.close()
         if engine_process == "on":
             engine_host.stop()
         if token_path is not None:
@@ -218,8 +247,6 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -295,6 +322,8 @@ class ServerProcess:
         for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
             try:
                 os.killpg(proc.pid, sig)
+                if sig == signal.SIGTERM:  # a stopped (SIGSTOP) server takes the SIGTERM only once continued
+                    os.killpg(proc.pid, signal.SIGCONT)
             except ProcessLookupError:
                 break
             try:

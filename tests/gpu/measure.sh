@@ -14,6 +14,7 @@
 #     OUT=o ROWS="fsdp:1:64 fsdp:2:64 deepspeed:1:64 deepspeed:2:64" bash tests/gpu/measure.sh scale
 #   several GPUs, the layouts of issue 44, one part per 10-minute call:  OUT=o bash tests/gpu/measure.sh multigpu_a
 #   the server under concurrent clients:              OUT=o bash tests/gpu/measure.sh servechat
+#   faults and a soak on several GPUs (tests/gpu/faults.py, one call each): OUT=o bash tests/gpu/measure.sh faults
 #   the GPU-marked tests:                            OUT=o bash tests/gpu/measure.sh gputests
 #
 # Knobs (environment), with their defaults:
@@ -497,6 +498,18 @@ print('kv cache GB (prompts up to 128 tokens):', round(slots * length * c['num_h
         rollout.prompts_per_step=$P algorithm.steps=4 model.compile_layers=false ${EXTRA:-} --backends ${runs#,} --out $SCRATCH/b_offload \
         > $OUT/offload_$SHAPE.log 2>&1; echo "offload $SHAPE exit $?" >> $OUT/results.txt
       keep offload_$SHAPE $SCRATCH/b_offload; tail -22 $OUT/offload_$SHAPE.log >> $OUT/results.txt ;;
+    faults)  # issue 57: each fault (a killed rank, a killed engine, a stopped rank, a rank out of memory, SIGTERM then
+      # --resume on half the GPUs) injected into a colocated run on every GPU here (at most 4) of the bench spec;
+      # a JSON row each (tests/gpu/faults.py's header says what is in it). FAULT_BACKENDS= fsdp (default) or deepspeed:
+      # one backend a call; FAULTS= a subset
+      timeout 580 python3 $ROOT/tests/gpu/faults.py faults --spec $BENCH --out $OUT/faults \
+        --backends ${FAULT_BACKENDS:-fsdp} --faults ${FAULTS:-kill_rank,kill_engine,stop_rank,oom,sigterm} \
+        >> $OUT/results.txt 2> $OUT/faults.log; echo "faults exit $?" >> $OUT/results.txt ;;
+    soak)  # issue 57: SOAK_S (default 480) seconds of the bench spec colocated on every GPU here (at most 4), a push
+      # every step, stopped by SIGTERM: GPU memory at step 10 and at the end, step times against their median, the
+      # run's host RSS trend (tests/gpu/faults.py soak); SOAK_BACKEND= fsdp (default) or deepspeed
+      timeout 590 python3 $ROOT/tests/gpu/faults.py soak --spec $BENCH --out $OUT/soak --backend ${SOAK_BACKEND:-fsdp} \
+        --seconds ${SOAK_S:-480} >> $OUT/results.txt 2> $OUT/soak.log; echo "soak exit $?" >> $OUT/results.txt ;;
     *) echo "unknown section $section" >> $OUT/results.txt ;;
   esac
   echo "-- $section took $(( $(date +%s) - start )) s" >> $OUT/results.txt

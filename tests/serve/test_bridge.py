@@ -233,6 +233,41 @@ def test_a_server_killed_mid_run_is_restarted_and_the_run_learns_as_if_nothing_h
     _same_learning(read_metrics(tmp_path / "out" / "metrics.jsonl"), colocated)
 
 
+@pytest.mark.slow  # the detection and the restart decision run in CI without processes (tests/serve/test_reconnect.py)
+def test_a_stopped_server_the_run_started_is_detected_and_restarted(colocated, tmp_path):
+    """The run's own server is stopped (SIGSTOP: alive, holding its port and connections, answering nothing) between
+    steps: the request to it times out (rollout.request_timeout_s), a health check gets no answer, and the trainer
+    kills it, starts a new one, pushes its weights and re-runs the step; every row equals the colocated run's."""
+    run = Run(tmp_path / "out", *BASE, *BRIDGE, "sync.timeout_s=10", "rollout.request_timeout_s=5",
+              "rollout.server_reconnect_s=120")
+    pid = run.server_pid()
+    run.wait_for_rows(1)
+    run.proc.send_signal(signal.SIGSTOP)
+    try:
+        os.killpg(pid, signal.SIGSTOP)  # the server and any process of its own
+        stopped = time.monotonic()
+    finally:
+        run.proc.send_signal(signal.SIGCONT)
+    try:
+        deadline = time.monotonic() + 120
+        while "was lost; waiting up to 120 s" not in run.stderr():
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr()
+            time.sleep(0.1)
+        detected_s = time.monotonic() - stopped
+        assert run.wait() == 0, run.stderr()
+    finally:
+        if _alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+    err = run.stderr()
+    print(f"\nstopped server: detected {detected_s:.1f} s after SIGSTOP; "
+          f"{[line for line in err.splitlines() if 'stopped answering' in line or 'is back' in line]}")
+    assert "stopped answering" in err or "a health check did not answer within 5 s" in err, err  # a request's, a push's
+    assert "is back after" in err and not _alive(pid), err
+    assert detected_s < 10 + 5 + 15  # the longer of request_timeout_s and sync.timeout_s, a health check, slack
+    assert len(re.findall(r"rollout server pid (\d+)", err)) == 2, err
+    _same_learning(read_metrics(tmp_path / "out" / "metrics.jsonl"), colocated)
+
+
 def _start_server(port: int, log_path: Path) -> subprocess.Popen:
     from rlspec.serve import TOKEN_ENV
 

@@ -85,3 +85,23 @@ def test_a_server_without_a_token_writes_it_to_a_private_file_and_never_prints_i
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def test_a_taken_port_exits_2_naming_port_before_anything_is_announced():
+    """Another process listens on the port: exit 2 with one line naming `--port` and a free one to use, before the
+    server builds its engine, writes a token file or says that it serves (it once announced the port, then exited 3)."""
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RLSPEC_SERVE_TOKEN", "RLSPEC_SERVE_TOKEN_FILE")}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        proc = subprocess.run(rlspec_cmd("serve", *SPEC, "--port", str(port)), cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=120)
+    print(f"\ntaken port: exit {proc.returncode} after {time.monotonic() - started:.1f} s: {proc.stderr.strip()}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("rlspec: error: --port:") and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"port {port} is already in use" in proc.stderr and "choose a free port, e.g. --port " in proc.stderr
+    assert "rlspec serve:" not in proc.stderr and proc.stdout == ""  # nothing announced, no token file named

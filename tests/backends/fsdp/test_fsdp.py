@@ -194,6 +194,8 @@ def test_watchdog_killed_rank_stops_run(tmp_path):
     assert "run failed: trainer rank" in err and "died" in err, err[-4000:]
 
 
+@pytest.mark.slow  # the rank group's SIGTERM path runs in CI for deepspeed (test_reliability) and for fsdp, with a
+# resume on fewer ranks, in tests/backends/test_logical_faults.py
 def test_sigterm_to_the_whole_tree_checkpoints_and_resume_finishes(tmp_path):
     preempt_whole_tree("fsdp", tmp_path / "preempted", signal.SIGTERM)
 
