@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..rollout.decoder import Packed
+from .prefix_cache import PrefixCache, extend, extension_batches
 
 PREFILL_TOKENS = 16384
 """Tokens (prompts one after another, or padded to the longest of their forward) a prefill forward takes at most on
@@ -55,6 +56,8 @@ class Prefills:
         pool's."""
         self.packed = sampler.use_graphs and self.decoder.varlen_prefill(self.device)
         """Prefill prompts one after another in one row (varlen attention), not padded to the longest."""
+        self.prefix = PrefixCache(max_slots * length)
+        """Ended rows' K/V by token ids: a prompt extending one prefills only its new tokens (`prefix_cache.py`)."""
         self.graphs: dict[int, _Graph] = {}
         self._memory = None
         self.captures, self.capture_s = 0, 0.0
@@ -88,6 +91,7 @@ class Prefills:
         its prompts' widths. On CPU each alone (a prompt's K/V then do not depend on the others)."""
         todo = list(dict.fromkeys(tuple(p) for p in prompts if tuple(p) not in self.cache))
         with on_device(self.device):
+            todo = self._extend(todo)
             if not self.sampler.use_graphs and not self.packed:
                 for p in todo:
                     self.padded([p])
@@ -107,6 +111,19 @@ class Prefills:
                 own += len(p)
             if part:
                 (self._packed if self.packed else self.padded)(part)
+
+    def _extend(self, todo: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """Prefill the prompts of `todo` that extend a kept sequence from it (`prefix_cache.extend`); the others."""
+        if not len(self.prefix):
+            return todo
+        rest, rows = [], []
+        for p in todo:
+            entry, reused = self.prefix.match(p)
+            (rows.append((p, entry, reused)) if entry is not None else rest.append(p))
+        for part in extension_batches(rows, separate=not self.sampler.use_graphs and not self.packed):
+            stack, hidden, starts, widths = extend(self.decoder, part, self.eos, self.device)
+            self._keep([p for p, _, _ in part], Prefill(stack, hidden, starts, widths))
+        return rest
 
     def padded(self, part: list[tuple[int, ...]]) -> None:
         """One prefill forward of prompts `part`, right-padded to the longest; each row's hidden is its last token's."""
