@@ -24,9 +24,11 @@ run is reproducible, and a call samples one completion of one prompt (`n` > 1 is
 and top log-probs are not offered (the run's temperature is used, and only the sampled tokens' log-probs). Requests
 beyond `rollout.agent.max_turns`, or for a trajectory that timed out, are refused (429, 410).
 
-Agents run `rollout.agent.concurrency` at a time, group after group, and the gateway's routes wait for the
-engine without holding a thread: their requests join one decode batch (the scheduler of `rlspec.serve`, in
-front of the in-process engine here or in the rollout server), so the G agents of a group sample together.
+Agents run `rollout.agent.concurrency` at a time as tasks on one agent event loop (`agent_loop`; a plain function
+agent in a thread of its own), the next starting as soon as one ends, and the gateway's routes wait for the engine
+without holding a thread: their requests join one decode batch (the scheduler of `rlspec.serve`, in front of the
+in-process engine here or in the rollout server), and a turn extending an earlier one prefills only its new tokens
+(`rlspec.serve.prefix_cache`).
 
 A GRPO group is `group_size` trajectories of one prompt. A failed trajectory (see `runner`) is counted
 and dropped, never scored; a group left with fewer than two trajectories is dropped too (GRPO compares
@@ -96,6 +98,20 @@ class _EngineView:
             engine.spec = self.spec
         # Only engines that number samples take `first_sample` (the Ray engines do not): passed when asked for.
         return engine.generate(prompts, n, seed, **({"first_sample": first_sample} if first_sample else {}))
+
+
+def _enough_files(wanted: int) -> None:
+    """Raise this process's soft limit on open files towards `wanted` (up to the hard limit): each running agent holds a
+    client socket and the gateway its server side, and a common soft limit is 1,024."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard),
+                                                        hard))
+    except (ImportError, ValueError, OSError):  # no such limit here (Windows), or not ours to raise
+        pass
 
 
 def _weights_written() -> None:
@@ -264,6 +280,8 @@ class AgentGateway:
 
     def _start(self):
         import uvicorn
+
+        _enough_files(4 * self.spec.concurrency + 256)
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

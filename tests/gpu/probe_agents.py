@@ -3,7 +3,8 @@ trajectories (the spec's agent, all at once), no training. Per step (the first o
 line: the step's wall, the engine thread's seconds admitting (prefill) and decoding (the scheduler's counters), the
 seconds calls spent waiting for the engine (queue + admission + decode, summed over calls and divided by the
 agents, i.e. per agent) against each agent's wall, the turns, the model tokens, and the prefix cache's counters.
-    python tests/gpu/probe_agents.py SPEC [--agents 64] [--steps 4] [override ...]
+`--plain-tokens N` then times the engine's plain batched rollout of as many trajectories, N new tokens each.
+    python tests/gpu/probe_agents.py SPEC [override ...] [--agents 64] [--steps 4] [--plain-tokens N]
 e.g. python tests/gpu/probe_agents.py examples/agent_chat_tool.yaml --agents 64 (docs/agents.md)."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--agents", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--plain-tokens", type=int, default=0,
+                        help="then time the engine's plain batched rollout of the same prompts, this many new tokens")
     args = parser.parse_args()
 
     from rlspec.agent.gateway import AgentGateway
@@ -31,6 +34,10 @@ def main() -> None:
     plan, task = build_plan(args.spec, [*args.overrides, f"rollout.prompts_per_step={prompts}",
                                         f"rollout.agent.concurrency={prompts * group}",
                                         f"algorithm.micro_batch_size={prompts * group}"])
+    if plan.spec.hardware.num_threads:  # as `rlspec run` does
+        import torch
+
+        torch.set_num_threads(plan.spec.hardware.num_threads)
     engine = build_engine(plan)
     gateway = AgentGateway(plan, engine)
     waited = [0.0]
@@ -66,8 +73,32 @@ def main() -> None:
                 "call_wait_s_per_agent": round(waited[0] / max(n, 1), 4),
                 "call_wait_share": round(waited[0] / max(n, 1) / wall, 3),
                 **{f"prefix_{k}": v - prefix_before.get(k, 0) for k, v in _prefix(scheduler).items()}}), flush=True)
+        if args.plain_tokens:
+            plain(engine, task, prompts, group, args.plain_tokens, args.steps)
     finally:
         gateway.close()
+
+
+def plain(engine, task, prompts: int, group: int, tokens: int, steps: int) -> None:
+    """The in-process engine's batched generate of the same number of prompts x group, `tokens` new tokens each (as a
+    plain `rlspec run` step samples), after a warm-up call: generated tokens/s."""
+    import dataclasses
+
+    import torch
+
+    sampler = engine.with_spec(dataclasses.replace(engine.spec, max_new_tokens=tokens))
+    for step in range(1 + max(1, steps - 1)):
+        texts = [p.text for p in task.sample(step, prompts)]
+        began = time.perf_counter()
+        out = sampler.generate(texts, group, seed=step)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - began
+        generated = sum(len(ids) for ids in out.completion_ids)
+        print(json.dumps({"plain_step": step, "rows": len(out.completion_ids), "wall_s": round(wall, 4),
+                          "tokens_mean": round(generated / len(out.completion_ids), 1),
+                          "trajectories_per_s": round(len(out.completion_ids) / wall, 1),
+                          "model_tokens_per_s": round(generated / wall, 1)}), flush=True)
 
 
 def _prefix(scheduler) -> dict:
