@@ -211,8 +211,8 @@ class AgentSpec(Section):
     """
 
     function: Optional[str] = None
-    """Python agent `module:function` or `path/to/file.py:function`, called as fn(prompt, base_url) -> final answer (str);
-    an `async def` runs as a task on one agent event loop (no thread each), a plain function in a thread."""
+    """Python agent `module:function` or `path/to/file.py:function`, called as fn(prompt, base_url) -> final answer
+    (str); an `async def` runs as a task on one agent event loop (no thread each), a plain function in a thread."""
     command: Optional[List[str]] = None
     """Command agent argv: reads {"prompt", "base_url"} JSON on stdin, prints {"answer": str} JSON as its last stdout line."""
     timeout_s: float = 120.0

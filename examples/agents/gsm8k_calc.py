@@ -4,9 +4,9 @@ The agent tells the model it may write ``<calc>EXPRESSION</calc>``. After each c
 first such call: if there is one, it keeps the completion up to the closing tag, appends `` = RESULT``
 (evaluated by `rlspec.agent.calculator`, which accepts arithmetic only and never executes model text;
 an error message takes the result's place) and asks the model to continue. A completion without a
-call ends the episode (an async function: the calculator is pure arithmetic, quick enough to run on the agents'
-event loop; a slow or blocking tool would go through `await asyncio.to_thread(...)`). The final answer is everything after the question (the model's reasoning, the
-tool results and its "#### N" line), which the gsm8k reward scores.
+call ends the episode. The final answer is everything after the question (the model's reasoning, the tool results
+and its "#### N" line), which the gsm8k reward scores. An async function: the calculator is pure arithmetic, quick
+enough to run on the agents' event loop; a slow or blocking tool would go through `await asyncio.to_thread(...)`.
 """
 
 from __future__ import annotations

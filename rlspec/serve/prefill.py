@@ -119,7 +119,10 @@ class Prefills:
         rest, rows = [], []
         for p in todo:
             entry, reused = self.prefix.match(p)
-            (rows.append((p, entry, reused)) if entry is not None else rest.append(p))
+            if entry is None:
+                rest.append(p)
+            else:
+                rows.append((p, entry, reused))
         for part in extension_batches(rows, separate=not self.sampler.use_graphs and not self.packed):
             stack, hidden, starts, widths = extend(self.decoder, part, self.eos, self.device)
             self._keep([p for p, _, _ in part], Prefill(stack, hidden, starts, widths))

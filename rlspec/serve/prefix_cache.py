@@ -13,7 +13,7 @@ less one (the last token is always computed: its hidden state is what the first 
 
 Bounded by tokens (`max_tokens`: by default the pool's own cache, one more full pool's worth of K/V at most), least
 recently used first out. Cleared with the pool's kept prefills at `ServingPool.refresh_weights` (a push or a weight
-change: K/V of other weights are not reused), and whenever a copy finds no memory for it (nothing fails for it).
+change: K/V of other weights are not reused), and whenever a copy out fails (no memory for it: serving goes on).
 
 On CPU (fp32, each prompt extended alone) a turn's K/V, last hidden state, sampled tokens and log-probs equal a fresh
 prefill's bit for bit (tested); on CUDA the prefix came from other kernels (decode steps, packed prefills) and they
@@ -30,6 +30,10 @@ from torch import Tensor
 
 BLOCK = 16
 """Tokens per hashed block: a prompt is matched a block at a time, then token by token within the kept sequence."""
+MIN_SHARE = 0.5
+"""A match reused only when it covers at least this share of the prompt: a short shared head (a system prompt, a
+group's task prompt) is left to the ordinary prefill, which on CUDA replays a captured packed forward, where the
+extension forward is eager."""
 EXTEND_CELLS = 1 << 16
 """Rows x (their longest kept prefix + new tokens) that one extension forward takes at most (its K/V buffer)."""
 
@@ -78,7 +82,7 @@ class PrefixCache:
         try:
             index = torch.tensor([slot for _, slot in rows], device=keys[0].device)
             stack = torch.stack([t[index, :, :width] for t in keys + values])  # [2L, rows, Hkv, width, D]
-        except torch.OutOfMemoryError:
+        except Exception:  # noqa: BLE001 - no memory, or a device already failing: never worth failing a row for
             self.clear()
             return
         for i, (ids, _) in enumerate(rows):
@@ -107,7 +111,8 @@ class PrefixCache:
 
     def match(self, prompt: tuple[int, ...]) -> tuple[_Entry | None, int]:
         """The kept sequence sharing the longest prefix with `prompt` among those found block by block, and how many
-        tokens to reuse (at most len(prompt) - 1); (None, 0) when nothing of a block's length matches."""
+        tokens to reuse (at most len(prompt) - 1); (None, 0) when nothing of a block's length matches, or the match
+        covers less than `MIN_SHARE` of the prompt."""
         found, h = None, 0
         for start in range(0, len(prompt) - BLOCK, BLOCK):  # a block ending at the prompt's last token is never reused
             h = hash((h, prompt[start:start + BLOCK]))
@@ -121,6 +126,9 @@ class PrefixCache:
         reused, end = blocks, min(len(found.ids), len(prompt) - 1)
         while reused < end and found.ids[reused] == prompt[reused]:
             reused += 1
+        if reused < MIN_SHARE * len(prompt):
+            self.stats["misses"] += 1
+            return None, 0
         self._entries.move_to_end(id(found))
         self.stats["hits"] += 1
         self.stats["reused_tokens"] += reused
