@@ -392,7 +392,7 @@ print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen']
         python3 -c "import json,sys,statistics as s
 rows=[json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
 a=[r for r in rows if 'step' in r][1:]; p=[r for r in rows if 'plain_step' in r][1:]
-m=lambda rs,k: round(s.median(r[k] for r in rs),1) if rs else None
+m=lambda rs,k: round(s.median(r.get(k,0) for r in rs),1) if rs else None
 out={'agent_traj_per_s':m(a,'trajectories_per_s'),'agent_tok_per_s':m(a,'model_tokens_per_s'),'failed':sum(r['failed'] for r in a),
  'turns':m(a,'turns_mean'),'tokens_per_traj':m(a,'model_tokens_mean'),'engine_busy':m(a,'engine_busy_share'),
  'prefix_hits':m(a,'prefix_hits'),'prefix_new_tokens':m(a,'prefix_new_tokens'),'prefix_reused_tokens':m(a,'prefix_reused_tokens')}
@@ -404,9 +404,13 @@ print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
       for part in ${AM_PARTS:-multiturn chat calc prefix}; do
         case $part in
           multiturn) for n in 64 256; do
-              CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps 3 --plain-tokens 640 \
+              # the plain rollout alone in its process (--steps 0: no agent step, the gateway's pool never made), then the agents
+              CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps 0 --plain-tokens 640 \
+                > $OUT/agents_plain_$n.log 2>&1; echo "agents_multiturn plain $n exit $?" >> $OUT/results.txt
+              CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps 3 \
                 > $OUT/agents_multiturn_$n.log 2>&1; echo "agents_multiturn multiturn $n exit $?" >> $OUT/results.txt
-              am_summary $OUT/agents_multiturn_$n.log "multiturn $n agents"; cp $OUT/results.txt $FINAL/
+              cat $OUT/agents_plain_$n.log $OUT/agents_multiturn_$n.log > $OUT/agents_both_$n.log
+              am_summary $OUT/agents_both_$n.log "multiturn $n agents"; cp $OUT/results.txt $FINAL/
             done ;;
           chat) for n in 64 256; do
               CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $ROOT/examples/agent_chat_tool.yaml hardware=gpu1 \

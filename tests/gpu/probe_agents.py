@@ -20,8 +20,10 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--agents", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=0, help="agents at once (default: all of a step's)")
     parser.add_argument("--plain-tokens", type=int, default=0,
                         help="then time the engine's plain batched rollout of the same prompts, this many new tokens")
+    parser.add_argument("--plain-steps", type=int, default=3, help="plain rollouts timed (after a warm-up one)")
     args = parser.parse_args()
 
     from rlspec.agent.gateway import AgentGateway
@@ -32,7 +34,7 @@ def main() -> None:
     group = probe.spec.algorithm.group_size
     prompts = max(1, args.agents // group)
     plan, task = build_plan(args.spec, [*args.overrides, f"rollout.prompts_per_step={prompts}",
-                                        f"rollout.agent.concurrency={prompts * group}",
+                                        f"rollout.agent.concurrency={args.concurrency or prompts * group}",
                                         f"algorithm.micro_batch_size={prompts * group}"])
     if plan.spec.hardware.num_threads:  # as `rlspec run` does
         import torch
@@ -74,20 +76,21 @@ def main() -> None:
                 "call_wait_share": round(waited[0] / max(n, 1) / wall, 3),
                 **{f"prefix_{k}": v - prefix_before.get(k, 0) for k, v in _prefix(scheduler).items()}}), flush=True)
         if args.plain_tokens:
-            plain(engine, task, prompts, group, args.plain_tokens, args.steps)
+            plain(engine, task, prompts, group, args.plain_tokens, args.plain_steps)
     finally:
         gateway.close()
 
 
 def plain(engine, task, prompts: int, group: int, tokens: int, steps: int) -> None:
     """The in-process engine's batched generate of the same number of prompts x group, `tokens` new tokens each (as a
-    plain `rlspec run` step samples), after a warm-up call: generated tokens/s."""
+    plain `rlspec run` step samples), `steps` times after a warm-up call: generated tokens/s. (`--steps 0`: alone in
+    its process, the gateway's pool never made.)"""
     import dataclasses
 
     import torch
 
     sampler = engine.with_spec(dataclasses.replace(engine.spec, max_new_tokens=tokens))
-    for step in range(1 + max(1, steps - 1)):
+    for step in range(1 + steps):
         texts = [p.text for p in task.sample(step, prompts)]
         began = time.perf_counter()
         out = sampler.generate(texts, group, seed=step)
