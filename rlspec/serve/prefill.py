@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..rollout.decoder import Packed
+from . import prefix_cache
 from .prefix_cache import PrefixCache, extend, extension_batches
 
 PREFILL_TOKENS = 16384
@@ -123,6 +124,9 @@ class Prefills:
                 rest.append(p)
             else:
                 rows.append((p, entry, reused))
+        if self.sampler.use_graphs and sum(m for _, _, m in rows) < prefix_cache.GRAPH_MIN_REUSED:
+            self.prefix.stats["declined"] += len(rows)  # the captured packed prefill is cheaper here
+            return rest + [p for p, _, _ in rows]
         for part in extension_batches(rows, separate=not self.sampler.use_graphs and not self.packed):
             stack, hidden, starts, widths = extend(self.decoder, part, self.eos, self.device)
             self._keep([p for p, _, _ in part], Prefill(stack, hidden, starts, widths))

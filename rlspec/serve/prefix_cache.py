@@ -34,6 +34,11 @@ MIN_SHARE = 0.5
 """A match reused only when it covers at least this share of the prompt: a short shared head (a system prompt, a
 group's task prompt) is left to the ordinary prefill, which on CUDA replays a captured packed forward, where the
 extension forward is eager."""
+GRAPH_MIN_REUSED = 16384
+"""Where the pool's prefills replay captured graphs (CUDA), an admission extends its matching prompts only when they
+reuse this many tokens together; else they take the captured packed prefill. The extension forward is eager: ~40 ms
+of host time for the 0.5B shape (`docs/serving_concurrency.md`), about what a captured prefill of ~13k tokens costs
+that model's GPU (an estimate, not measured: `tests/gpu/probe_prefix.py` measures both at 1, 8 and 64 rows)."""
 EXTEND_CELLS = 1 << 16
 """Rows x (their longest kept prefix + new tokens) that one extension forward takes at most (its K/V buffer)."""
 
@@ -56,9 +61,10 @@ class PrefixCache:
         self.tokens = 0
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._index: dict[int, _Entry] = {}
-        self.stats = {"kept": 0, "evicted": 0, "hits": 0, "misses": 0, "reused_tokens": 0, "new_tokens": 0}
+        self.stats = {"kept": 0, "evicted": 0, "hits": 0, "misses": 0, "reused_tokens": 0, "new_tokens": 0,
+                      "declined": 0}
         """Counters since start: rows kept and evicted; admitted prompts with a match (hits) and without (misses); the
-        tokens reused and computed for the hits."""
+        tokens reused and computed for the hits; hits prefilled whole all the same (`GRAPH_MIN_REUSED`)."""
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -106,12 +106,15 @@ def test_the_cache_is_bounded_evicts_the_oldest_and_a_weight_refresh_clears_it(s
 
 
 @pytest.mark.gpu
-def test_prefix_reuse_on_cuda_agrees_with_a_fresh_prefill_within_bf16():
+def test_prefix_reuse_on_cuda_agrees_with_a_fresh_prefill_within_bf16(monkeypatch):
     """CUDA, bf16, captured decode steps and packed prefills: a turn-2 prompt extended from turn 1's kept K/V against
     the same prompt prefilled whole (packed, from a graph): K/V and last hidden within bf16 rounding, and the log-probs
     of the tokens both then sample alike (a near tie of a random model may resolve differently in bf16)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from rlspec.serve import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "GRAPH_MIN_REUSED", 0)  # these few short prompts extend too
     sampler = sampler_on("cuda", "bfloat16")
     prompts = [PROMPT * 4, PROMPT[:33] * 3, PROMPT[5:] * 5]
     reusing, fresh = ServingPool(sampler, 1024, 8, eos=0), ServingPool(sampler, 1024, 8, eos=0)
@@ -120,7 +123,7 @@ def test_prefix_reuse_on_cuda_agrees_with_a_fresh_prefill_within_bf16():
     turn = [p + t + TOOL for p, (t, _) in zip(prompts, first)]
     reusing.prefills.prefill(turn)
     fresh.prefills.prefill(turn)
-    assert reusing.prefills.prefix.stats["hits"] == 3
+    assert reusing.prefills.prefix.stats["hits"] == 3 and reusing.prefills.prefix.stats["declined"] == 0
     for p in map(tuple, turn):
         (a, i), (b, j) = reusing.prefills.cache[p], fresh.prefills.cache[p]
         kv_a = a.stack[:, :, a.starts[i]:a.starts[i] + len(p)].float()
