@@ -28,7 +28,7 @@ Agents run `rollout.agent.concurrency` at a time as tasks on one agent event loo
 agent in a thread of its own), the next starting as soon as one ends, and the gateway's routes wait for the engine
 without holding a thread: their requests join one decode batch (the scheduler of `rlspec.serve`, in front of the
 in-process engine here or in the rollout server), and a turn extending an earlier one prefills only its new tokens
-(`rlspec.serve.prefix_cache`).
+(`rlspec.serve.prefill.PrefixCache`).
 
 A GRPO group is `group_size` trajectories of one prompt. A failed trajectory (see `runner`) is counted
 and dropped, never scored; a group left with fewer than two trajectories is dropped too (GRPO compares

@@ -1,9 +1,9 @@
-"""A turn's prefill with prefix reuse against a full prefill of the same context (`rlspec/serve/prefix_cache.py`):
+"""A turn's prefill with prefix reuse against a full prefill of the same context (`rlspec.serve.prefill.PrefixCache`):
 the spec's model in a serving pool; `--rows` rows of `--context`-token prompts admitted and decoded `--tokens` tokens
 each (turn 1), then their next turn (prompt + sampled tokens + a `--tool`-token result) admitted twice: into the
 pool that kept turn 1's K/V (prefix reuse), and into the same pool with its prefix cache emptied (a full prefill of
-the whole context), every match reused (`prefix_cache.GRAPH_MIN_REUSED` set to 0). The admission's seconds (the engine's clock after a device sync; the median of `--repeats`,
-after a warm-up), one JSON line per row count.
+the whole context), every match reused (`prefill.GRAPH_MIN_REUSED` set to 0). The admission's seconds (the engine's
+clock after a device sync; the median of `--repeats`, after a warm-up), one JSON line per row count.
     python tests/gpu/probe_prefix.py examples/bench_qwen0p5b.yaml --context 2048 --rows 1,8,64"""
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def main() -> None:
     from rlspec.serve.process import build_engine
     from rlspec.serve.scheduler import make_pool
 
-    from rlspec.serve import prefix_cache
+    from rlspec.serve import prefill
 
-    prefix_cache.GRAPH_MIN_REUSED = 0  # every match reused, whatever an admission saves: the cost of reuse itself
+    prefill.GRAPH_MIN_REUSED = 0  # every match reused, whatever an admission saves: the cost of reuse itself
     need = args.context + args.tokens + args.tool + 64
     plan, _ = build_plan(args.spec, [*args.overrides, f"rollout.max_prompt_tokens={need}",
                                      f"rollout.max_new_tokens={args.tokens}"])

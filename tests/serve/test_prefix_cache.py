@@ -1,4 +1,4 @@
-"""Prefix reuse across turns (`rlspec/serve/prefix_cache.py`) in the serving pool, CPU fp32: a row's next turn (its
+"""Prefix reuse across turns (`rlspec.serve.prefill.PrefixCache`) in the serving pool, CPU fp32: a row's next turn (its
 prompt, the tokens it sampled, then a tool result) prefills only the new tokens, and samples the same tokens with
 the same log-probs as a fresh prefill of the whole context (bit for bit); the bound, eviction and a weight refresh;
 on CUDA the same within bf16 (GPU-marked)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlspec.serve.pool import RowSampling, ServingPool
-from rlspec.serve.prefix_cache import BLOCK, PrefixCache
+from rlspec.serve.prefill import BLOCK, PrefixCache
 
 PROMPT = [(7 * i) % 200 + 3 for i in range(40)]
 TOOL = [(11 * i) % 200 + 3 for i in range(23)]
@@ -112,9 +112,9 @@ def test_prefix_reuse_on_cuda_agrees_with_a_fresh_prefill_within_bf16(monkeypatc
     of the tokens both then sample alike (a near tie of a random model may resolve differently in bf16)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from rlspec.serve import prefix_cache
+    from rlspec.serve import prefill
 
-    monkeypatch.setattr(prefix_cache, "GRAPH_MIN_REUSED", 0)  # these few short prompts extend too
+    monkeypatch.setattr(prefill, "GRAPH_MIN_REUSED", 0)  # these few short prompts extend too
     sampler = sampler_on("cuda", "bfloat16")
     prompts = [PROMPT * 4, PROMPT[:33] * 3, PROMPT[5:] * 5]
     reusing, fresh = ServingPool(sampler, 1024, 8, eos=0), ServingPool(sampler, 1024, 8, eos=0)
