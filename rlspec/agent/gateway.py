@@ -331,7 +331,12 @@ class AgentGateway:
         """Every job as a task on the agent event loop (`agent_loop`), at most `concurrency` at once: a job that ends
         starts the next one at once, whatever its group. A job past its timeout is cancelled (an async function, a
         command's wait) or abandoned (a plain function's thread); either way its trajectory is closed."""
-        asyncio.run_coroutine_threadsafe(self._run_all(jobs), agent_loop()).result()
+        running = asyncio.run_coroutine_threadsafe(self._run_all(jobs), agent_loop())
+        try:
+            running.result()
+        except BaseException:  # e.g. a stop signal while the step samples: its agents are cancelled, not left running
+            running.cancel()
+            raise
 
     async def _run_all(self, jobs: list[_Job]) -> None:
         slots = asyncio.Semaphore(self.spec.concurrency)
