@@ -218,16 +218,18 @@ class AgentSpec(Section):
     """
 
     function: Optional[str] = None
-    """Python agent `module:function` or `path/to/file.py:function`, called as fn(prompt, base_url) -> final answer (str)."""
+    """Python agent `module:function` or `path/to/file.py:function`, called as fn(prompt, base_url) -> final answer
+    (str); an `async def` runs as a task on one agent event loop (no thread each), a plain function in a thread."""
     command: Optional[List[str]] = None
     """Command agent argv: reads {"prompt", "base_url"} JSON on stdin, prints {"answer": str} JSON as its last stdout line."""
     timeout_s: float = 120.0
-    """An agent still running after this long is a failed trajectory (a command is killed; a function is abandoned)."""
+    """An agent still running after this long is a failed trajectory (a command is killed, an async function cancelled, a
+    plain function's thread abandoned)."""
     max_turns: int = 8
     """Completion requests one trajectory may make; the gateway refuses more and the trajectory fails."""
     concurrency: int = 8
-    """Trajectories whose agents run at the same time, group after group (their requests join the engine's decode
-    batch together; raise it to group_size x the groups to overlap, e.g. 64)."""
+    """Trajectories whose agents run at the same time; one that ends lets the next start (their requests join the
+    engine's decode batch together; e.g. 64 to 1024 with async agents, docs/agents.md)."""
     max_failure_rate: float = 0.25
     """A step whose share of failed trajectories (raised, timed out, invalid) exceeds this fails the run."""
 

@@ -8,19 +8,21 @@ model wrote a well-formed one and on the model's behalf otherwise, and sends the
 `role: tool` message. Turn 2: the model answers again. The final answer is both turns' text joined;
 copy_char scores how many of its first 8 characters repeat the prompt's letter, so the model must copy in
 both turns, the second after the tool result.
+
+An async function: every agent of a step is a task on the gateway's one agent event loop, and all of them share
+one HTTP client (`rlspec.agent.client.http_client`): building an OpenAI client's own HTTP client per agent costs
+~20 ms of CPU each under the interpreter lock, and a thread per agent another few ms a turn (docs/agents.md).
+The model's name is not asked for (`GET /models` would be one more request per trajectory): the gateway serves
+the run's policy whatever the request names.
 """
 
 from __future__ import annotations
 
 import json
 
-import httpx
-from openai import OpenAI
+from openai import AsyncOpenAI
 
-HTTP = httpx.Client(timeout=60.0, limits=httpx.Limits(keepalive_expiry=1.0))
-"""One HTTP client (its connection pool and TLS context) for every agent: each `OpenAI()` would otherwise build its
-own, ~20 ms of CPU under the interpreter lock — 64 agents at once spent more time there than the model sampling.
-Idle connections are dropped after 1 s, well before the server closes them (5 s), so none is reused as it closes."""
+from rlspec.agent.client import http_client
 
 TOKENS_PER_TURN = 4
 TOOLS = [{"type": "function", "function": {
@@ -32,18 +34,19 @@ def length(text: str) -> str:
     return str(len(text))
 
 
-def solve(prompt: str, base_url: str) -> str:
-    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=HTTP)
-    model = client.models.list().data[0].id
+async def solve(prompt: str, base_url: str) -> str:
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=http_client())
     messages: list = [{"role": "user", "content": prompt}]
-    first = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=TOKENS_PER_TURN)
+    first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                 max_tokens=TOKENS_PER_TURN)
     reply = first.choices[0].message
     answer = reply.content or ""
     messages.append(reply.model_dump(exclude_none=True))  # sent back as returned: the gateway keeps its sampled ids
     call = reply.tool_calls[0] if reply.tool_calls else None
     text = json.loads(call.function.arguments).get("text", answer) if call else answer
     messages.append({"role": "tool", "tool_call_id": call.id if call else "length-0", "content": length(text)})
-    second = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=TOKENS_PER_TURN)
+    second = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                  max_tokens=TOKENS_PER_TURN)
     return answer + (second.choices[0].message.content or "")
 
 

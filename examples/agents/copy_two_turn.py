@@ -4,12 +4,13 @@ Turn 1: the model continues the prompt ("c=") for up to 4 tokens. The agent then
 (a status line it writes itself, which the model must read past) and asks the model to continue for 4
 more tokens. The final answer is both completions joined; copy_char scores how many of its first 8
 characters repeat the prompt's letter, so the model must copy in both turns, the second one after the
-tool message. Runs as a function (`...copy_two_turn.py:solve`) or as a command (`python ...copy_two_turn.py`).
+tool message. An async function: every agent of a step runs on the gateway's one agent event loop, over one
+shared HTTP client. Runs as a function (`...copy_two_turn.py:solve`) or as a command (`python ...copy_two_turn.py`).
 """
 
 from __future__ import annotations
 
-from rlspec.agent.client import complete
+from rlspec.agent.client import complete_async
 
 TOKENS_PER_TURN = 4
 
@@ -18,9 +19,9 @@ def tool_message(first: str) -> str:
     return f"|{len(first)}>"
 
 
-def solve(prompt: str, base_url: str) -> str:
-    first = complete(base_url, prompt, TOKENS_PER_TURN)
-    second = complete(base_url, prompt + first + tool_message(first), TOKENS_PER_TURN)
+async def solve(prompt: str, base_url: str) -> str:
+    first = await complete_async(base_url, prompt, TOKENS_PER_TURN)
+    second = await complete_async(base_url, prompt + first + tool_message(first), TOKENS_PER_TURN)
     return first + second
 
 

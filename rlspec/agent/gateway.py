@@ -24,9 +24,11 @@ run is reproducible, and a call samples one completion of one prompt (`n` > 1 is
 and top log-probs are not offered (the run's temperature is used, and only the sampled tokens' log-probs). Requests
 beyond `rollout.agent.max_turns`, or for a trajectory that timed out, are refused (429, 410).
 
-Agents run `rollout.agent.concurrency` at a time, group after group, and the gateway's routes wait for the
-engine without holding a thread: their requests join one decode batch (the scheduler of `rlspec.serve`, in
-front of the in-process engine here or in the rollout server), so the G agents of a group sample together.
+Agents run `rollout.agent.concurrency` at a time as tasks on one agent event loop (`agent_loop`; a plain function
+agent in a thread of its own), the next starting as soon as one ends, and the gateway's routes wait for the engine
+without holding a thread: their requests join one decode batch (the scheduler of `rlspec.serve`, in front of the
+in-process engine here or in the rollout server), and a turn extending an earlier one prefills only its new tokens
+(`rlspec.serve.prefill.PrefixCache`).
 
 A GRPO group is `group_size` trajectories of one prompt. A failed trajectory (see `runner`) is counted
 and dropped, never scored; a group left with fewer than two trajectories is dropped too (GRPO compares
@@ -36,6 +38,7 @@ fails the run with the first failure's account.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import secrets
 import socket
@@ -56,7 +59,21 @@ from .runner import AgentFailure, load_agent
 from .trajectory import Call, ContextMismatch, assemble
 
 START_TIMEOUT_S = 30.0
-POLL_S = 0.005
+
+_agent_loop: asyncio.AbstractEventLoop | None = None
+_agent_loop_lock = threading.Lock()
+
+
+def agent_loop() -> asyncio.AbstractEventLoop:
+    """The process's agent event loop, on a daemon thread of its own (started on first use): every agent of every
+    gateway runs on it, so an HTTP client an agent module keeps (`rlspec.agent.client.http_client`) serves them all."""
+    global _agent_loop
+    with _agent_loop_lock:
+        if _agent_loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, daemon=True, name="rlspec-agents").start()
+            _agent_loop = loop
+    return _agent_loop
 
 
 class _EngineView:
@@ -81,6 +98,24 @@ class _EngineView:
             engine.spec = self.spec
         # Only engines that number samples take `first_sample` (the Ray engines do not): passed when asked for.
         return engine.generate(prompts, n, seed, **({"first_sample": first_sample} if first_sample else {}))
+
+
+def _enough_files(wanted: int) -> None:
+    """Raise this process's soft limit on open files towards `wanted` (up to the hard limit): each running agent holds a
+    client socket and the gateway its server side, and a common soft limit is 1,024."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard),
+                                                        hard))
+    except (ImportError, ValueError, OSError):  # no such limit here (Windows), or not ours to raise
+        pass
+
+
+def _weights_written() -> None:
+    """Run as a scheduler job at a step's start: after a job, the pool refreshes what it derives from the weights."""
 
 
 def _same_message(sent: dict, reply: dict) -> bool:
@@ -113,7 +148,6 @@ class _Job:
     group: int
     answer: object = None
     failure: AgentFailure | None = None
-    done: threading.Event = field(default_factory=threading.Event)
     started_s: float = 0.0
     turns: int = 0
     malformed_tool_calls: int = 0
@@ -144,7 +178,9 @@ class AgentGateway:
         self.agent = load_agent(self.spec)
         hosted = engine if isinstance(engine, HFEngine) else _EngineView(engine, engine.tokenizer, plan.spec.rollout)
         model_name = plan.spec.model.path or plan.spec.model.preset
-        self.host = EngineHost(hosted, model_name)
+        # The trainer writes the weights between steps only: `rollout` says so with a job at each step's start, and
+        # the pool keeps its derived copies and ended rows' K/V (prefix reuse across turns) until then.
+        self.host = EngineHost(hosted, model_name, owns_weights=True)
         # The bridge endpoints of the app are never used here; a token nobody knows keeps them shut.
         self.app = build_app(self.host, secrets.token_hex(16))
         self.openai = self.app.state.openai
@@ -245,6 +281,8 @@ class AgentGateway:
     def _start(self):
         import uvicorn
 
+        _enough_files(4 * self.spec.concurrency + 256)
+
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
@@ -275,6 +313,9 @@ class AgentGateway:
         with self._lock:
             for index, job in enumerate(jobs):
                 self._records[job.trajectory_id] = _Record(seed=(seed * 1_000_003 + step * 65_537 + index * 257) % 2**31)
+        # A job: the pool refreshes what it derives from the weights (fused copies, kept prefills and prefixes) before
+        # this step's first rows, as after a push (the trainer's last step wrote them in place).
+        self.host.thread.run(_weights_written)
         try:
             self._run_agents(jobs)
             if self._engine_failure is not None:
@@ -287,36 +328,38 @@ class AgentGateway:
         return self._collect(jobs, kept, step)
 
     def _run_agents(self, jobs: list[_Job]) -> None:
-        """At most `concurrency` agents at once, each in a daemon thread; a job past its timeout is abandoned."""
-        pending, running = list(jobs), []
-        while pending or running:
-            while pending and len(running) < self.spec.concurrency:
-                job = pending.pop(0)
+        """Every job as a task on the agent event loop (`agent_loop`), at most `concurrency` at once: a job that ends
+        starts the next one at once, whatever its group. A job past its timeout is cancelled (an async function, a
+        command's wait) or abandoned (a plain function's thread); either way its trajectory is closed."""
+        running = asyncio.run_coroutine_threadsafe(self._run_all(jobs), agent_loop())
+        try:
+            running.result()
+        except BaseException:  # e.g. a stop signal while the step samples: its agents are cancelled, not left running
+            running.cancel()
+            raise
+
+    async def _run_all(self, jobs: list[_Job]) -> None:
+        slots = asyncio.Semaphore(self.spec.concurrency)
+
+        async def one(job: _Job) -> None:
+            async with slots:
                 job.started_s = time.monotonic()
-                threading.Thread(target=self._call_agent, args=(job,), daemon=True, name="rlspec-agent").start()
-                running.append(job)
-            now = time.monotonic()
-            for job in list(running):
-                if job.done.is_set():
-                    running.remove(job)
-                elif now - job.started_s > self.spec.timeout_s + 1.0:  # a command kills itself at timeout_s
+                try:  # a command kills itself at timeout_s: the margin lets it report its own timeout
+                    job.answer = await asyncio.wait_for(
+                        self.agent(job.prompt.text, self.base_url(job.trajectory_id), self.spec.timeout_s),
+                        self.spec.timeout_s + 1.0)
+                except asyncio.TimeoutError:
                     with self._lock:
                         self._records[job.trajectory_id].closed = True
                     job.failure = AgentFailure("timeout", f"agent still running after {self.spec.timeout_s:g} s "
-                                                          "(rollout.agent.timeout_s); abandoned")
-                    running.remove(job)
-            time.sleep(POLL_S)
+                                                          "(rollout.agent.timeout_s); stopped")
+                except AgentFailure as failure:
+                    job.failure = failure
+                except Exception as err:  # noqa: BLE001 - an agent's exception is a counted, reported failure
+                    job.failure = AgentFailure("error", f"agent raised {type(err).__name__}: {err}",
+                                               traceback.format_exc())
 
-    def _call_agent(self, job: _Job) -> None:
-        try:
-            job.answer = self.agent(job.prompt.text, self.base_url(job.trajectory_id), self.spec.timeout_s)
-        except AgentFailure as failure:
-            job.failure = job.failure or failure
-        except Exception as err:  # noqa: BLE001 - an agent's exception is a counted, reported failure
-            job.failure = job.failure or AgentFailure("error", f"agent raised {type(err).__name__}: {err}",
-                                                      traceback.format_exc())
-        finally:
-            job.done.set()
+        await asyncio.gather(*(one(job) for job in jobs))
 
     def _finish(self, job: _Job):
         """The assembled trajectory of a job, or None with `job.failure` set."""

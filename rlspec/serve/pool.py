@@ -119,6 +119,8 @@ class ServingPool:
         self._rows: dict[int, RowSampling] = {}
         self._sampled: dict[int, int] = {}
         """slot -> tokens its row has sampled (host side: how many steps a `run` may take)."""
+        self._sequence: dict[int, list[int]] = {}
+        """slot -> its row's prompt and sampled ids: what its K/V hold, kept by the prefix cache when it ends."""
         self.prefills = Prefills(sampler, eos, self.max_slots, self.length)
         self._pointers: tuple[int, ...] = ()
         self._decode_captures, self._decode_capture_s = 0, 0.0
@@ -152,6 +154,7 @@ class ServingPool:
         if self.sampler.fuse:
             self.decoder.fuse_weights()
         self.prefills.cache.clear()
+        self.prefills.prefix.clear()
         fused = tuple(t.data_ptr() for layer in self.decoder._fused or () for t in layer if t is not None)
         pointers = self.decoder.weight_pointers() + fused
         if pointers != self._pointers:  # a weight (or a fused copy) was re-allocated: graphs would read stale memory
@@ -208,21 +211,24 @@ class ServingPool:
             pool.greedy[slot] = column([s.greedy for s in samplings], torch.bool)
             pool.plain[slot] = column([s.plain for s in samplings], torch.bool)
             pool.done[slot] = False
-        for (row_id, _, sampling), b in zip(rows, empty):
+        for (row_id, ids, sampling), b in zip(rows, empty):
             self.live[b] = row_id
             self._rows[b] = sampling
             self._sampled[b] = 0
+            self._sequence[b] = list(ids)
 
     def release(self, slots: list[int]) -> None:
         """Free rows before they end (the caller drops what they sampled)."""
         if not slots:
             return
         with self._on_device():
+            self._keep_prefixes([b for b in slots if b in self.live])
             self._pool.done[torch.tensor(slots, device=self.device)] = True
         for b in slots:
             self.live.pop(b, None)
             self._rows.pop(b, None)
             self._sampled.pop(b, None)
+            self._sequence.pop(b, None)
 
     @torch.no_grad()
     def run(self) -> list[Delivery]:
@@ -261,11 +267,22 @@ class ServingPool:
             deliveries.append(Delivery(self.live[b], b, tokens[:new], logps[b][:new], row_top, bool(done)))
         for d in deliveries:
             self._sampled[d.slot] += len(d.tokens)
-            if d.ended:
-                self.live.pop(d.slot)
-                self._rows.pop(d.slot)
-                self._sampled.pop(d.slot)
+            self._sequence[d.slot] += d.tokens
+        ended = [d.slot for d in deliveries if d.ended]
+        if ended:
+            with self._on_device():
+                self._keep_prefixes(ended)
+        for b in ended:
+            self.live.pop(b)
+            self._rows.pop(b)
+            self._sampled.pop(b)
+            self._sequence.pop(b)
         return deliveries
+
+    def _keep_prefixes(self, slots: list[int]) -> None:
+        """The K/V of rows that end (their prompt and every token they sampled) into the prefix cache."""
+        if slots:
+            self.prefills.prefix.keep([(self._sequence[b], b) for b in slots], self._pool.keys, self._pool.values)
 
     # --- pool sizes ---------------------------------------------------------------------------------------
     def _resize(self, rows: int) -> None:
@@ -289,6 +306,7 @@ class ServingPool:
             self.live = {i: self.live[b] for i, b in enumerate(live)}
             self._rows = {i: self._rows[b] for i, b in enumerate(live)}
             self._sampled = {i: self._sampled[b] for i, b in enumerate(live)}
+            self._sequence = {i: self._sequence[b] for i, b in enumerate(live)}
         self._pool = target
 
     def shrink(self) -> None:

@@ -55,3 +55,50 @@ def too_many_turns(prompt: str, base_url: str) -> str:
 def sleeps(prompt: str, base_url: str) -> str:
     time.sleep(3.0)
     return complete(base_url, prompt, 4)
+
+
+# --- async agents (the gateway runs them as tasks on its one agent event loop) ---------------------------------
+import asyncio  # noqa: E402
+import threading  # noqa: E402
+
+from rlspec.agent.client import complete_async  # noqa: E402
+
+STATE: dict = {}
+"""What the async agents saw (reset by the tests): the most threads alive during any agent, the trajectories
+finished, cancelled agents."""
+
+
+def reset() -> None:
+    STATE.clear()
+    STATE.update(threads=0, finished=[], cancelled=0)
+
+
+async def two_turns_counting_threads(prompt: str, base_url: str) -> str:
+    first = await complete_async(base_url, prompt, 2)
+    STATE["threads"] = max(STATE["threads"], threading.active_count())
+    second = await complete_async(base_url, prompt + first + "|", 2)
+    STATE["finished"].append(base_url)
+    return first + second
+
+
+async def slow_tool_in_first_of_group(prompt: str, base_url: str) -> str:
+    """The first trajectory of the group (…-g0-…) calls a tool that returns only once all the group's other agents
+    have finished, so they must start and end while it waits: with `concurrency` 2, each of them in turn takes the
+    slot of the one before."""
+    first = await complete_async(base_url, prompt, 2)
+    if "-g0-" in base_url:
+        while len(STATE["finished"]) < 3:
+            await asyncio.sleep(0.01)
+    second = await complete_async(base_url, prompt + first + "|", 2)
+    STATE["finished"].append(base_url)
+    return first + second
+
+
+async def hangs_async(prompt: str, base_url: str) -> str:
+    await complete_async(base_url, prompt, 2)
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        STATE["cancelled"] += 1
+        raise
+    return "never"

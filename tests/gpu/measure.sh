@@ -15,6 +15,7 @@
 #   several GPUs, the layouts of issue 44, one part per 10-minute call:  OUT=o bash tests/gpu/measure.sh multigpu_a
 #   the server under concurrent clients:              OUT=o bash tests/gpu/measure.sh servechat
 #   faults and a soak on several GPUs (tests/gpu/faults.py, one call each): OUT=o bash tests/gpu/measure.sh faults
+#   multi-turn agents beside a plain rollout (issue 56):  OUT=o bash tests/gpu/measure.sh agents_multiturn
 #   the GPU-marked tests:                            OUT=o bash tests/gpu/measure.sh gputests
 #
 # Knobs (environment), with their defaults:
@@ -362,6 +363,59 @@ sys.exit(1)"; echo "serveprofile server up: exit $?" >> $OUT/results.txt
         python3 -c "import json,sys,statistics as s; rows=[json.loads(l) for l in open(sys.argv[1])][1:]
 print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen'] for r in rows), 1))" \
           $SCRATCH/b_agents64_$mode/metrics.jsonl $mode >> $OUT/results.txt 2>&1
+      done ;;
+    agents_multiturn)  # issue 56 (one GPU; docs/agents.md): agentic rollouts through the gateway, no training (each part
+      # under its own timeout, results.txt refreshed after each). AM_PARTS picks parts (default all four):
+      # multiturn: the synthetic agent (examples/agents/multiturn_tokens.py: 3-5 turns of 64-256 new tokens, a 20-100
+      #   token tool result between turns, each turn re-sent whole as token ids) at 64 and 256 agents on the 0.5B shape,
+      #   beside the engine's plain batched rollout of as many trajectories at 640 tokens (the agent's mean: 4 x 160);
+      #   generated (model) tokens/s of each and the ratio, medians of the steps after the first
+      # chat: the chat agent example (two turns of 4 tokens, a tool call between) at 64 and 256 agents: trajectories/s
+      # calc: the calculator agent on the gsm8k sample prompts at 64 and 256 agents (tiny model: mostly one turn)
+      # prefix: a turn's admission with prefix reuse against a full prefill of the same ~2k-token context, 1/8/64 rows
+      AM_PY="timeout ${AM_TIMEOUT:-300} python3"
+      am_summary() {  # $1 log, $2 label: medians over the steps after the first (agent steps, and plain steps if any)
+        python3 -c "import json,sys,statistics as s
+rows=[json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
+a=[r for r in rows if 'step' in r][1:]; p=[r for r in rows if 'plain_step' in r][1:]
+m=lambda rs,k: round(s.median(r.get(k,0) for r in rs),1) if rs else None
+out={'agent_traj_per_s':m(a,'trajectories_per_s'),'agent_tok_per_s':m(a,'model_tokens_per_s'),'failed':sum(r['failed'] for r in a),
+ 'turns':m(a,'turns_mean'),'tokens_per_traj':m(a,'model_tokens_mean'),'engine_busy':m(a,'engine_busy_share'),
+ 'prefix_hits':m(a,'prefix_hits'),'prefix_new_tokens':m(a,'prefix_new_tokens'),'prefix_reused_tokens':m(a,'prefix_reused_tokens')}
+if p: out.update(plain_tok_per_s=m(p,'model_tokens_per_s'),ratio=round(m(a,'model_tokens_per_s')/m(p,'model_tokens_per_s'),3) if a else None)
+print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
+      }
+      MT="$ROOT/examples/bench_qwen0p5b.yaml rollout.agent.function=$ROOT/examples/agents/multiturn_tokens.py:solve
+        rollout.max_new_tokens=256 rollout.max_prompt_tokens=2048 rollout.agent.max_turns=5 rollout.agent.timeout_s=240"
+      for part in ${AM_PARTS:-multiturn chat calc prefix}; do
+        case $part in
+          multiturn) for n in 64 256; do
+              # the plain rollout alone in its process (--steps 0: no agent step, the gateway's pool never made), then the agents
+              CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps 0 --plain-tokens 640 \
+                > $OUT/agents_plain_$n.log 2>&1; echo "agents_multiturn plain $n exit $?" >> $OUT/results.txt
+              CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps 3 \
+                > $OUT/agents_multiturn_$n.log 2>&1; echo "agents_multiturn multiturn $n exit $?" >> $OUT/results.txt
+              cat $OUT/agents_plain_$n.log $OUT/agents_multiturn_$n.log > $OUT/agents_both_$n.log
+              am_summary $OUT/agents_both_$n.log "multiturn $n agents"; cp $OUT/results.txt $FINAL/
+            done ;;
+          chat) for n in 64 256; do
+              CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $ROOT/examples/agent_chat_tool.yaml hardware=gpu1 \
+                rollout.agent.function=$ROOT/examples/agents/chat_tool.py:solve --agents $n --steps 5 > $OUT/agents_chat_$n.log 2>&1
+              echo "agents_multiturn chat $n exit $?" >> $OUT/results.txt; am_summary $OUT/agents_chat_$n.log "chat $n agents"
+              cp $OUT/results.txt $FINAL/
+            done ;;
+          calc) for n in 64 256; do
+              CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $ROOT/examples/gsm8k_calc_agent.yaml hardware=gpu1 \
+                rollout.task.data_path=$ROOT/examples/data/gsm8k_sample.jsonl \
+                rollout.agent.function=$ROOT/examples/agents/gsm8k_calc.py:solve --agents $n --steps 4 > $OUT/agents_calc_$n.log 2>&1
+              echo "agents_multiturn calc $n exit $?" >> $OUT/results.txt; am_summary $OUT/agents_calc_$n.log "calc $n agents"
+              cp $OUT/results.txt $FINAL/
+            done ;;
+          prefix)
+            CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_prefix.py $ROOT/examples/bench_qwen0p5b.yaml --context 2048 \
+              --rows 1,8,64 > $OUT/agents_prefix.log 2>&1; echo "agents_multiturn prefix exit $?" >> $OUT/results.txt
+            grep '^{' $OUT/agents_prefix.log >> $OUT/results.txt; cp $OUT/results.txt $FINAL/ ;;
+        esac
       done ;;
     scale7b)  # issue 22 (needs 8 GPUs): the 7B shape, bf16, 64 prompts x 8 on the long-tailed lengths, fsdp and deepspeed
       # colocated on 8 GPUs (a trainer rank and an engine per GPU), one bench call

@@ -1,0 +1,114 @@
+"""Where an agent step's time goes: one gateway over the spec's in-process engine, `--steps` rollouts of `--agents`
+trajectories (the spec's agent, all at once), no training. Per step (the first one warms up: pool, graphs) one JSON
+line: the step's wall, the engine thread's seconds admitting (prefill) and decoding (the scheduler's counters), the
+seconds calls spent waiting for the engine (queue + admission + decode, summed over calls and divided by the
+agents, i.e. per agent) against each agent's wall, the turns, the model tokens, and the prefix cache's counters.
+`--plain-tokens N` then times the engine's plain batched rollout of as many trajectories, N new tokens each.
+    python tests/gpu/probe_agents.py SPEC [override ...] [--agents 64] [--steps 4] [--plain-tokens N]
+e.g. python tests/gpu/probe_agents.py examples/agent_chat_tool.yaml --agents 64 (docs/agents.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("spec")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--agents", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=0, help="agents at once (default: all of a step's)")
+    parser.add_argument("--plain-tokens", type=int, default=0,
+                        help="then time the engine's plain batched rollout of the same prompts, this many new tokens")
+    parser.add_argument("--plain-steps", type=int, default=3, help="plain rollouts timed (after a warm-up one)")
+    args = parser.parse_args()
+
+    from rlspec.agent.gateway import AgentGateway
+    from rlspec.run import build_plan
+    from rlspec.serve.process import build_engine
+
+    probe, _ = build_plan(args.spec, args.overrides)
+    group = probe.spec.algorithm.group_size
+    prompts = max(1, args.agents // group)
+    plan, task = build_plan(args.spec, [*args.overrides, f"rollout.prompts_per_step={prompts}",
+                                        f"rollout.agent.concurrency={args.concurrency or prompts * group}",
+                                        f"algorithm.micro_batch_size={prompts * group}"])
+    if plan.spec.hardware.num_threads:  # as `rlspec run` does
+        import torch
+
+        torch.set_num_threads(plan.spec.hardware.num_threads)
+    engine = build_engine(plan)
+    gateway = AgentGateway(plan, engine)
+    waited = [0.0]
+    for name in ("completion_async", "chat_async"):  # the seconds each call awaited the engine (its queue included)
+        original = getattr(gateway.openai, name)
+
+        async def timed(*a, _original=original, **k):
+            began = time.perf_counter()
+            try:
+                return await _original(*a, **k)
+            finally:
+                waited[0] += time.perf_counter() - began
+
+        setattr(gateway.openai, name, timed)
+    scheduler = gateway.host.thread
+    try:
+        for step in range(args.steps):
+            before, waited[0] = dict(scheduler.stats), 0.0
+            prefix_before = _prefix(scheduler)
+            began = time.perf_counter()
+            out = gateway.rollout(task.sample(step, prompts), step)
+            wall = time.perf_counter() - began
+            stats = {k: scheduler.stats[k] - before[k] for k in ("admits", "admit_s", "steps", "decode_s")}
+            model_tokens = sum(sum(m) for m in out.rollout.completion_mask)
+            n = out.metrics["agent/trajectories"]
+            print(json.dumps({
+                "step": step, "agents": n, "failed": out.metrics["agent/failed"], "wall_s": round(wall, 4),
+                "trajectories_per_s": round(n / wall, 1), "model_tokens_per_s": round(model_tokens / wall, 1),
+                "turns_mean": out.metrics["agent/turns_mean"], "model_tokens_mean": round(model_tokens / max(n, 1), 1),
+                "engine_admit_s": round(stats["admit_s"], 4), "engine_decode_s": round(stats["decode_s"], 4),
+                "engine_busy_share": round((stats["admit_s"] + stats["decode_s"]) / wall, 3),
+                "admits": stats["admits"], "decode_runs": stats["steps"],
+                "call_wait_s_per_agent": round(waited[0] / max(n, 1), 4),
+                "call_wait_share": round(waited[0] / max(n, 1) / wall, 3),
+                **{f"prefix_{k}": v - prefix_before.get(k, 0) for k, v in _prefix(scheduler).items()}}), flush=True)
+        if args.plain_tokens:
+            plain(engine, task, prompts, group, args.plain_tokens, args.plain_steps)
+    finally:
+        gateway.close()
+
+
+def plain(engine, task, prompts: int, group: int, tokens: int, steps: int) -> None:
+    """The in-process engine's batched generate of the same number of prompts x group, `tokens` new tokens each (as a
+    plain `rlspec run` step samples), `steps` times after a warm-up call: generated tokens/s. (`--steps 0`: alone in
+    its process, the gateway's pool never made.)"""
+    import dataclasses
+
+    import torch
+
+    sampler = engine.with_spec(dataclasses.replace(engine.spec, max_new_tokens=tokens))
+    for step in range(1 + steps):
+        texts = [p.text for p in task.sample(step, prompts)]
+        began = time.perf_counter()
+        out = sampler.generate(texts, group, seed=step)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - began
+        generated = sum(len(ids) for ids in out.completion_ids)
+        print(json.dumps({"plain_step": step, "rows": len(out.completion_ids), "wall_s": round(wall, 4),
+                          "tokens_mean": round(generated / len(out.completion_ids), 1),
+                          "trajectories_per_s": round(len(out.completion_ids) / wall, 1),
+                          "model_tokens_per_s": round(generated / wall, 1)}), flush=True)
+
+
+def _prefix(scheduler) -> dict:
+    pool = scheduler.pool
+    cache = getattr(getattr(pool, "prefills", None), "prefix", None)
+    return dict(cache.stats) if cache is not None else {}
+
+
+if __name__ == "__main__":
+    main()
