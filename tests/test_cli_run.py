@@ -114,6 +114,7 @@ def test_cli_surface_is_frozen():
                   "--parent-pid", "--port", "--warm-pool"],
         "bench": ["--backends", "--multirun", "--out", "--reference", "--warmup-steps", "-m"],
         "conformance": ["--backends", "--dump", "--json"],
+        "eval": ["--backend", "--checkpoint", "--checkpoints", "--model", "--out"],
     }
 
 

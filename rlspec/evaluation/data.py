@@ -82,11 +82,11 @@ def eval_task_spec(spec: Spec) -> TaskSpec:
     return _rekeyed(spec, lambda: dataclasses.replace(task, **changes))
 
 
-def check_eval_data(spec: Spec) -> None:
+def check_eval_data(spec: Spec, force: bool = False) -> None:
     """`rlspec plan`'s check (no torch, no records read): the eval data's columns and split, its reward functions and
-    the answer extractor; nothing when the spec evaluates nothing."""
+    the answer extractor; nothing when the spec evaluates nothing (unless `force`: `rlspec eval`)."""
     ev = spec.eval
-    if not ev.enabled and not ev.holdout_records and ev.data_path is None and ev.split is None:
+    if not force and not ev.enabled and not ev.holdout_records and ev.data_path is None and ev.split is None:
         return
     from ..tasks import check_task, data_columns
 
