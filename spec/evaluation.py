@@ -37,7 +37,7 @@ class EvalSpec(Section):
     data_path: Optional[str] = None
     """Eval data (.jsonl, .parquet or a save_to_disk directory) read with rollout.task's column mapping; null: the
     task's own data (its `split` below, or the first `holdout_records` records); copy_char: each letter of its
-    alphabet once."""
+    alphabet once (or this file's records, with columns prompt and letter)."""
     split: Optional[str] = None
     """The split of a saved DatasetDict to evaluate on (e.g. test); null: the data's training split."""
     holdout_records: int = 0

@@ -46,7 +46,7 @@ def test_summarise_overall_per_source_majority_and_failed_rewards():
     (TINY, ["eval.samples_per_prompt=2", "eval.pass_at=[4]"], "eval.pass_at"),  # k > samples
     (TINY, ["eval.samples_per_prompt=4", "eval.pass_at=[2]"], "eval.pass_at"),  # copy_char's reward is not binary
     (TINY, ["eval.every_n_steps=5", "checkpoint.keep_best=eval/pass@1"], "checkpoint.keep_best"),  # not logged
-    (TINY, ["checkpoint.keep_best=eval/mean@1"], "checkpoint.keep_best"),  # no eval during training
+    (TINY, ["eval.every_n_steps=0", "checkpoint.keep_best=eval/mean@1"], "checkpoint.keep_best"),  # no eval in training
     (TINY, ["eval.every_n_steps=3", "sync.every_n_steps=2"], "eval.every_n_steps"),  # would score stale weights
     (TINY, ["eval.at_end=true", "eval.data_path=examples/data/letters.parquet"], "eval.data_path"),
     (DATASET, ["eval.at_end=true"], "eval.holdout_records"),  # would score the training records
@@ -83,7 +83,7 @@ def test_run_with_eval_trains_bit_identically_and_rlspec_eval_reproduces_it(tmp_
     from rlspec.run import run
 
     common = ["algorithm.steps=4", "checkpoint.every_n_steps=0", "checkpoint.keep_last=1"]
-    run(TINY, common, out=str(tmp_path / "plain"), progress=False)
+    run(TINY, [*common, "eval.every_n_steps=0", "eval.before_train=false"], out=str(tmp_path / "plain"), progress=False)
     run(TINY, [*common, "eval.every_n_steps=2", "eval.before_train=true", "checkpoint.keep_best=eval/mean@1"],
         out=str(tmp_path / "eval"), progress=False)
     plain, evaluated = read_metrics(tmp_path / "plain" / "metrics.jsonl"), read_metrics(tmp_path / "eval" / "metrics.jsonl")

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from ..spec import ModelSpec, Spec, SpecError, TaskSpec
 from ..spec.evaluation import EVAL_SEED_OFFSET, answer_extractor, pass_ks
-from ..tasks import Prompt, Task
+from ..tasks import Prompt, Task, copy_char
 
 
 @dataclass
@@ -54,9 +54,13 @@ def eval_task_spec(spec: Spec) -> TaskSpec:
     ev, task = spec.eval, spec.rollout.task
     changes: dict = {"shuffle_seed": None, "num_records": 0}
     if task.name == "copy_char":
-        if ev.data_path is not None:
-            raise SpecError("eval.data_path", "the copy_char task reads no data; its eval set is every prompt it draws",
-                            "unset eval.data_path, or train on data (rollout.task.name=dataset)")
+        if ev.data_path is not None:  # copy_char prompts from a file: a dataset whose records carry `letter`
+            if not Path(ev.data_path).exists():
+                raise SpecError("eval.data_path", f"{ev.data_path} does not exist", "give a local .jsonl or .parquet "
+                                "file (columns prompt and letter for copy_char's reward)")
+            changes.update(name="dataset", data_path=ev.data_path, dataset_kwargs={}, num_records=ev.max_prompts)
+            if task.reward == "task" and not task.rewards:
+                changes["reward"] = copy_char.REWARD
     elif uses_training_data(spec):
         if not ev.holdout_records:
             raise SpecError("eval.holdout_records", f"is 0 and the eval reads the training data ({task.data_path}, "
@@ -142,4 +146,6 @@ def _rekeyed(spec: Spec, fn):
         for old, new, field in _MOVED:
             if err.where.startswith(old) and getattr(spec.eval, field) is not None:
                 raise SpecError(new + err.where[len(old):], err.problem, err.fix) from None
+        if err.where.startswith("rollout.task.") and spec.eval.data_path is not None:  # e.g. a column the reward reads
+            raise SpecError("eval.data_path", f"{err.where}: {err.problem}", err.fix) from None
         raise
