@@ -86,7 +86,8 @@ def test_run_with_eval_trains_bit_identically_and_rlspec_eval_reproduces_it(tmp_
     run(TINY, [*common, "eval.every_n_steps=0", "eval.before_train=false"], out=str(tmp_path / "plain"), progress=False)
     run(TINY, [*common, "eval.every_n_steps=2", "eval.before_train=true", "checkpoint.keep_best=eval/mean@1"],
         out=str(tmp_path / "eval"), progress=False)
-    plain, evaluated = read_metrics(tmp_path / "plain" / "metrics.jsonl"), read_metrics(tmp_path / "eval" / "metrics.jsonl")
+    plain = read_metrics(tmp_path / "plain" / "metrics.jsonl")
+    evaluated = read_metrics(tmp_path / "eval" / "metrics.jsonl")
     assert evaluated[0]["step"] == -1 and "eval/mean@1" in evaluated[0]
     assert [r["step"] for r in evaluated if "eval/mean@1" in r] == [-1, 1, 3]
     training = [{k: v for k, v in r.items() if not k.startswith(TRAINING_ONLY)} for r in evaluated[1:]]
@@ -98,11 +99,13 @@ def test_run_with_eval_trains_bit_identically_and_rlspec_eval_reproduces_it(tmp_
     for name in best["best"]:  # the best one survives keep_last=1 beside the last
         assert (tmp_path / "eval" / "checkpoints" / name / "model.safetensors").is_file()
 
-    out = evaluate(TINY, [], checkpoints=[str(tmp_path / "eval" / "checkpoints" / "step_000003")], out=str(tmp_path / "e"))
+    final = tmp_path / "eval" / "checkpoints" / "step_000003"
+    out = evaluate(TINY, [], checkpoints=[str(final)], out=str(tmp_path / "e"))
     result = json.loads((out / "eval.json").read_text())["results"][0]
     assert result["step"] == 3
     assert {k: v for k, v in result["metrics"].items() if k.startswith("eval/")} == \
         {k: v for k, v in evaluated[-1].items() if k.startswith("eval/")}
     completions = [json.loads(line)["completion"] for line in (out / "step_000003.jsonl").read_text().splitlines()]
-    ran = [json.loads(line)["completion"] for line in (tmp_path / "eval" / "eval" / "step_000003.jsonl").read_text().splitlines()]
+    ran = [json.loads(line)["completion"]
+           for line in (tmp_path / "eval" / "eval" / "step_000003.jsonl").read_text().splitlines()]
     assert completions == ran
