@@ -109,3 +109,14 @@ def test_run_with_eval_trains_bit_identically_and_rlspec_eval_reproduces_it(tmp_
     ran = [json.loads(line)["completion"]
            for line in (tmp_path / "eval" / "eval" / "step_000003.jsonl").read_text().splitlines()]
     assert completions == ran
+
+
+@pytest.mark.parametrize("args,key", [([], "--checkpoint"), (["--checkpoint", "no/such/step_000001"], "--checkpoint"),
+                                      (["--checkpoints", "."], "--checkpoints"),
+                                      (["--model", "m", "--checkpoint", "c"], "--checkpoint")])
+def test_rlspec_eval_bad_targets_exit_2_naming_the_flag(args, key, capsys, tmp_path):
+    from rlspec.cli import main
+
+    assert main(["eval", TINY, *args, "--out", str(tmp_path / "o")]) == 2
+    assert f"rlspec: error: {key}:" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
