@@ -120,3 +120,21 @@ def test_rlspec_eval_bad_targets_exit_2_naming_the_flag(args, key, capsys, tmp_p
     assert main(["eval", TINY, *args, "--out", str(tmp_path / "o")]) == 2
     assert f"rlspec: error: {key}:" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_eval_keeps_the_engine_weights_that_the_train_phase_frees():
+    """rollout.free_during_train=kv_cache_and_weights frees the engine's weights after the step's rollout; an eval
+    between the push and the next rollout must not (the next rollout would find none)."""
+    from rlspec.evaluation.runner import generate
+    from rlspec.models.factory import load_model, load_tokenizer
+    from rlspec.rollout.hf import HFEngine
+    from rlspec.spec import ModelSpec, RolloutSpec
+
+    rollout = RolloutSpec(max_new_tokens=4)
+    engine = HFEngine(load_model(ModelSpec(), 0).eval(), load_tokenizer(ModelSpec()), rollout, "cpu",
+                      free_during_train="kv_cache_and_weights", own_process=True)
+    generate(engine, ["a=", "b="], 2, 7, greedy=False)
+    generate(engine, ["a="], 1, 7, greedy=True)
+    engine.generate(["a="], 2, 0)  # the step's rollout: weights freed after it
+    with pytest.raises(RuntimeError, match="freed"):
+        generate(engine, ["a="], 1, 7, greedy=True)

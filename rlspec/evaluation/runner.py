@@ -71,12 +71,11 @@ class Evaluator:
 
 
 def generate(engine, prompts: list[str], n: int, seed: int, greedy: bool):
-    """`engine.generate`, greedy through `SampleOptions` (every engine passes them on to where it samples)."""
-    if not greedy:
-        return engine.generate(prompts, n, seed)
+    """`engine.generate` with `SampleOptions` (every engine passes them on to where it samples): greedy or not, and
+    the engine's weights kept (`rollout.free_during_train` frees them after the step's rollout, not after an eval)."""
     from ..rollout.sampling import SampleOptions
 
-    return engine.generate(prompts, n, seed, options=SampleOptions(greedy=True))
+    return engine.generate(prompts, n, seed, options=SampleOptions(greedy=greedy, keep_weights=True))
 
 
 def truncated(ids: list[int], eos: int | None, max_new_tokens: int) -> bool:

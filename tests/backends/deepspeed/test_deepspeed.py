@@ -171,7 +171,7 @@ def test_cli_run_smoke_and_resume(tmp_path):
     from transformers import AutoModelForCausalLM
 
     args = ("algorithm.steps=3", "checkpoint.every_n_steps=2", "checkpoint.keep_last=0",
-            "rollout.free_during_train=kv_cache_and_weights", "eval.at_end=true")
+            "rollout.free_during_train=kv_cache_and_weights", "eval.every_n_steps=1")
     proc = rlspec_run("deepspeed", tmp_path / "run", *args)
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-4000:]
