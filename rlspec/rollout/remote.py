@@ -116,7 +116,8 @@ class RemoteEngines:
         parts = [(i, prompts[i * share:(i + 1) * share]) for i in range(self.num_engines)]
         parts = [(i, p) for i, p in parts if p]
         # Engine i's part starts at sample i * share * n of the step: each sample draws the noise it would on one engine.
-        outs = wait_all([self.actors[i].generate.remote(p, n, seed, i * share * n, options) for i, p in parts],
+        extra = () if options is None else (options,)  # an eval's; a step's rollout passes none
+        outs = wait_all([self.actors[i].generate.remote(p, n, seed, i * share * n, *extra) for i, p in parts],
                         [self.labels[i] for i, _ in parts])
         return Rollout(*(sum((getattr(o, f) for o in outs), []) for f in
                          ("prompt_ids", "completion_ids", "completion_logprobs", "texts")))

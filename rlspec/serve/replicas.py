@@ -68,7 +68,8 @@ class ServedReplicas:
             if not part:
                 return None, 0.0
             start = time.perf_counter()
-            out = replica.generate(prompts[part.start:part.stop], n, seed, first_sample + part.start * n, options)
+            extra = () if options is None else (options,)  # an eval's; a step's rollout passes none
+            out = replica.generate(prompts[part.start:part.stop], n, seed, first_sample + part.start * n, *extra)
             return out, time.perf_counter() - start
 
         outs = self._on_all([lambda r=r, p=p: run(r, p) for r, p in zip(self.replicas, parts)])
