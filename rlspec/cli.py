@@ -1,4 +1,4 @@
-"""The `rlspec` command: run, plan, serve, conformance, bench.
+"""The `rlspec` command: run, plan, eval, serve, conformance, bench.
 
 Exit codes: 0 ok, 1 run failure, 2 bad input, 128 + N stopped by signal N after a checkpoint (143: SIGTERM).
 """
@@ -33,6 +33,17 @@ def _parser() -> argparse.ArgumentParser:
                           usage="rlspec plan SPEC [key=value ...] [--backend B]")
     plan.add_argument("spec")
     plan.add_argument("--backend")
+
+    ev = sub.add_parser("eval", help="score checkpoints or a HF model on the spec's eval set; prints a table, writes "
+                        "eval.json", usage="rlspec eval SPEC [key=value ...] (--checkpoint DIR ... | --checkpoints OUT | "
+                                           "--model DIR) [--backend B] [--out DIR]")
+    ev.add_argument("spec")
+    ev.add_argument("--checkpoint", action="append", default=[], help="a checkpoint directory (OUT/checkpoints/step_N); "
+                    "repeat for several")
+    ev.add_argument("--checkpoints", help="every completed checkpoint of the run in this --out directory")
+    ev.add_argument("--model", help="a local Hugging Face model directory (instead of the spec's model.path)")
+    ev.add_argument("--backend")
+    ev.add_argument("--out", help="output directory (default outputs/eval/<spec>/<time>)")
 
     serve = sub.add_parser("serve", help="run the spec's rollout engine as an HTTP server (OpenAI-compatible completions)",
                            usage="rlspec serve SPEC [key=value ...] [--host H [--allow-remote]] [--port P] [--backend B] "
@@ -85,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Overrides (key=value, Hydra syntax) may stand anywhere after the spec, between options too.
     args, extra = parser.parse_known_args(argv)
     flags = [a for a in extra if a.startswith("-")]
-    if flags or (extra and args.command not in ("run", "plan", "bench", "serve")):
+    if flags or (extra and args.command not in ("run", "plan", "eval", "bench", "serve")):
         parser.error(f"unrecognized arguments: {' '.join(flags or extra)}")
     args.overrides = extra
     try:
@@ -123,6 +134,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         out = run(args.spec, args.overrides, args.backend, args.out, args.resume,
                   progress=False if args.no_progress else None)
         print(f"rlspec: run finished; outputs in {out}", file=sys.stderr)
+        return EXIT_OK
+    if args.command == "eval":
+        from .evaluation.command import evaluate
+
+        evaluate(args.spec, args.overrides, args.backend, args.checkpoint, args.checkpoints, args.model, args.out)
         return EXIT_OK
     if args.command == "serve":
         from .plan import build_plan

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .core.backend import all_caps
+from .evaluation import check_eval_data, training_skip
 from .models.checks import check_model_spec
 from .runtime.loggers import check_loggers
 from .spec import RunPlan, compile_plan, load_spec
@@ -31,10 +32,11 @@ def build_plan(spec_path: str, overrides: Sequence[str] = (), backend: str | Non
     check_model_spec(plan.spec.model, full)  # after the compiler has checked that model.path is a directory
     task_spec = plan.spec.rollout.task
     if full:
-        task = build_task(task_spec, plan.spec.algorithm.seed, plan.spec.model)
+        task = build_task(task_spec, plan.spec.algorithm.seed, plan.spec.model, training_skip(plan.spec))
     else:
         check_task(task_spec)
         task = None
+    check_eval_data(plan.spec)
     check_loggers(plan)
     if plan.spec.rollout.env.name is not None:
         from .envs import check_env

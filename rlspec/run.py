@@ -13,6 +13,8 @@ import torch
 from .core.backend import backend_class, create_backend
 from .core.loop import train
 from .errors import SpecError
+from .evaluation import build_eval_set
+from .evaluation.runner import Evaluator, table as eval_table
 from .models.base import pad_token_id
 from .plan import build_plan, default_out_dir  # noqa: F401 - where scripts and tests have found them
 from .runtime.checkpoints import Checkpoints, check_resumable
@@ -141,6 +143,7 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
         resume: bool = False, progress: bool | None = None) -> Path:
     """Train; return the output directory. Raises `SpecError` before writing anything for bad input."""
     plan, task = build_plan(spec_path, overrides, backend_name)
+    eval_set = build_eval_set(plan.spec, plan.spec.model) if plan.spec.eval.enabled else None
     check_installed(backend_class(plan.backend).caps)
     check_machine(plan)
     out_dir = Path(out) if out is not None else default_out_dir(spec_path)
@@ -165,8 +168,13 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
                 if start_step:
                     backend.load(Checkpoints(out_dir / "checkpoints", 0, True).latest())
                 pad_id = pad_token_id(backend.rollout_engine().tokenizer)
+                evaluator = None if eval_set is None else \
+                    Evaluator(eval_set, plan.spec.rollout.max_new_tokens, out_dir / "eval")
                 with RunMonitor(plan, out_dir, getattr(backend, "actors", tuple)) as monitor:
-                    train(plan, backend, task, transport, out_dir, pad_id, start_step, progress, monitor, loggers)
+                    train(plan, backend, task, transport, out_dir, pad_id, start_step, progress, monitor, loggers,
+                          evaluator)
+                if evaluator is not None and evaluator.history:
+                    print(f"rlspec: eval ({out_dir / 'eval'})\n{eval_table(evaluator.history)}", file=sys.stderr)
             finally:
                 if loggers is not None:
                     loggers.close(sys.exc_info()[0] is not None, out_dir / "metrics.jsonl")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from .errors import require
+from .evaluation import check_eval, check_eval_cadence
 from .schema import Spec
 
 
@@ -126,6 +127,8 @@ def compile_plan(spec: Spec, backends: Mapping[str, BackendCaps]) -> RunPlan:
     _check_async(spec, sync_method)
     _check_free_during_train(spec, caps, sync_method)
     _check_files(spec)
+    check_eval(spec.eval, spec.rollout.task, spec.checkpoint.keep_best)
+    check_eval_cadence(spec.eval, spec.sync.every_n_steps, spec.algorithm.steps)
     spec.freeze()
     return RunPlan(backend=spec.backend, spec=spec, batch=batch, placement=placement,
                    sync_method=sync_method, needs_reference_model=spec.algorithm.kl_coef > 0,

@@ -25,7 +25,8 @@ COMMAND = "python -m rlspec.spec.docgen"
 
 HEADER = f"""# Spec reference
 
-Every key of an experiment spec, generated from the schema dataclasses (`spec/schema.py`, `spec/sources.py`) by
+Every key of an experiment spec, generated from the schema dataclasses (`spec/schema.py`, `spec/sources.py`,
+`spec/evaluation.py`) by
 `{COMMAND}`; edit the docstrings there, not this page. A key is set in the YAML file (`algorithm: {{lr: 1e-5}}`)
 or on the command line after the spec (`algorithm.lr=1e-5`, Hydra syntax); a key of a free-form mapping is added
 with `+` (`+rollout.task.reward_kwargs.target_len=4`). Presets are Hydra config groups under `spec/presets/`

@@ -36,6 +36,11 @@ RESUMABLE_CHANGES = (
     "logging.tensorboard", "logging.wandb.enabled", "logging.wandb.project", "logging.wandb.entity",
     "logging.wandb.run_name", "logging.wandb.mode", "logging.wandb.tags", "logging.mlflow.enabled",
     "logging.mlflow.tracking_uri", "logging.mlflow.experiment", "logging.mlflow.run_name",
+    # what is evaluated and kept by score (eval.holdout_records is not here: it takes records out of training)
+    "eval.every_n_steps", "eval.before_train", "eval.at_end", "eval.data_path", "eval.split", "eval.max_prompts",
+    "eval.samples_per_prompt", "eval.greedy", "eval.reward", "eval.reward_kwargs", "eval.pass_threshold",
+    "eval.pass_at", "eval.answer_extractor", "eval.source_column",
+    "checkpoint.keep_best", "checkpoint.keep_best_n", "checkpoint.keep_best_mode",
 )
 """Spec fields that may change on `--resume`: how long to run, when to save, how long to wait, which cluster to
 join, and where the trainer runs (backend, rank count, device, offload: a checkpoint holds the HF model and the

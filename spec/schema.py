@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from .errors import one_of, require
 from .section import Section, finite, non_negative, positive
+from .evaluation import EvalSpec
 from .sources import AgentSpec, EnvSpec, TaskSpec
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -30,6 +31,7 @@ PLACEMENTS = ("colocated", "separate")
 STALL_ACTIONS = ("fail", "warn")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 WANDB_MODES = ("online", "offline")
+BEST_MODES = ("max", "min")
 
 
 @dataclass
@@ -458,10 +460,22 @@ class CheckpointSpec(Section):
     """Keep this many most recent checkpoints (0 keeps all)."""
     save_optimizer: bool = True
     """Also save optimizer state so a run can resume exactly."""
+    keep_best: Optional[str] = None
+    """An eval metric (e.g. eval/mean@1): every eval during training also saves a checkpoint, and the keep_best_n
+    best by it are kept beside the keep_last most recent (OUT/checkpoints/best.json lists the scores); null: off."""
+    keep_best_n: int = 1
+    """How many best checkpoints keep_best keeps."""
+    keep_best_mode: str = "max"
+    """max: a higher keep_best metric is better | min: a lower one."""
 
     def __post_init__(self) -> None:
         non_negative(self.every_n_steps, "checkpoint.every_n_steps")
         non_negative(self.keep_last, "checkpoint.keep_last")
+        positive(self.keep_best_n, "checkpoint.keep_best_n")
+        one_of(self.keep_best_mode, BEST_MODES, "checkpoint.keep_best_mode")
+        if self.keep_best is not None:
+            require(self.keep_best.startswith("eval/"), "checkpoint.keep_best",
+                    f"{self.keep_best!r} is not an eval metric", "name one, e.g. eval/mean@1 (docs/evaluation.md)")
 
 
 @dataclass
@@ -536,5 +550,7 @@ class Spec(Section):
     """Checkpointing."""
     logging: LoggingSpec = field(default_factory=LoggingSpec)
     """Loggers beside metrics.jsonl."""
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    """Held-out evaluation during and after training."""
     backend: str = "standalone"
     """Trainer backend (deepspeed | fsdp | standalone); `--backend` on the CLI overrides it."""

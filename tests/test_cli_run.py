@@ -114,6 +114,7 @@ def test_cli_surface_is_frozen():
                   "--parent-pid", "--port", "--shutdown-timeout-s", "--warm-pool"],
         "bench": ["--backends", "--multirun", "--out", "--reference", "--warmup-steps", "-m"],
         "conformance": ["--backends", "--dump", "--json"],
+        "eval": ["--backend", "--checkpoint", "--checkpoints", "--model", "--out"],
     }
 
 
@@ -127,6 +128,9 @@ def test_tiny_example_learns(tmp_path):
     assert last >= 2 * first and last - first >= 0.2, (first, last)
     # above 1/len(alphabet) = 0.25, the policy must be reading the prompt's letter
     assert last > 0.5, (first, last)
+    # the spec's eval (greedy, every letter once, every 25 steps): 0.5, 0.53, then 1.0 from step 74 on when measured
+    evals = [(r["step"], r["eval/mean@1"]) for r in read_metrics(out / "metrics.jsonl") if "eval/mean@1" in r]
+    assert [s for s, _ in evals] == [24, 49, 74, 99, 124, 149] and evals[-1][1] >= 0.75, evals
 
 
 def test_bench_writes_table_json_and_plot(tmp_path):

@@ -30,12 +30,14 @@ from __future__ import annotations
 import collections
 import threading
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import RunError
 from ..runtime.metrics import PhaseTimer
 from ..spec import RunPlan
+from ..spec.evaluation import eval_due
 from ..tasks import Task
 from .backend import Backend
 from .batch import TrainBatch
@@ -141,6 +143,12 @@ class LockedEngine:
             self.sampled_version = reported if reported is not None else self.version
             return rollout
 
+    @contextmanager
+    def exclusive(self):
+        """The engine alone, between generations and pushes (an eval), without touching `sampled_version`."""
+        with self._lock:
+            yield self.engine
+
     def push(self, transport, weights, version: int) -> int:
         with self._lock:
             sent = transport.push(weights, self.engine)
@@ -165,8 +173,9 @@ def rollout_loop(plan: RunPlan, engine: LockedEngine, task: Task, pool: Pool, pa
 
 
 def async_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, weights, pad_id: int,
-                start_step: int) -> Iterator[dict]:
-    """One metrics row per step, trained from the pool while the rollout loop generates ahead."""
+                start_step: int, evaluator=None) -> Iterator[dict]:
+    """One metrics row per step, trained from the pool while the rollout loop generates ahead. An eval
+    (`evaluator`) after a step's push holds the engine between two of the rollout loop's generations."""
     spec = plan.spec
     locked = LockedEngine(engine)
     locked.version = start_step  # a resumed run has just pushed the checkpoint's weights
@@ -196,6 +205,9 @@ def async_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, 
             row = metrics_row(plan, step, result, timer, sync_bytes, item.counters)
             row.update({"async/staleness_mean": float(step - item.policy_version), "async/pool_size": waiting,
                         "timing_s/wait": timer["wait"]})
+            if evaluator is not None and eval_due(spec.eval, step, spec.algorithm.steps):
+                with locked.exclusive() as held:
+                    row.update(evaluator.run(held, step))
             yield row
     finally:
         pool.close()

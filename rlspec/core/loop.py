@@ -20,19 +20,24 @@ from ..runtime.loggers import Loggers
 from ..runtime.metrics import MetricsLog, PhaseTimer
 from ..runtime.monitor import RunMonitor, StepAbandoned
 from ..spec import RunPlan
+from ..spec.evaluation import eval_due
 from ..tasks import Task
 from .backend import Backend, weight_source_of
 from .step import env_rollouts, metrics_row, replica_metrics, rollout_batch, served_version, update
 
 if TYPE_CHECKING:
     from ..agent.gateway import AgentGateway
+    from ..evaluation.runner import Evaluator
 
 
 def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path, pad_id: int,
           start_step: int = 0, progress: bool | None = None, monitor: RunMonitor | None = None,
-          loggers: Loggers | None = None) -> None:
+          loggers: Loggers | None = None, evaluator: Evaluator | None = None) -> None:
     """Run steps `start_step .. algorithm.steps - 1`; checkpoint every N steps and at the end; each step's metrics
     to metrics.jsonl, TensorBoard and the started `loggers` (`rlspec.runtime.loggers`).
+
+    `evaluator` (the spec's `eval`) scores the engine's weights before the first step and after the steps the
+    spec names, its metrics joining that step's row; `checkpoint.keep_best` then saves and keeps by them.
 
     `monitor` sees each step's metrics: it raises on non-finite numbers (before the checkpoint) and asks
     for a checkpoint and a stop when a SIGTERM came (`rlspec.runtime.monitor`)."""
@@ -54,6 +59,13 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
     log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress,
                      tensorboard=spec.logging.tensorboard, loggers=loggers)
+    best = None
+    if spec.checkpoint.keep_best is not None:
+        from ..evaluation.best import BestCheckpoints
+
+        best = BestCheckpoints(checkpoints, spec.checkpoint, start_step)
+    if evaluator is not None and spec.eval.before_train and start_step == 0:
+        log.log_eval(-1, evaluator.run(engine, -1))
     envs = env_rollouts(plan, engine)
     gateway = None
     if spec.rollout.agent.enabled:
@@ -63,9 +75,10 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     if spec.rollout.mode == "async":
         from .async_loop import async_steps
 
-        rows = async_steps(plan, backend, engine, task, transport, weights, pad_id, start_step)
+        rows = async_steps(plan, backend, engine, task, transport, weights, pad_id, start_step, evaluator)
     else:
-        rows = sync_steps(plan, backend, engine, task, transport, weights, pad_id, start_step, envs, gateway, monitor)
+        rows = sync_steps(plan, backend, engine, task, transport, weights, pad_id, start_step, envs, gateway, monitor,
+                          evaluator)
     done = saved = None  # the last step completed here, the last checkpoint written here
     try:
         for row in rows:
@@ -74,7 +87,8 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
             stop = monitor is not None and monitor.step_done(step, row)
             last = step == spec.algorithm.steps - 1
             every = spec.checkpoint.every_n_steps
-            if last or stop or (every and (step + 1) % every == 0):
+            scored = best is not None and best.record(step, row)  # before the save prunes
+            if last or stop or scored or (every and (step + 1) % every == 0):
                 saved = checkpoints.save(step, backend, {"backend": plan.backend})
                 if stop and not last:
                     raise monitor.stopped(step, saved)
@@ -98,9 +112,9 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
 
 def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, weights, pad_id: int,
                start_step: int, envs=None, gateway: AgentGateway | None = None,
-               monitor: RunMonitor | None = None) -> Iterator[dict]:
-    """One metrics row per step, each step in turn: generate (or run the environments' episodes), train, sync.
-    A stop signal while a step samples abandons it (`RunMonitor.abandonable`)."""
+               monitor: RunMonitor | None = None, evaluator: Evaluator | None = None) -> Iterator[dict]:
+    """One metrics row per step, each step in turn: generate (or run the environments' episodes), train, sync,
+    [eval]. A stop signal while a step samples abandons it (`RunMonitor.abandonable`)."""
     spec = plan.spec
     prepare = getattr(backend, "prepare_update", None)  # optional (`rlspec.core.backend.Backend`)
     for step in range(start_step, spec.algorithm.steps):
@@ -120,7 +134,10 @@ def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, w
                 with timer("sync"):
                     sync_bytes = transport.push(weights, engine)
                 served_version(engine, step + 1)
-        yield metrics_row(plan, step, result, timer, sync_bytes, {**counters, **replica_metrics(engine, transport)})
+        extra = {**counters, **replica_metrics(engine, transport)}
+        if evaluator is not None and eval_due(spec.eval, step, spec.algorithm.steps):  # between steps, on the engines
+            extra.update(evaluator.run(engine, step))
+        yield metrics_row(plan, step, result, timer, sync_bytes, extra)
 
 
 def _abandoned(err: BaseException) -> bool:

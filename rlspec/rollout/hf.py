@@ -107,7 +107,7 @@ class HFEngine:
                                                slots=slots, first_sample=first_sample)
         finally:
             self.model.train(was_training)
-            self.free_memory()
+            self.free_memory(keep_weights=options.keep_weights)
         completions, completion_logprobs, texts, tops = [], [], [], []
         vocab, eos = len(self.tokenizer), self.tokenizer.eos_token_id
         for i, (row, row_logp) in enumerate(zip(tokens.tolist(), logps.tolist())):
@@ -201,9 +201,10 @@ class HFEngine:
         self.restore_weights()
         return self.model.state_dict().items()
 
-    def free_memory(self) -> None:
-        """After a rollout: what `free_during_train` gives back (class docstring)."""
-        if self.free_during_train == "kv_cache_and_weights" and self._freed is None:
+    def free_memory(self, keep_weights: bool = False) -> None:
+        """After a rollout: what `free_during_train` gives back (class docstring); the weights stay with
+        `keep_weights` (an eval's call)."""
+        if self.free_during_train == "kv_cache_and_weights" and self._freed is None and not keep_weights:
             # Each storage resized to nothing, not replaced: tensors a transport keeps of the weights (cuda_ipc's
             # receiver holds views of them across pushes) stay views of the same storage when it is resized back.
             storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in self.model.parameters()}

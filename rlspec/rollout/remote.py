@@ -67,8 +67,8 @@ class EngineWorker(StackReporter):
         runner = self._episode_runner()
         return runner.num_actions, runner.max_steps
 
-    def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0) -> Rollout:
-        return self.engine.generate(prompts, n, seed, first_sample=first_sample)
+    def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0, options=None) -> Rollout:
+        return self.engine.generate(prompts, n, seed, options=options, first_sample=first_sample)
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         return self.engine.logprobs(batch)
@@ -108,14 +108,16 @@ class RemoteEngines:
 
         return wait_all([getattr(self.actors[0], method).remote(*args)], self.labels[:1])[0]
 
-    def generate(self, prompts: list[str], n: int, seed: int) -> Rollout:
+    def generate(self, prompts: list[str], n: int, seed: int, options=None) -> Rollout:
+        """`options` (`SampleOptions`, e.g. an eval's greedy decoding) go to every engine."""
         from ..cluster.ray_utils import wait_all
 
         share = -(-len(prompts) // self.num_engines)
         parts = [(i, prompts[i * share:(i + 1) * share]) for i in range(self.num_engines)]
         parts = [(i, p) for i, p in parts if p]
         # Engine i's part starts at sample i * share * n of the step: each sample draws the noise it would on one engine.
-        outs = wait_all([self.actors[i].generate.remote(p, n, seed, i * share * n) for i, p in parts],
+        extra = () if options is None else (options,)  # an eval's; a step's rollout passes none
+        outs = wait_all([self.actors[i].generate.remote(p, n, seed, i * share * n, *extra) for i, p in parts],
                         [self.labels[i] for i, _ in parts])
         return Rollout(*(sum((getattr(o, f) for o in outs), []) for f in
                          ("prompt_ids", "completion_ids", "completion_logprobs", "texts")))

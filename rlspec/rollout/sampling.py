@@ -24,6 +24,9 @@ class SampleOptions:
     top_logprobs: int = 0
     """Also return, per step, the ids and log-probs of the this-many most likely tokens (same distribution as
     the chosen token's log-prob)."""
+    keep_weights: bool = False
+    """Keep the engine's weights after the call even with `rollout.free_during_train=kv_cache_and_weights`: an eval,
+    between a push and the step's rollout, which frees them for the train phase as usual."""
 
     @property
     def plain_loop_only(self) -> bool:

@@ -35,6 +35,8 @@ class Checkpoints:
         self.root = root
         self.keep_last = keep_last
         self.save_optimizer = save_optimizer
+        self.protected: set[str] = set()
+        """Checkpoint names pruning leaves alone (`checkpoint.keep_best`'s, `rlspec.evaluation.best`)."""
 
     def save(self, step: int, backend, extra: dict) -> Path:
         """`backend.save` into a staging directory, then rename: a crash or a full disk never leaves a half
@@ -85,7 +87,8 @@ class Checkpoints:
         if self.keep_last <= 0:
             return
         for old in self.completed()[:-self.keep_last]:
-            shutil.rmtree(old)
+            if old.name not in self.protected:
+                shutil.rmtree(old)
 
 
 def step_of(checkpoint: Path) -> int:

@@ -93,6 +93,19 @@ class MetricsLog:
             self._bar.update(1)
             self._bar.set_postfix(reward=f"{row['reward/mean']:.3f}", tok_s=f"{row['perf/tokens_per_s']:.0f}")
 
+    def log_eval(self, step: int, metrics: dict) -> None:
+        """A row of eval metrics alone (`eval.before_train`: step -1, before the first step's row); the loggers get
+        it at step 0 (W&B drops a step below its first)."""
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in clean.items():
+                if isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+        if self._loggers is not None:
+            self._loggers.log(numeric(clean), max(step, 0), self.path)
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:

@@ -293,10 +293,12 @@ class ServedEngine:
             print(f"rlspec: {self.label} is back after {time.monotonic() - start:.1f} s; the trainer's current weights "
                   f"are pushed and the interrupted requests run again", file=sys.stderr, flush=True)
 
-    def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0) -> Rollout:
+    def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0, options=None) -> Rollout:
+        """`options.greedy` (an eval's) asks for temperature 0, the server's greedy decoding."""
+        greedy = options is not None and options.greedy
         body = {"prompt": list(prompts), "n": n, "seed": seed, "first_sample": first_sample, "logprobs": 0,
                 "max_tokens": self.spec.max_new_tokens,
-                "temperature": self.spec.temperature, "top_p": self.spec.top_p}
+                "temperature": 0.0 if greedy else self.spec.temperature, "top_p": self.spec.top_p}
         out = self._resilient(lambda: self.client.completions(body, self.spec.request_timeout_s))
         choices = sorted(out["choices"], key=lambda c: c["index"])
         return Rollout([c["prompt_token_ids"] for c in choices], [c["token_ids"] for c in choices],

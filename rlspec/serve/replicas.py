@@ -61,14 +61,15 @@ class ServedReplicas:
         wait(futures)
         return [f.result() for f in futures]
 
-    def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0) -> Rollout:
+    def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0, options=None) -> Rollout:
         parts = split_groups(len(prompts), len(self.replicas))
 
         def run(replica: ServedEngine, part: range) -> tuple[Rollout | None, float]:
             if not part:
                 return None, 0.0
             start = time.perf_counter()
-            out = replica.generate(prompts[part.start:part.stop], n, seed, first_sample + part.start * n)
+            extra = () if options is None else (options,)  # an eval's; a step's rollout passes none
+            out = replica.generate(prompts[part.start:part.stop], n, seed, first_sample + part.start * n, *extra)
             return out, time.perf_counter() - start
 
         outs = self._on_all([lambda r=r, p=p: run(r, p) for r, p in zip(self.replicas, parts)])

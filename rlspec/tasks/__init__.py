@@ -31,15 +31,16 @@ def check_task(spec: TaskSpec) -> None:
     _checked(spec)
 
 
-def build_task(spec: TaskSpec, seed: int, model: ModelSpec | None = None) -> Task:
-    """The task `spec` names, its records read; chat-format prompts are rendered with `model`'s tokenizer. `seed`
-    (algorithm.seed) draws copy_char's prompts and, unless `rollout.task.shuffle_seed` is set, the record order."""
+def build_task(spec: TaskSpec, seed: int, model: ModelSpec | None = None, skip_records: int = 0) -> Task:
+    """The task `spec` names, its records read (but the first `skip_records`: an eval's held-out ones); chat-format
+    prompts are rendered with `model`'s tokenizer. `seed` (algorithm.seed) draws copy_char's prompts and, unless
+    `rollout.task.shuffle_seed` is set, the record order."""
     functions = _checked(spec)
     rewards = Rewards(functions, log_each=bool(spec.rewards)) if functions else None  # none: the judge scores
     if spec.name == "copy_char":
         task = RewardTask("copy_char", _copy_char_source(spec), rewards, seed)
     else:
-        prompts = data.to_prompts(data.load_records(spec), spec, _template(spec), _renderer(model))
+        prompts = data.to_prompts(data.load_records(spec, skip_records), spec, _template(spec), _renderer(model))
         task = RewardTask(spec.name, prompts, rewards, seed, order_seed(spec, seed))
     if spec.reward == "llm_judge":
         from .llm_judge import build_judge_task
@@ -54,6 +55,21 @@ def order_seed(spec: TaskSpec, seed: int) -> int | None:
     if not spec.shuffle:
         return None
     return seed if spec.shuffle_seed is None else spec.shuffle_seed
+
+
+def task_prompts(spec: TaskSpec, model: ModelSpec | None = None) -> list[Prompt]:
+    """Every prompt of the task, in order (an eval set): the records' prompts; copy_char: each letter once."""
+    if spec.name == "copy_char":
+        _copy_char_source(spec)
+        return copy_char.every_prompt(**spec.dataset_kwargs)
+    return data.to_prompts(data.load_records(spec), spec, _template(spec), _renderer(model))
+
+
+def data_columns(spec: TaskSpec) -> set[str]:
+    """The columns each of the task's prompts carries to its reward (read without loading the data)."""
+    if spec.name == "copy_char":
+        return set(COPY_CHAR_COLUMNS)
+    return set(data.data_columns(spec))
 
 
 def _checked(spec: TaskSpec) -> list:
@@ -101,4 +117,4 @@ def _renderer(model: ModelSpec | None) -> Callable[[list], str]:
     return render
 
 
-__all__ = ["Prompt", "Scores", "Task", "TASK_NAMES", "build_task", "check_task", "score"]
+__all__ = ["Prompt", "Scores", "Task", "TASK_NAMES", "build_task", "check_task", "data_columns", "score", "task_prompts"]

@@ -29,6 +29,11 @@ def make_prompt_source(alphabet: str = "abcd", repeat: int = 1):
     return draw
 
 
+def every_prompt(alphabet: str = "abcd", repeat: int = 1) -> list[Prompt]:
+    """Each letter's prompt once, in alphabet order: the task's eval set (every prompt there is)."""
+    return [Prompt(text=f"{letter * repeat}=", meta={"letter": letter}) for letter in alphabet]
+
+
 REWARD = "rlspec.tasks.copy_char:reward"
 
 

@@ -160,8 +160,9 @@ def template_fields(template: str) -> list[str]:
     return names
 
 
-def load_records(spec: TaskSpec) -> list[dict[str, Any]]:
-    """The records (at most `num_records`), read through `datasets`."""
+def load_records(spec: TaskSpec, skip: int = 0) -> list[dict[str, Any]]:
+    """The records (at most `num_records`, after the first `skip`: an eval's held-out records), read through
+    `datasets`."""
     try:
         import datasets
     except ImportError:
@@ -182,10 +183,14 @@ def load_records(spec: TaskSpec) -> list[dict[str, Any]]:
             _find_bad_line(path)
         raise SpecError(KEY, f"{path} cannot be read by datasets ({type(err).__name__}: {str(err)[:300]})",
                         f"give {FORMATS}") from None
-    if spec.num_records:
-        data = data.select(range(min(spec.num_records, len(data))))
+    if spec.num_records or skip:
+        stop = min(skip + spec.num_records, len(data)) if spec.num_records else len(data)
+        data = data.select(range(min(skip, len(data)), stop))
     records = data.to_list()
     if not records:
+        if skip:
+            raise SpecError("eval.holdout_records", f"{path} holds no records past the first {skip} kept out for eval",
+                            "lower eval.holdout_records")
         raise SpecError(KEY, f"{path} holds no records", "give data with at least one record")
     return records
 

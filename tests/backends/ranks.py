@@ -181,3 +181,17 @@ def preempt_whole_tree(backend: str, out: Path, signum: int) -> None:
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-4000:]
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(last + 3))
+
+
+def assert_rlspec_eval_reproduces(row: dict, checkpoint: Path, out: Path) -> None:
+    """`rlspec eval` (in this process, on the CPU) on the run's checkpoint scores what the run's own eval of that step
+    logged in `row`, to the bit: whichever backend trained and evaluated, a checkpoint is the same HF model."""
+    import json
+
+    from rlspec.evaluation.command import evaluate
+
+    assert "eval/mean@1" in row, sorted(row)
+    evaluate(str(TINY), [], checkpoints=[str(checkpoint)], out=str(out))
+    metrics = json.loads((out / "eval.json").read_text())["results"][0]["metrics"]
+    logged = {k: v for k, v in row.items() if k.startswith("eval/")}
+    assert {k: v for k, v in metrics.items() if k.startswith("eval/")} == logged

@@ -16,6 +16,7 @@
 #   the server under concurrent clients:              OUT=o bash tests/gpu/measure.sh servechat
 #   faults and a soak on several GPUs (tests/gpu/faults.py, one call each): OUT=o bash tests/gpu/measure.sh faults
 #   multi-turn agents beside a plain rollout (issue 56):  OUT=o bash tests/gpu/measure.sh agents_multiturn
+#   evaluation's cost beside the rollout (issue 55):        OUT=o bash tests/gpu/measure.sh eval
 #   the GPU-marked tests:                            OUT=o bash tests/gpu/measure.sh gputests
 #
 # Knobs (environment), with their defaults:
@@ -534,6 +535,27 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
         echo "models $m exit $?" >> $OUT/results.txt; tail -1 $OUT/models_$m.json >> $OUT/results.txt
         tail -3 $OUT/models_$m.log | grep -iE "error|Traceback" >> $OUT/results.txt; cp $OUT/results.txt $FINAL/
       done ;;
+    eval)  # issue 55: the eval section on the 0.5B bench spec, one GPU, P prompts x 8 a step (default 64): an eval of
+      # EVAL_PROMPTS held-out prompts (default 512) x K samples (default 4, sampled at the rollout's temperature)
+      # before training and every EVERY steps (default 10) of STEPS (default 20). Prints the rollout's samples/s (the
+      # training rows' P x 8 / timing_s/gen, the steps after the first), the eval's (EVAL_PROMPTS x K /
+      # timing_s/eval, the evals after the first) and their ratio, and the evals' share of the run's time
+      # (sum timing_s/eval / (sum timing_s/step + sum timing_s/eval)). The eval data: EVAL_PROMPTS copy_char prompts in
+      # a file (eval.data_path, columns prompt and letter), scored by copy_char's reward as training is.
+      P=${P:-64}; EP=${EVAL_PROMPTS:-512}; K=${K:-4}
+      python3 -c "import json, random; r = random.Random(0)
+open('$SCRATCH/eval_letters.jsonl', 'w').writelines(json.dumps({'prompt': c + '=', 'letter': c}) + '\n' for c in (r.choice('abcd') for _ in range($EP)))"
+      CUDA_VISIBLE_DEVICES=$ONE timeout 560 $RL run $BENCH rollout.prompts_per_step=$P algorithm.steps=${STEPS:-20} \
+        eval.data_path=$SCRATCH/eval_letters.jsonl eval.samples_per_prompt=$K eval.every_n_steps=${EVERY:-10} eval.before_train=true \
+        ${EXTRA:-} --out $SCRATCH/b_eval --no-progress > $OUT/eval.log 2>&1; echo "eval exit $?" >> $OUT/results.txt
+      cp $SCRATCH/b_eval/metrics.jsonl $OUT/eval_metrics.jsonl 2>/dev/null
+      python3 -c "import json; rows = [json.loads(l) for l in open('$OUT/eval_metrics.jsonl')]
+train = [r for r in rows if r['step'] >= 1 and 'timing_s/gen' in r]; evals = [r for r in rows if 'timing_s/eval' in r]
+gen = $P * 8 * len(train) / sum(r['timing_s/gen'] for r in train); ev = $EP * $K * (len(evals) - 1) / sum(r['timing_s/eval'] for r in evals[1:])
+step = sum(r['timing_s/step'] for r in rows if 'timing_s/step' in r); spent = sum(r['timing_s/eval'] for r in evals)
+print(f'rollout {gen:.0f} samples/s, eval {ev:.0f} samples/s, ratio {ev / gen:.2f}; evals {spent:.1f} s of {step + spent:.1f} s = {spent / (step + spent):.1%}')
+print('eval/mean@$K by step:', [(r['step'], round(r['eval/mean@$K'], 4)) for r in evals])" >> $OUT/results.txt 2>&1
+      tail -6 $OUT/eval.log >> $OUT/results.txt ;;
     offload)  # issue 47: rollout.free_during_train, deepspeed colocated on one GPU (its engine a Ray actor of its own
       # on the trainer's GPU, weights by cuda_ipc), P prompts x 8 x 256 (default 16), SHAPE= the model preset (default
       # qwen2_0p5b_shape; qwen3_1p7b_shape for the 1.7B figures), RUNS= the settings compared (default all three, a

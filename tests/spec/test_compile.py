@@ -45,7 +45,8 @@ def test_plan_cli_prints_json_for_deepspeed():
     plan = json.loads(proc.stdout)
     assert plan["backend"] == "deepspeed"
     assert plan["sync_method"] == "ray"  # colocated on CPU, multi-process
-    assert set(plan["spec"]) == {"algorithm", "model", "rollout", "sync", "hardware", "checkpoint", "logging", "backend"}
+    assert set(plan["spec"]) == {"algorithm", "model", "rollout", "sync", "hardware", "checkpoint", "logging", "eval",
+                                 "backend"}
 
 
 CAPS = {

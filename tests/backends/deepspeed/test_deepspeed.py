@@ -14,8 +14,8 @@ from rlspec.conformance.tolerances import TOLERANCES, weights_tolerance
 from rlspec.core.backend import all_caps, create_backend
 from rlspec.spec import compile_plan, load_spec
 from rlspec.sync import build_transport
-from tests.backends.ranks import (TINY, check_uneven_updates, kill_a_rank_mid_run, fixed_batch, max_weight_diff,
-                                  reference_trainer, rlspec_run, run_steps)
+from tests.backends.ranks import (TINY, assert_rlspec_eval_reproduces, check_uneven_updates, kill_a_rank_mid_run,
+                                  fixed_batch, max_weight_diff, reference_trainer, rlspec_run, run_steps)
 
 pytestmark = pytest.mark.distributed
 
@@ -175,7 +175,7 @@ def test_cli_run_smoke_and_resume(tmp_path):
     from transformers import AutoModelForCausalLM
 
     args = ("algorithm.steps=3", "checkpoint.every_n_steps=2", "checkpoint.keep_last=0",
-            "rollout.free_during_train=kv_cache_and_weights")
+            "rollout.free_during_train=kv_cache_and_weights", "eval.every_n_steps=1")
     proc = rlspec_run("deepspeed", tmp_path / "run", *args)
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-4000:]
@@ -185,6 +185,7 @@ def test_cli_run_smoke_and_resume(tmp_path):
     final = tmp_path / "run" / "checkpoints" / "step_000002"
     AutoModelForCausalLM.from_pretrained(final)  # save() wrote a loadable HF directory
     assert (final / "optimizer" / "state.safetensors").is_file()  # the portable optimizer state
+    assert_rlspec_eval_reproduces(rows[-1], final, tmp_path / "eval")
 
     shutil.copytree(tmp_path / "run", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000002")
