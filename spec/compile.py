@@ -337,7 +337,7 @@ def fewest_agent_rows(prompts: int, group_size: int, max_failure_rate: float) ->
 
 
 def _check_servers(spec: Spec, caps: BackendCaps) -> None:
-    """Several engines of a single-process backend are several rollout servers (`rlspec.serve.replicas`)."""
+    """Several engines of a single-process backend are several rollout servers (`rlspec.serve.client`)."""
     hw, urls = spec.hardware, spec.rollout.server_urls
     require(spec.rollout.server_url is None or not urls, "rollout.server_urls", "rollout.server_url and "
             "rollout.server_urls are both set", "set one: server_url for one server, server_urls for several")

@@ -1,5 +1,5 @@
 """The configured transport once per rollout replica, for an engine made of several (`engine.replicas`: the
-standalone backend's rollout servers, `rlspec.serve.replicas`).
+standalone backend's rollout servers, `rlspec.serve.client`).
 
 Each replica gets a transport of its own, connected to it alone, and a push runs them all at once (one thread
 each; the first push one after another) and returns the bytes sent in all. A replica that exposes `reconnecting` (a rollout server) wraps its

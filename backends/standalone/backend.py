@@ -7,7 +7,7 @@
   GPU): the engine runs in an `rlspec serve` process that this backend starts (bound to 127.0.0.1, killed
   with its process group on every exit) or joins (`rollout.server_url`, which outlives the trainer). With
   `hardware.num_rollout_engines` = N > 1 it starts N servers, server i on the plan's engine device i, or
-  joins the N of `rollout.server_urls`; each step's groups are split across them (`rlspec.serve.replicas`). The
+  joins the N of `rollout.server_urls`; each step's groups are split across them (`rlspec.serve.client`). The
   transport's engine half runs in the server through its bridge endpoint; sampling goes through its
   OpenAI-compatible `/v1/completions`. A joined server may hold another run's weights, so the loop pushes
   before the first rollout. A server lost mid-run is waited for (a started one is restarted) for up to
@@ -78,7 +78,7 @@ class StandaloneBackend:
         """One `ServedEngine` per server (started, or joined: `rollout.server_url(s)`); several behind
         `ServedReplicas`, which splits each step's groups across them."""
         from ...serve.process import ServerProcess
-        from ...serve.replicas import ServedReplicas
+        from ...serve.client import ServedReplicas
 
         rollout = plan.spec.rollout
         urls = rollout.server_urls or ([rollout.server_url] if rollout.server_url is not None else [])

@@ -214,7 +214,7 @@ def env_rollouts(plan: RunPlan, engine):
 
 
 def replica_metrics(engine, transport) -> dict[str, float]:
-    """Per rollout replica of an engine made of several (`rlspec.serve.replicas`): the step's generation seconds
+    """Per rollout replica of an engine made of several (`rlspec.serve.client`): the step's generation seconds
     and samples, and the push's seconds (`timing_s/gen_replica_<i>`, `rollout/samples_replica_<i>`,
     `timing_s/sync_replica_<i>`); nothing for one engine."""
     if not hasattr(engine, "replicas"):

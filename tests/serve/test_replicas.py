@@ -19,7 +19,7 @@ from rlspec.errors import SpecError
 from rlspec.rollout.base import Rollout
 from rlspec.runtime.metrics import read_metrics
 from rlspec.serve.client import ServedEngine, ServerLost
-from rlspec.serve.replicas import ServedReplicas, split_groups
+from rlspec.serve.client import ServedReplicas, split_groups
 from rlspec.spec import RolloutSpec
 from rlspec.sync.replicas import PerReplica
 from tests.conftest import REPO, rlspec_cmd
