@@ -184,12 +184,13 @@ class FSDPWorker(RankWorker):
     def full_weights(self, keep: bool) -> Iterator[tuple[str, Tensor]]:
         """Full weights by HF state-dict name (LoRA merged, tied weights under each name) in `model.dtype`.
 
-        Gathered one bucket (`sync.bucket_mb`, or one larger tensor) at a time on every rank, so the extra
-        memory is one bucket, not the model. An all-gather leaves the full tensors on every rank: each rank
-        yields them (a colocated rank feeds the engine beside it from its own copy); `keep` changes nothing.
+        Gathered a third of a bucket (`sync.bucket_mb`, or one larger tensor) at a time on every rank: one
+        all-gather of a group holds the rank's shards, every rank's and the full tensors (`gather_flat`), so the
+        extra memory is about one bucket, not the model. An all-gather leaves the full tensors on every rank: each
+        rank yields them (a colocated rank feeds the engine beside it from its own copy); `keep` changes nothing.
         """
         self._sharded()
-        for group in gather_groups(merged_weights(self.model), self.plan.spec.sync.bucket_mb << 20,
+        for group in gather_groups(merged_weights(self.model), (self.plan.spec.sync.bucket_mb << 20) // 3,
                                    lambda t: t.numel() * self.dtype.itemsize):
             yield from self._gather(group)
 

@@ -30,7 +30,7 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
         full = [torch.randn(shape, generator=generator) for shape in SHAPES]
         pending = [(f"t{i}", distribute_tensor(t, mesh, [Shard(0)])) for i, t in enumerate(full)]
         pending.insert(2, ("plain", torch.arange(4.0)))  # a tensor that is not sharded passes through
-        got = gather_flat(pending, torch.float64)
+        got = gather_flat(pending, torch.float64, flat=True)  # on CPU too
         expected = [(f"t{i}", t.double()) for i, t in enumerate(full)]
         expected.insert(2, ("plain", torch.arange(4.0, dtype=torch.float64)))
         queue.put((rank, [(a, b, tuple(t.shape), t.dtype, bool(torch.equal(t, e)))
