@@ -52,6 +52,7 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
         transport.push(weights, engine)
         served_version(engine, start_step)
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
+    checkpoints.remove_leftovers()
     log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress,
                      tensorboard=spec.logging.tensorboard, loggers=loggers)
     envs = env_rollouts(plan, engine)

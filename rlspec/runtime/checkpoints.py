@@ -77,9 +77,25 @@ class Checkpoints:
         return done[-1] if done else None
 
     def completed(self) -> list[Path]:
+        """The completed checkpoints, oldest first by step number (`step_1000000` is newer than `step_999999`)."""
         if not self.root.is_dir():
             return []
-        return sorted(p for p in self.root.glob("step_*") if (p / STATE_FILE).is_file())
+        done = [p for p in self.root.glob("step_*") if p.name[5:].isdigit() and (p / STATE_FILE).is_file()]
+        return sorted(done, key=lambda p: int(p.name[5:]))
+
+    def remove_leftovers(self) -> None:
+        """At the start of a run: remove what a crash in the middle of `save` left behind. A staging folder is
+        unfinished work; a replaced checkpoint is dropped once its successor is in place, else put back."""
+        if not self.root.is_dir():
+            return
+        for staging in self.root.glob(".staging_step_*"):
+            shutil.rmtree(staging, ignore_errors=True)
+        for old in self.root.glob(".replaced_step_*"):
+            final = self.root / old.name.removeprefix(".replaced_")
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.rename(final)
 
     def _prune(self) -> None:
         if self.keep_last <= 0:
