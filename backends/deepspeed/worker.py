@@ -25,7 +25,7 @@ from ...core.batch import TrainBatch
 from ...core.grpo import LossConfig, LossNorm
 from ...core.policy import CompiledBlocks, accumulate, block_modules
 from ...core.trainer import build_optimizer
-from ...core.weights import gather_groups
+from ...core.weights import gather_groups, tied_aliases, untied
 from ...models.factory import load_model, load_tokenizer, read_safetensors_dir, save_gathered
 from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
 from ...runtime.metrics import gpu_used_gb
@@ -231,7 +231,7 @@ class DeepSpeedWorker(RankWorker):
     # --- weights -------------------------------------------------------------------------------------
 
     def full_weights(self, keep: bool) -> Iterator[tuple[str, Tensor]]:
-        """Full weights by the HF state-dict name (tied weights under each of their names), gathered a group
+        """Full weights by the HF state-dict name (a tied weight under its first name only), gathered a group
         of `sync.bucket_mb` at a time on every rank (one ZeRO-3 gather per group, not per tensor). A rank that
         `keep`s (rank 0, or a colocated rank feeding the engine beside it) yields copies, after the group is
         released again, so the extra memory is one group; the other ranks only take part and yield nothing.
@@ -239,7 +239,8 @@ class DeepSpeedWorker(RankWorker):
         as they are."""
         import deepspeed
 
-        for group in gather_groups(self.engine.module.state_dict(keep_vars=True).items(),
+        module = self.engine.module
+        for group in gather_groups(untied(module.state_dict(keep_vars=True).items(), tied_aliases(module)),
                                    self.plan.spec.sync.bucket_mb << 20, _full_nbytes):
             sharded = list({id(t): t for _, t in group if hasattr(t, "ds_id")}.values())  # tied: gathered once
             with deepspeed.zero.GatheredParameters(sharded, modifier_rank=None):

@@ -25,7 +25,7 @@ from ...core.grpo import LossConfig, LossNorm
 from ...core.policy import CompiledBlocks, accumulate, block_classes
 from ...core.shards import step_on_shards
 from ...core.trainer import build_optimizer, grad_norm_and_clip, merged_weights
-from ...core.weights import gather_groups
+from ...core.weights import gather_groups, tied_aliases, untied
 from ...models.base import DTYPES
 from ...models.factory import apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_gathered
 from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
@@ -181,14 +181,15 @@ class FSDPWorker(RankWorker):
     # --- weights -------------------------------------------------------------------------------------
 
     def full_weights(self, keep: bool) -> Iterator[tuple[str, Tensor]]:
-        """Full weights by HF state-dict name (LoRA merged, tied weights under each name) in `model.dtype`.
+        """Full weights by HF state-dict name (LoRA merged, a tied weight under its first name only) in `model.dtype`.
 
         Gathered one bucket (`sync.bucket_mb`, or one larger tensor) at a time on every rank, so the extra
         memory is one bucket, not the model. An all-gather leaves the full tensors on every rank: each rank
         yields them (a colocated rank feeds the engine beside it from its own copy); `keep` changes nothing.
         """
         self._sharded()
-        for group in gather_groups(merged_weights(self.model), self.plan.spec.sync.bucket_mb << 20,
+        for group in gather_groups(untied(merged_weights(self.model), tied_aliases(self.model)),
+                                   self.plan.spec.sync.bucket_mb << 20,
                                    lambda t: t.numel() * self.dtype.itemsize):
             yield from self._gather(group)
 

@@ -21,7 +21,7 @@ from .batch import TrainBatch
 from .grpo import LossConfig, LossNorm
 from .policy import CompiledBlocks, accumulate, batch_logprobs
 from .shards import sharded_grad_norm_and_clip
-from .weights import state_items
+from .weights import state_items, tied_aliases, untied
 
 OPTIMIZER_FILE = "optimizer.pt"
 ADAPTER_DIR = "adapter"
@@ -90,6 +90,7 @@ class LocalTrainer:
         self.model = apply_lora(base, model_spec, algo.seed).to(self.device)
         self.model.train()
         self.compiled = CompiledBlocks(self.model, model_spec.compile_layers)
+        self.aliases = tied_aliases(self.model)
         self.optimizer = build_optimizer(self.model.parameters(), algo)
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
@@ -115,12 +116,13 @@ class LocalTrainer:
         return float(norm)
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Full policy weights by base-model name (LoRA adapters merged in); without LoRA, views of the
-        model's own tensors (`state_items`: no state-dict walk per sync)."""
+        """Full policy weights by base-model name (LoRA adapters merged in), a tied weight under its first name
+        only (`tied_aliases`); without LoRA, views of the model's own tensors (`state_items`: no state-dict walk
+        per sync)."""
         if hasattr(self.model, "peft_config"):
-            yield from full_state_dict(self.model).items()
+            yield from untied(merged_weights(self.model), self.aliases)
         else:
-            yield from state_items(self.model)
+            yield from untied(state_items(self.model), self.aliases)
 
     def export_adapters(self) -> Iterator[tuple[str, Tensor]]:
         """The LoRA adapter tensors alone, by PEFT state-dict name (what `sync.method=lora` moves)."""

@@ -1,0 +1,86 @@
+"""What a checkpoint must carry for `--resume` to continue the very run it stopped, and what it may not drop
+silently: retention by step number, the tied head sent once, a warning where a resume changes a step's math,
+seeded dropout, and exact resumes when the engine lags the trainer (sync and async)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlspec.cli import main
+from rlspec.runtime.checkpoints import STATE_FILE, Checkpoints
+from rlspec.runtime.metrics import read_metrics
+from tests.conftest import REPO, rlspec_cmd
+
+TINY = str(REPO / "examples" / "tiny.yaml")
+SMALL = ["rollout.prompts_per_step=2", "algorithm.group_size=4", "algorithm.micro_batch_size=8",
+         "rollout.max_new_tokens=4", "checkpoint.keep_last=0"]
+
+
+def cli(capsys, out: Path, *args: str) -> tuple[int, str]:
+    code = main(["run", TINY, *SMALL, *args, "--out", str(out), "--no-progress"])
+    return code, capsys.readouterr().err
+
+
+def cli_process(out: Path, *args: str) -> str:
+    """A run in a subprocess (the distributed backends); its stderr."""
+    proc = subprocess.run(rlspec_cmd("run", TINY, *SMALL, *args, "--out", str(out), "--no-progress"), cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr
+
+
+# --- retention ---------------------------------------------------------------------------------------------------
+
+class _Writer:
+    def save(self, path: Path) -> None:
+        (path / "model.safetensors").write_bytes(b"x")
+
+
+def test_retention_orders_checkpoints_by_step_number_past_a_million(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep_last=2, save_optimizer=True)
+    for step in (999_998, 999_999, 1_000_000, 1_000_001):
+        checkpoints.save(step, _Writer(), {})
+    assert [p.name for p in checkpoints.completed()] == ["step_1000000", "step_1000001"]
+    assert checkpoints.latest().name == "step_1000001"
+
+
+def test_a_crash_mid_save_leaves_nothing_once_a_run_starts(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep_last=0, save_optimizer=True)
+    checkpoints.save(3, _Writer(), {})
+    (tmp_path / ".staging_step_000004").mkdir()  # a crash while writing step 4
+    (tmp_path / ".staging_step_000004" / "model.safetensors").write_bytes(b"half")
+    checkpoints.save(3, _Writer(), {})
+    (tmp_path / "step_000003").rename(tmp_path / ".replaced_step_000003")  # a crash between the two renames
+    checkpoints.remove_leftovers()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003"]
+    assert (tmp_path / "step_000003" / STATE_FILE).is_file()
+
+
+# --- tied weights -------------------------------------------------------------------------------------------------
+
+def _checkpoint_bytes(checkpoint: Path) -> int:
+    from safetensors.torch import load_file
+
+    return sum(t.numel() * t.element_size() for t in load_file(str(checkpoint / "model.safetensors")).values())
+
+
+@pytest.mark.parametrize("backend", ["standalone",
+                                     pytest.param("fsdp", marks=[pytest.mark.distributed, pytest.mark.slow]),
+                                     pytest.param("deepspeed", marks=[pytest.mark.distributed, pytest.mark.slow])])
+def test_a_tied_weight_crosses_the_wire_once(backend, tmp_path, capsys):
+    """The tiny model ties its LM head to the embedding: a push moves what the checkpoint holds, not the
+    embedding twice."""
+    args = ["algorithm.steps=1", "sync.method=checkpoint", "--backend", backend]
+    if backend == "standalone":
+        assert cli(capsys, tmp_path / "o", *args)[0] == 0
+    else:
+        pytest.importorskip("ray")
+        cli_process(tmp_path / "o", *args)
+    (row,) = read_metrics(tmp_path / "o" / "metrics.jsonl")
+    assert row["sync/bytes"] == _checkpoint_bytes(tmp_path / "o" / "checkpoints" / "step_000000")
