@@ -84,3 +84,53 @@ def test_a_tied_weight_crosses_the_wire_once(backend, tmp_path, capsys):
         cli_process(tmp_path / "o", *args)
     (row,) = read_metrics(tmp_path / "o" / "metrics.jsonl")
     assert row["sync/bytes"] == _checkpoint_bytes(tmp_path / "o" / "checkpoints" / "step_000000")
+
+
+# --- a resume that changes a step's math says so ------------------------------------------------------------------
+
+def _warned(out: Path, err: str, needle: str) -> None:
+    """The warning is printed, in the run log, and in the plan now in force."""
+    assert needle in err
+    assert needle in (out / "run.log").read_text()
+    assert any(needle in w for w in json.loads((out / "plan.json").read_text())["resume_warnings"])
+
+
+def test_resuming_without_optimizer_state_warns_and_records_it(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert cli(capsys, out, "algorithm.steps=1", "checkpoint.save_optimizer=false")[0] == 0
+    code, err = cli(capsys, out, "algorithm.steps=2", "checkpoint.save_optimizer=false", "--resume")
+    assert code == 0, err
+    _warned(out, err, "holds no optimizer state")
+
+
+def test_resuming_with_optimizer_state_warns_nothing(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert cli(capsys, out, "algorithm.steps=1")[0] == 0
+    code, err = cli(capsys, out, "algorithm.steps=2", "--resume")
+    assert code == 0 and "WARNING" not in err, err
+    assert "resume_warnings" not in json.loads((out / "plan.json").read_text())
+
+
+def _with_masters(checkpoint: Path) -> int:
+    """Add fp32 master weights to a bf16 checkpoint's optimizer state, as fsdp and deepspeed write them (each the
+    bf16 weight plus less than one bf16 step); the number of masters."""
+    from safetensors.torch import load_file, save_file
+
+    state = checkpoint / "optimizer" / "state.safetensors"
+    tensors = load_file(str(state))
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    names = [key.removesuffix(".exp_avg") for key in tensors if key.endswith(".exp_avg")]
+    for name in names:
+        weight = weights.get(name, weights.get("model.embed_tokens.weight")).float()
+        tensors[f"{name}.master"] = weight + 1e-4 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0))
+    save_file(tensors, str(state))
+    return len(names)
+
+
+def test_a_checkpoint_with_master_weights_resumed_on_standalone_is_not_silent(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert cli(capsys, out, "algorithm.steps=1", "model.dtype=bfloat16")[0] == 0
+    assert _with_masters(out / "checkpoints" / "step_000000")
+    code, err = cli(capsys, out, "algorithm.steps=2", "model.dtype=bfloat16", "--resume")
+    assert code == 0, err
+    _warned(out, err, "fp32 master weights")

@@ -131,6 +131,32 @@ def check_resumable(checkpoint: Path, model_spec) -> int:
     return step
 
 
+def resume_warnings(checkpoint: Path, plan, caps) -> list[str]:
+    """How resuming `checkpoint` under `plan` (on a backend with `caps`) makes the next steps compute other than
+    the uninterrupted run would: optimizer state not saved (`checkpoint.save_optimizer=false`: AdamW starts again
+    from zero moments and step 0), or fp32 master weights the resuming trainer does not keep. Empty when exact."""
+    found = []
+    saved = [checkpoint / OPTIMIZER_DIR / OPTIMIZER_META, checkpoint / "optimizer.pt", checkpoint / "optimizer_dcp"]
+    if plan.spec.algorithm.optimizer != "sgd" and not any(path.exists() for path in saved):
+        found.append(f"checkpoint {checkpoint.name} holds no optimizer state (it was saved with "
+                     "checkpoint.save_optimizer=false): the optimizer starts again from zero moments and step 0, so "
+                     "the resumed steps differ from an uninterrupted run's (keep checkpoint.save_optimizer=true "
+                     "for exact resumes)")
+    tensors = checkpoint / OPTIMIZER_DIR / OPTIMIZER_TENSORS
+    if tensors.is_file() and not caps.keeps_master_weights:
+        from safetensors import safe_open
+
+        with safe_open(str(tensors), framework="pt") as f:
+            masters = sum(1 for key in f.keys() if key.endswith(f".{MASTER_KEY}"))
+        if masters:
+            found.append(f"checkpoint {checkpoint.name} holds fp32 master weights for {masters} parameters, which the "
+                         f"{plan.backend} backend does not keep: it resumes from the {plan.spec.model.dtype} weights "
+                         "and steps them directly, so the resumed steps differ from an uninterrupted run's (resume "
+                         "with a backend that keeps master weights: "
+                         "--backend fsdp or deepspeed)")
+    return found
+
+
 def write_optimizer_state(path: Path, tensors: dict, optimizer: str, step: int) -> None:
     """Write the portable optimizer state (see the module docstring) into checkpoint directory `path`."""
     from safetensors.torch import save_file
