@@ -25,6 +25,7 @@ from ...core.batch import TrainBatch
 from ...core.grpo import LossConfig, LossNorm
 from ...core.policy import CompiledBlocks, accumulate, block_modules
 from ...core.trainer import build_optimizer
+from ...core.rng import load_rng_state, save_rng_state, seed_rank
 from ...core.weights import gather_groups, tied_aliases, untied
 from ...models.factory import load_model, load_tokenizer, read_safetensors_dir, save_gathered
 from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
@@ -151,6 +152,7 @@ class DeepSpeedWorker(RankWorker):
         self.loss_cfg = LossConfig.from_algorithm(spec.algorithm)
         self.tokenizer = load_tokenizer(spec.model) if self.rank == 0 else None
         model = load_model(spec.model, spec.algorithm.seed, self.device)
+        seed_rank(spec.algorithm.seed, self.rank)  # dropout draws from here (`rlspec.core.rng`)
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -252,6 +254,7 @@ class DeepSpeedWorker(RankWorker):
         (`rlspec.runtime.checkpoints`), gathered from the ZeRO partitions: any backend at any rank count and
         any ZeRO stage resumes it."""
         self.run_sender(save_gathered, (self.engine.module, self.tokenizer, Path(path)))
+        save_rng_state(Path(path), self.rank)
         if save_optimizer:
             tensors, step = self._portable_state()
             if self.rank == 0:
@@ -291,6 +294,7 @@ class DeepSpeedWorker(RankWorker):
         """Resume from a checkpoint of any backend: the safetensors weights, then the fp32 masters and AdamW
         moments of the portable optimizer state where saved (each rank keeps its partition). A checkpoint of an
         older rlspec with DeepSpeed's own `ZERO_DIR` (ZeRO-3 partitions) loads that instead."""
+        load_rng_state(Path(path), self.rank)
         import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 

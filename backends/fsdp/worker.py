@@ -25,6 +25,7 @@ from ...core.grpo import LossConfig, LossNorm
 from ...core.policy import CompiledBlocks, accumulate, block_classes
 from ...core.shards import step_on_shards
 from ...core.trainer import build_optimizer, grad_norm_and_clip, merged_weights
+from ...core.rng import load_rng_state, save_rng_state, seed_rank
 from ...core.weights import gather_groups, tied_aliases, untied
 from ...models.base import DTYPES
 from ...models.factory import apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_gathered
@@ -95,6 +96,7 @@ class FSDPWorker(RankWorker):
         self.tokenizer = load_tokenizer(spec.model) if self.rank == 0 else None
 
         model = load_model(spec.model, spec.algorithm.seed, self.device)
+        seed_rank(spec.algorithm.seed, self.rank)  # dropout draws from here (`rlspec.core.rng`)
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # fp32 master parameters (exact for a bf16 start); MixedPrecisionPolicy computes in model.dtype.
@@ -211,6 +213,7 @@ class FSDPWorker(RankWorker):
         resumes it)."""
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self.run_sender(save_gathered, (base, self.tokenizer, Path(path)))  # rank 0 writes the full weights
+        save_rng_state(Path(path), self.rank)
         if not save_optimizer:
             return
         if hasattr(self.model, "peft_config"):
@@ -244,6 +247,7 @@ class FSDPWorker(RankWorker):
         and the fp32 masters where saved, else the safetensors weights; with LoRA, `STATE_DIR` when present.
         Without optimizer state (saved with `checkpoint.save_optimizer=false`): the weights, a fresh optimizer
         (with LoRA the merged weights go into the base and the adapters start again at B = 0)."""
+        load_rng_state(Path(path), self.rank)
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict, set_state_dict)
 

@@ -20,6 +20,7 @@ from ..spec import AlgorithmSpec, ModelSpec
 from .batch import TrainBatch
 from .grpo import LossConfig, LossNorm
 from .policy import CompiledBlocks, accumulate, batch_logprobs
+from .rng import load_rng_state, save_rng_state, seed_rank
 from .shards import sharded_grad_norm_and_clip
 from .weights import state_items, tied_aliases, untied
 
@@ -76,6 +77,7 @@ class LocalTrainer:
                  model: torch.nn.Module | None = None) -> None:
         self.device = torch.device(device)
         self.algo = algo
+        seed_rank(algo.seed, 0)  # LoRA dropout draws from here (`rlspec.core.rng`)
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens
         self.loss_cfg = LossConfig.from_algorithm(algo)
@@ -133,6 +135,7 @@ class LocalTrainer:
     def save(self, path: Path, save_optimizer: bool = True) -> None:
         """Merged weights for `from_pretrained`; with LoRA also the adapters alone, which `load` resumes from."""
         save_hf(self.model, self.tokenizer, path)
+        save_rng_state(path, 0)
         if hasattr(self.model, "peft_config"):
             self.model.save_pretrained(path / ADAPTER_DIR)
         if save_optimizer:
@@ -140,6 +143,7 @@ class LocalTrainer:
             write_optimizer_state(path, tensors, self.algo.optimizer, step)
 
     def load(self, path: Path) -> None:
+        load_rng_state(path, 0)
         if hasattr(self.model, "peft_config"):
             # The base stays as built (same seed or directory); the adapters carry all training.
             from peft import set_peft_model_state_dict
