@@ -15,7 +15,7 @@ import torch
 from rlspec.cli import main
 from rlspec.runtime.checkpoints import STATE_FILE, Checkpoints
 from rlspec.runtime.metrics import read_metrics
-from tests.conftest import REPO, rlspec_cmd
+from tests.conftest import REPO, interrupt_after_rows, rlspec_cmd
 
 TINY = str(REPO / "examples" / "tiny.yaml")
 SMALL = ["rollout.prompts_per_step=4", "algorithm.group_size=4", "algorithm.micro_batch_size=16",
@@ -139,8 +139,8 @@ def test_a_checkpoint_with_master_weights_resumed_on_standalone_is_not_silent(tm
 
 # --- exact resumes --------------------------------------------------------------------------------------------------
 
-VOLATILE = ("timing_s/", "perf/", "mem/", "sync/gb_per_s")
-"""Metrics that measure the machine, not the run."""
+VOLATILE = ("timing_s/", "perf/", "mem/", "sync/gb_per_s", "async/pool_size")
+"""Metrics that measure the machine, not the run (how full the pool is when a step starts: how fast sampling was)."""
 
 
 def assert_same_run(one: Path, other: Path) -> None:
@@ -160,3 +160,67 @@ def test_lora_dropout_is_seeded_and_resumes_exactly(tmp_path, capsys):
     assert cli(capsys, tmp_path / "resumed", "algorithm.steps=2", *lora, "--resume")[0] == 0
     assert any(r["grad_norm"] > 0 for r in read_metrics(tmp_path / "one" / "metrics.jsonl"))
     assert_same_run(tmp_path / "one", tmp_path / "resumed")
+
+
+LAGGING = {
+    "sync_every_2": ["sync.method=checkpoint", "sync.every_n_steps=2"],
+    "async_staleness_1": ["sync.method=checkpoint", "rollout.mode=async", "rollout.max_staleness=1"],
+    "async_staleness_1_every_2": ["sync.method=checkpoint", "sync.every_n_steps=2", "rollout.mode=async",
+                                  "rollout.max_staleness=1"],
+}
+"""Settings where the engine lags the trainer at the checkpoint after step 2 (its weights, or batches sampled ahead)."""
+CADENCE = ["algorithm.steps=4", "checkpoint.every_n_steps=3", "hardware.num_threads=1"]
+
+
+def _crash_at_step_3(monkeypatch) -> None:
+    """The 4th update (step 3) fails: the run ends with exit 1 after the checkpoint of step 2."""
+    from rlspec.core import async_loop, loop
+    from rlspec.errors import RunError
+
+    calls = []
+    real = loop.update
+
+    def update(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RunError("the machine went away")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "update", update)
+    monkeypatch.setattr(async_loop, "update", update)
+
+
+@pytest.mark.parametrize("mode", LAGGING)
+def test_a_resume_while_the_engine_lags_equals_the_uninterrupted_run(mode, tmp_path, capsys, monkeypatch):
+    args = [*LAGGING[mode], *CADENCE]
+    assert cli(capsys, tmp_path / "one", *args)[0] == 0
+    with monkeypatch.context() as patch:
+        _crash_at_step_3(patch)
+        assert cli(capsys, tmp_path / "resumed", *args)[0] == 1
+    code, err = cli(capsys, tmp_path / "resumed", *args, "--resume")
+    assert code == 0, err
+    assert_same_run(tmp_path / "one", tmp_path / "resumed")
+    assert (tmp_path / "resumed" / "checkpoints" / "step_000002" / "engine" / "state.json").is_file()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # three distributed runs each; the standalone cases above run the same loop code in CI
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+@pytest.mark.parametrize("mode", ["sync_every_2", "async_staleness_1"])
+def test_a_distributed_resume_while_the_engine_lags_equals_the_uninterrupted_run(backend, mode, tmp_path):
+    """The same on 2 ranks; the interrupted run is stopped by SIGTERM, which checkpoints whichever step it lands
+    on (an odd step leaves the engine a push behind)."""
+    import signal
+
+    pytest.importorskip("ray")
+    args = [*LAGGING[mode], "algorithm.steps=6", "checkpoint.every_n_steps=0", "--backend", backend,
+            "hardware.num_trainer_ranks=2"]
+    cli_process(tmp_path / "one", *args)
+    out = tmp_path / "resumed"
+    proc = subprocess.Popen(rlspec_cmd("run", TINY, *SMALL, *args, "--out", str(out), "--no-progress"), cwd=REPO,
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    err, _ = interrupt_after_rows(proc, out / "metrics.jsonl", 2, lambda: proc.send_signal(signal.SIGTERM))
+    assert proc.returncode == 143, err[-4000:]
+    cli_process(out, *args, "--resume")
+    assert_same_run(tmp_path / "one", out)
