@@ -213,8 +213,8 @@ def test_a_distributed_resume_while_the_engine_lags_equals_the_uninterrupted_run
     import signal
 
     pytest.importorskip("ray")
-    args = [*LAGGING[mode], "algorithm.steps=6", "checkpoint.every_n_steps=0", "--backend", backend,
-            "hardware.num_trainer_ranks=2"]
+    args = [*LAGGING[mode], "algorithm.steps=6", "checkpoint.every_n_steps=0", "algorithm.micro_batch_size=8",
+            "--backend", backend, "hardware.num_trainer_ranks=2"]
     cli_process(tmp_path / "one", *args)
     out = tmp_path / "resumed"
     proc = subprocess.Popen(rlspec_cmd("run", TINY, *SMALL, *args, "--out", str(out), "--no-progress"), cwd=REPO,
