@@ -190,7 +190,8 @@ def _crash_at_step_3(monkeypatch) -> None:
     monkeypatch.setattr(async_loop, "update", update)
 
 
-@pytest.mark.parametrize("mode", LAGGING)
+@pytest.mark.parametrize("mode", ["sync_every_2", "async_staleness_1",
+                                  pytest.param("async_staleness_1_every_2", marks=pytest.mark.slow)])
 def test_a_resume_while_the_engine_lags_equals_the_uninterrupted_run(mode, tmp_path, capsys, monkeypatch):
     args = [*LAGGING[mode], *CADENCE]
     assert cli(capsys, tmp_path / "one", *args)[0] == 0
