@@ -137,6 +137,18 @@ def test_a_checkpoint_with_master_weights_resumed_on_standalone_is_not_silent(tm
     _warned(out, err, "fp32 master weights")
 
 
+@pytest.mark.distributed
+@pytest.mark.slow  # a Ray run; the standalone case above checks the same warning from a checkpoint made alike
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_a_bf16_sharded_checkpoint_resumed_on_standalone_warns(backend, tmp_path, capsys):
+    pytest.importorskip("ray")
+    out = tmp_path / "o"
+    cli_process(out, "algorithm.steps=1", "model.dtype=bfloat16", "--backend", backend)
+    code, err = cli(capsys, out, "algorithm.steps=2", "model.dtype=bfloat16", "--backend", "standalone", "--resume")
+    assert code == 0, err
+    _warned(out, err, "fp32 master weights")
+
+
 # --- exact resumes --------------------------------------------------------------------------------------------------
 
 VOLATILE = ("timing_s/", "perf/", "mem/", "sync/gb_per_s", "async/pool_size")
@@ -209,19 +221,24 @@ def test_a_resume_while_the_engine_lags_equals_the_uninterrupted_run(mode, tmp_p
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 @pytest.mark.parametrize("mode", ["sync_every_2", "async_staleness_1"])
 def test_a_distributed_resume_while_the_engine_lags_equals_the_uninterrupted_run(backend, mode, tmp_path):
-    """The same on 2 ranks; the interrupted run is stopped by SIGTERM, which checkpoints whichever step it lands
-    on (an odd step leaves the engine a push behind)."""
+    """The same on 2 ranks, the engines in Ray actors. sync_every_2: the interrupted run ends at step 2, a push
+    behind, and the resume extends it; async_staleness_1: SIGTERM stops it on whichever step, with the next
+    batch already in the pool."""
     import signal
 
     pytest.importorskip("ray")
-    args = [*LAGGING[mode], "algorithm.steps=6", "checkpoint.every_n_steps=0", "algorithm.micro_batch_size=8",
-            "--backend", backend, "hardware.num_trainer_ranks=2"]
-    cli_process(tmp_path / "one", *args)
+    args = [*LAGGING[mode], "checkpoint.every_n_steps=0", "algorithm.micro_batch_size=8", "--backend", backend,
+            "hardware.num_trainer_ranks=2"]
+    cli_process(tmp_path / "one", *args, "algorithm.steps=6")
     out = tmp_path / "resumed"
-    proc = subprocess.Popen(rlspec_cmd("run", TINY, *SMALL, *args, "--out", str(out), "--no-progress"), cwd=REPO,
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
-    err, _ = interrupt_after_rows(proc, out / "metrics.jsonl", 2, lambda: proc.send_signal(signal.SIGTERM))
-    assert proc.returncode == 143, err[-4000:]
-    cli_process(out, *args, "--resume")
+    if mode == "sync_every_2":
+        cli_process(out, *args, "algorithm.steps=3")
+    else:
+        proc = subprocess.Popen(rlspec_cmd("run", TINY, *SMALL, *args, "algorithm.steps=6", "--out", str(out),
+                                           "--no-progress"), cwd=REPO, stderr=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        err, _ = interrupt_after_rows(proc, out / "metrics.jsonl", 2, lambda: proc.send_signal(signal.SIGTERM))
+        assert proc.returncode == 143, err[-4000:]
+    assert list((out / "checkpoints").glob("step_*/engine/state.json"))
+    cli_process(out, *args, "algorithm.steps=6", "--resume")
     assert_same_run(tmp_path / "one", out)
