@@ -123,7 +123,8 @@ def _with_masters(checkpoint: Path) -> int:
     names = [key.removesuffix(".exp_avg") for key in tensors if key.endswith(".exp_avg")]
     for name in names:
         weight = weights.get(name, weights.get("model.embed_tokens.weight")).float()
-        tensors[f"{name}.master"] = weight + 1e-4 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0))
+        noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(0))
+        tensors[f"{name}.master"] = weight + 1e-4 * noise
     save_file(tensors, str(state))
     return len(names)
 
