@@ -17,7 +17,7 @@ from .evaluation import build_eval_set
 from .evaluation.runner import Evaluator, table as eval_table
 from .models.base import pad_token_id
 from .plan import build_plan, default_out_dir  # noqa: F401 - where scripts and tests have found them
-from .runtime.checkpoints import Checkpoints, check_resumable
+from .runtime.checkpoints import Checkpoints, check_resumable, resume_warnings
 from .runtime.loggers import start_loggers
 from .runtime.metrics import read_metrics
 from .runtime.monitor import RUN_LOG, RunLog, RunMonitor
@@ -122,6 +122,17 @@ def prepare_out_dir(out: Path, plan: RunPlan, resume: bool) -> tuple[int, list[P
     return start, []
 
 
+def record_resume_warnings(out: Path, warnings: list[str]) -> list[str]:
+    """Keep `warnings` (`resume_warnings`) in OUT/plan.json as `resume_warnings`, the plan now in force."""
+    if warnings:
+        plan = json.loads((out / "plan.json").read_text())
+        plan["resume_warnings"] = warnings
+        staging = out / "plan.json.tmp"
+        staging.write_text(json.dumps(plan, indent=2))
+        staging.replace(out / "plan.json")
+    return warnings
+
+
 def resume_refused(keys: list[str], started: dict, now: dict, out: Path) -> SpecError:
     """The `SpecError` naming the first field that changed the math since the run in `out` started."""
     key = keys[0]
@@ -144,10 +155,13 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
     """Train; return the output directory. Raises `SpecError` before writing anything for bad input."""
     plan, task = build_plan(spec_path, overrides, backend_name)
     eval_set = build_eval_set(plan.spec, plan.spec.model) if plan.spec.eval.enabled else None
-    check_installed(backend_class(plan.backend).caps)
+    caps = backend_class(plan.backend).caps
+    check_installed(caps)
     check_machine(plan)
     out_dir = Path(out) if out is not None else default_out_dir(spec_path)
     start_step, created = prepare_out_dir(out_dir, plan, resume)
+    latest = Checkpoints(out_dir / "checkpoints", 0, True).latest() if start_step else None
+    changed = record_resume_warnings(out_dir, resume_warnings(latest, plan, caps)) if latest else []
     if plan.spec.hardware.num_threads:
         torch.set_num_threads(plan.spec.hardware.num_threads)
     if not torch.cuda.is_available():
@@ -161,12 +175,14 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
     set_up, loggers = False, None
     try:
         with RunLog(out_dir / RUN_LOG):
+            for warning in changed:  # inside the run log
+                print(f"rlspec: WARNING: {warning}", file=sys.stderr, flush=True)
             try:
                 loggers = start_loggers(plan, out_dir, start_step)  # one that cannot start: SpecError, before setup
                 backend.setup(plan)
                 set_up = True
-                if start_step:
-                    backend.load(Checkpoints(out_dir / "checkpoints", 0, True).latest())
+                if latest is not None:
+                    backend.load(latest)
                 pad_id = pad_token_id(backend.rollout_engine().tokenizer)
                 evaluator = None if eval_set is None else \
                     Evaluator(eval_set, plan.spec.rollout.max_new_tokens, out_dir / "eval")

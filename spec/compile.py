@@ -34,6 +34,8 @@ class BackendCaps:
     max_trainer_ranks: int = 1_000_000
     single_process: bool = False
     """Trainer and engine live in one process (the only case where `sync.method=shared` is possible)."""
+    keeps_master_weights: bool = False
+    """Below fp32 weights (`model.dtype`), the optimizer steps fp32 master weights, which checkpoints carry."""
     requires: tuple[str, ...] = ()
     """Importable modules the backend needs at run time (checked before a run writes anything)."""
     install_hint: str = ""

@@ -45,7 +45,10 @@ RESUMABLE_CHANGES = (
 """Spec fields that may change on `--resume`: how long to run, when to save, how long to wait, which cluster to
 join, and where the trainer runs (backend, rank count, device, offload: a checkpoint holds the HF model and the
 optimizer state by parameter name, which every backend at any rank count resumes; LoRA excepted, see
-`rlspec.run.prepare_out_dir`), none of which changes the math of a step. Every other field (the model, the
+`rlspec.run.prepare_out_dir`), none of which changes the math of a step — with one exception, which the run
+warns of (`rlspec.runtime.checkpoints.resume_warnings`, in run.log and plan.json): below fp32 weights, a trainer
+that keeps no fp32 master weights (standalone) resuming a checkpoint that has them steps the lower-precision
+weights from there on. Every other field (the model, the
 algorithm's constants, the group size, the seed, sampling, the task, the number of rollout engines) must be
 what the run started with: `resume_changes` names the first that is not."""
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .base import (Bucket, LocalWeights, SyncError, Transport, WeightSource, as_source, buckets, check_mapping,
-                   checksums, collect_cpu, compare_checksums, compare_fingerprints, fingerprint, is_adapter,
-                   receive_beside, send_beside, verify_written, write_weights)
+from .base import (Bucket, Fingerprints, LocalWeights, SyncError, Transport, WeightSource, as_source, buckets,
+                   check_mapping, checksums, collect_cpu, compare_checksums, compare_fingerprints, fingerprint,
+                   is_adapter, receive_beside, send_beside, verify_written, write_weights)
 
 _REGISTRY: dict[str, Callable[..., Transport]] = {}
 _MODULES = {"shared": ".shared", "checkpoint": ".checkpoint", "ray": ".ray_store", "nccl": ".collective",
@@ -37,7 +37,7 @@ def build_transport(name: str, sync_spec, **options) -> Transport:
     return transport_class(name)(sync_spec, **options)
 
 
-__all__ = ["Bucket", "LocalWeights", "SyncError", "Transport", "WeightSource", "as_source", "buckets",
+__all__ = ["Bucket", "Fingerprints", "LocalWeights", "SyncError", "Transport", "WeightSource", "as_source", "buckets",
            "build_transport", "check_mapping", "checksums", "collect_cpu", "compare_checksums",
            "compare_fingerprints", "fingerprint", "is_adapter", "receive_beside", "register", "send_beside", "transport_class", "verify_written",
            "write_weights"]

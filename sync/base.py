@@ -103,22 +103,47 @@ def _flatten(group: list[tuple[str, Tensor]]) -> Bucket:
     return Bucket(flat, entries)
 
 
-def fingerprint(named: NamedTensors) -> dict[str, tuple[float, float]]:
-    """Per-tensor (sum, sum of squares) in float64: equal weights give equal fingerprints.
+def fingerprint(named: NamedTensors) -> dict[str, tuple[float, float, float]]:
+    """Per-tensor (sum, sum of squares, position-weighted sum) in float64: equal weights give equal fingerprints,
+    and the weighted sum (`position_weights`) changes when elements move (a transposed weight, swapped heads, an
+    offset), which the first two cannot see.
 
     Computed where the tensors live, then brought to the host once per device (not once per tensor).
     """
-    names: list[str] = []
-    stats: dict[torch.device, list[Tensor]] = {}
-    order: list[tuple[torch.device, int]] = []
+    prints = Fingerprints()
     for name, tensor in named:
-        t = tensor.detach().to(torch.float64)
-        group = stats.setdefault(t.device, [])
-        order.append((t.device, len(group)))
-        group.append(torch.stack([t.sum(), (t * t).sum()]))
-        names.append(name)
-    host = {device: torch.stack(group).cpu().tolist() for device, group in stats.items()}
-    return {name: tuple(host[device][i]) for name, (device, i) in zip(names, order)}  # type: ignore[misc]
+        prints.add(name, tensor)
+    return prints.result()
+
+
+class Fingerprints:
+    """`fingerprint`, one tensor at a time as a sender yields them (before they are packed into buckets, so a
+    packing or offset bug is not checked against itself); `result()` brings them to the host."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.stats: list[Tensor] = []
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        t = tensor.detach().to(torch.float64).reshape(-1)
+        self.stats.append(torch.stack([t.sum(), (t * t).sum(), _weighted(t, torch.float64)]))
+        self.names.append(name)
+
+    def tap(self, named: NamedTensors) -> Iterator[tuple[str, Tensor]]:
+        """`named` unchanged, each tensor fingerprinted as it passes."""
+        for name, tensor in named:
+            self.add(name, tensor)
+            yield name, tensor
+
+    def result(self) -> dict[str, tuple[float, float, float]]:
+        by_device: dict[torch.device, list[int]] = {}
+        for i, stat in enumerate(self.stats):
+            by_device.setdefault(stat.device, []).append(i)
+        host: dict[int, tuple[float, float, float]] = {}
+        for indices in by_device.values():
+            values = torch.stack([self.stats[i] for i in indices]).cpu().tolist()
+            host.update({i: tuple(v) for i, v in zip(indices, values)})  # type: ignore[misc]
+        return {name: host[i] for i, name in enumerate(self.names)}
 
 
 def compare_fingerprints(expected: dict, actual: dict, rtol: float = 1e-6) -> None:
@@ -126,10 +151,70 @@ def compare_fingerprints(expected: dict, actual: dict, rtol: float = 1e-6) -> No
     missing = sorted(set(expected) - set(actual))
     if missing:
         raise SyncError(f"engine lacks {len(missing)} weight(s) after sync, e.g. {missing[0]!r}")
-    for name, (s, q) in expected.items():
-        a_s, a_q = actual[name]
-        if abs(a_q - q) > rtol * max(1.0, abs(q)) or abs(a_s - s) > rtol * max(1.0, abs(q) ** 0.5):
+    for name, (s, q, w) in expected.items():
+        a_s, a_q, a_w = actual[name]
+        scale = rtol * max(1.0, abs(q) ** 0.5)
+        if abs(a_q - q) > rtol * max(1.0, abs(q)) or abs(a_s - s) > scale:
             raise SyncError(f"weight {name!r} differs after sync: sum {a_s:.6g} vs {s:.6g}, sumsq {a_q:.6g} vs {q:.6g}")
+        if abs(a_w - w) > scale:
+            raise SyncError(f"weight {name!r} holds the right values in the wrong places after sync (a transposed or "
+                            f"shifted tensor, permuted heads, a wrong offset): position-weighted sum {a_w:.6g} vs "
+                            f"{w:.6g}")
+
+
+# --- position weights: what makes a fingerprint or checksum see where each element is -----------------------
+
+WEIGHT_PERIOD = 1 << 16
+"""Element i of a tensor gets the weight `row[i // WEIGHT_PERIOD] * col[i % WEIGHT_PERIOD]`: two small tables
+instead of one the size of the largest tensor, and no two positions of a tensor below 2**32 elements alike."""
+CHUNK_ROWS = 64
+"""Rows of `WEIGHT_PERIOD` elements weighted at once: bounds the temporary (16 MB in int32) whatever the tensor."""
+_position_tables: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+
+
+def _mix(index: Tensor) -> Tensor:
+    """A pseudo-random odd 32-bit integer per int64 `index` (a multiply-xorshift hash), as int64 in [0, 2**32)."""
+    h = (index + 1) * 0x9E3779B1 & 0xFFFFFFFF
+    h = (h ^ (h >> 16)) * 0x45D9F3B & 0xFFFFFFFF
+    h = (h ^ (h >> 16)) * 0x45D9F3B & 0xFFFFFFFF
+    return (h ^ (h >> 16)) | 1
+
+
+def position_weights(index: Tensor, dtype: torch.dtype) -> Tensor:
+    """The weight of each int64 `index`: odd int32 (wrapping) for `torch.int32`, else in (-1, 1) as `dtype`."""
+    h = _mix(index)
+    if dtype == torch.int32:
+        return (h - (h >= 1 << 31).long() * (1 << 32)).to(torch.int32)
+    return ((h.to(torch.float64) - 2.0 ** 31) / 2.0 ** 31).to(dtype)
+
+
+def _tables(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(column weights, row weights), `WEIGHT_PERIOD` of each, made once per device and dtype (before any CUDA
+    graph capture: `BucketChecksums` warms up first)."""
+    key = (device, dtype)
+    if key not in _position_tables:
+        index = torch.arange(WEIGHT_PERIOD, device=device)
+        _position_tables[key] = (position_weights(index, dtype), position_weights(index + (1 << 40), dtype))
+    return _position_tables[key]
+
+
+def _weighted(flat: Tensor, dtype: torch.dtype) -> Tensor:
+    """Σ_i weight(i) * flat[i] of a 1-D tensor, accumulated in `dtype` (int32 wraps modulo 2**32, exact and
+    order-free; float64 as exact as float64 sums are)."""
+    cols, row_weights = _tables(flat.device, dtype)
+    rows, tail = divmod(flat.numel(), WEIGHT_PERIOD)
+    if rows + bool(tail) > WEIGHT_PERIOD:
+        raise SyncError(f"a tensor of {flat.numel()} elements is past what the sync fingerprint weighs "
+                        f"({WEIGHT_PERIOD ** 2}); use sync.verify=false")
+    total = torch.zeros((), dtype=dtype, device=flat.device)
+    for start in range(0, rows, CHUNK_ROWS):
+        stop = min(rows, start + CHUNK_ROWS)
+        block = flat[start * WEIGHT_PERIOD:stop * WEIGHT_PERIOD].view(stop - start, WEIGHT_PERIOD).to(dtype) * cols
+        total = total + (block.sum(dim=1, dtype=dtype) * row_weights[start:stop]).sum(dtype=dtype)
+    if tail:
+        part = (flat[rows * WEIGHT_PERIOD:].to(dtype) * cols[:tail]).sum(dtype=dtype)
+        total = total + part * row_weights[rows]
+    return total
 
 
 # --- a rollout server's engine thread ------------------------------------------------------------------------
@@ -214,15 +299,17 @@ def check_mapping(own: list[tuple[str, Tensor]], written: list[str]) -> None:
 
 def checksums(tensors: Sequence[Tensor], words: Sequence[Tensor | None] | None = None) -> Tensor:
     """One int32 per tensor, computed where the tensors live with no host sync: the tensor's bytes read as
-    32-bit words (as bytes when their count is not a multiple of 4) and summed modulo 2**32.
+    32-bit words (as bytes when their count is not a multiple of 4), each times an odd weight of its position
+    (`position_weights`), summed modulo 2**32.
 
-    Integer addition is exact and order-free, so equal bytes give equal checksums whatever the memory layout
-    or the reduction's order, and changing any one element changes the checksum. One kernel per tensor and
-    no float64 copies: this is the fingerprint for transports that move bytes unchanged (dtype included).
-    `words` (from `word_views`, for tensors whose storage stays put) saves the per-call view work.
+    Integer arithmetic is exact and order-free, so equal bytes in equal places give equal checksums whatever the
+    reduction's order; changing any one element changes the checksum (the weights are odd, so invertible modulo
+    2**32), and so does moving elements (a transposed weight, swapped heads, a wrong offset). A few kernels per
+    tensor and no float64 copies: this is the fingerprint for transports that move bytes unchanged (dtype
+    included). `words` (from `word_views`, for tensors whose storage stays put) saves the per-call view work.
     """
     words = word_views(tensors) if words is None else words
-    sums = [(w if w is not None else _words(t.detach().reshape(-1).clone())).sum(dtype=torch.int32)
+    sums = [_weighted(w if w is not None else _words(t.detach().reshape(-1).clone()), torch.int32)
             for t, w in zip(tensors, words)]
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int32)
 

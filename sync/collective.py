@@ -421,7 +421,7 @@ class CollectiveTransport:
             works.append(channel.start(flat))
             phases.mark("broadcast")
             if payload["verify"]:  # reads the bucket while it is on the wire
-                sums.append(staging.expected(b))
+                sums.append(staging.expected(named, b))
                 phases.mark("checksum")
         if payload["verify"]:
             works.append(channel.start(torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int32, device=channel.device)))
@@ -442,20 +442,23 @@ class CollectiveTransport:
         fills, with its description in the store, so rank 0 never holds more than one bucket of the model."""
         channel = _CHANNELS[(payload["id"], 0)]
         phases = Phases()
-        sums, total, i = [], 0, 0
-        for i, bucket in enumerate(buckets(named, payload["bucket_mb"])):
+        sums: dict[str, torch.Tensor] = {}
+        order: list[str] = []
+        total, i = 0, 0
+        for i, bucket in enumerate(buckets(_checksummed(named, sums if payload["verify"] else None),
+                                           payload["bucket_mb"])):
             phases.mark("export")
             channel.store.set(f"{payload['version']}/{i}", json.dumps(bucket.meta()))
             phases.mark("header")
             flat = bucket.flat.to(channel.device)
             channel.broadcast(flat)
             phases.mark("broadcast")
-            if payload["verify"]:
-                sums.append(checksums([t for _, t in Bucket(flat, bucket.entries).unpack()]))
-                phases.mark("checksum")
+            order += [name for name, *_ in bucket.entries]
             total += bucket.nbytes
             i += 1
-        expected = torch.cat(sums).tolist() if sums else None
+        # the sender's checksums, from its tensors before bucketing, in the order the buckets carried them
+        expected = torch.stack([sums[name] for name in order]).tolist() if payload["verify"] and order else None
+        phases.mark("checksum")  # the host sync for them (they were enqueued as each tensor passed: in "export")
         channel.store.set(f"{payload['version']}/{i}", json.dumps({"end": True, "expected": expected}))
         phases.mark("header")
         return {"bytes": total, "times": phases.times}
@@ -538,3 +541,11 @@ class CollectiveTransport:
                        timeout_s=5.0)
         except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
             pass
+
+
+def _checksummed(named, sums: dict | None):
+    """`named` unchanged; with `sums`, each tensor's byte checksum (`checksums`) kept by name as it passes."""
+    for name, tensor in named:
+        if sums is not None:
+            sums[name] = checksums([tensor])[0]
+        yield name, tensor

@@ -80,7 +80,7 @@ class CudaIpcTransport:
         """Sender half: refill the channel's buckets (laying them out and exporting their handles when the
         weights' layout is new), synchronise, and describe them."""
         phases = Phases()
-        named = [(name, tensor.detach()) for name, tensor in named]
+        named = [(name, tensor.detach() if tensor.requires_grad else tensor) for name, tensor in named]
         phases.mark("export")
         off_gpu = next((t.device for _, t in named if not t.is_cuda), None)
         if off_gpu is not None:
@@ -99,7 +99,7 @@ class CudaIpcTransport:
             phases.mark("layout_check")
         staging.copy_in(named)
         phases.mark("stage")
-        expected = staging.expected() if payload["verify"] else None
+        expected = staging.expected(named) if payload["verify"] else None
         phases.mark("checksum")
         device = named[0][1].device if named else torch.device("cuda", torch.cuda.current_device())
         torch.cuda.synchronize(device)  # the engine reads these bytes from another process

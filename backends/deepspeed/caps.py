@@ -7,5 +7,5 @@ from ...spec import BackendCaps
 
 CAPS = BackendCaps(name="deepspeed", model_kinds=("causal_lm",), placements=("colocated", "separate"),
                    sync_methods=("ray", "nccl", "checkpoint", "cuda_ipc"), engines=("hf",), devices=("cpu", "cuda"),
-                   supports_lora=False, compiles_layers=True, requires=("deepspeed", "ray"),
+                   supports_lora=False, keeps_master_weights=True, compiles_layers=True, requires=("deepspeed", "ray"),
                    install_hint="pip install 'rlspec[deepspeed]'")

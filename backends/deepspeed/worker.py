@@ -25,7 +25,8 @@ from ...core.batch import TrainBatch
 from ...core.grpo import LossConfig, LossNorm
 from ...core.policy import CompiledBlocks, accumulate, block_modules
 from ...core.trainer import build_optimizer
-from ...core.weights import gather_groups
+from ...core.rng import load_rng_state, save_rng_state, seed_rank
+from ...core.weights import gather_groups, tied_aliases, untied
 from ...models.factory import load_model, load_tokenizer, read_safetensors_dir, save_gathered
 from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
 from ...runtime.metrics import gpu_used_gb
@@ -151,6 +152,7 @@ class DeepSpeedWorker(RankWorker):
         self.loss_cfg = LossConfig.from_algorithm(spec.algorithm)
         self.tokenizer = load_tokenizer(spec.model) if self.rank == 0 else None
         model = load_model(spec.model, spec.algorithm.seed, self.device)
+        seed_rank(spec.algorithm.seed, self.rank)  # dropout draws from here (`rlspec.core.rng`)
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -233,7 +235,7 @@ class DeepSpeedWorker(RankWorker):
     # --- weights -------------------------------------------------------------------------------------
 
     def full_weights(self, keep: bool) -> Iterator[tuple[str, Tensor]]:
-        """Full weights by the HF state-dict name (tied weights under each of their names), gathered a group
+        """Full weights by the HF state-dict name (a tied weight under its first name only), gathered a group
         of `sync.bucket_mb` at a time on every rank (one ZeRO-3 gather per group, not per tensor). A rank that
         `keep`s (rank 0, or a colocated rank feeding the engine beside it) yields copies, after the group is
         released again, so the extra memory is one group; the other ranks only take part and yield nothing.
@@ -241,7 +243,8 @@ class DeepSpeedWorker(RankWorker):
         as they are."""
         import deepspeed
 
-        for group in gather_groups(self.engine.module.state_dict(keep_vars=True).items(),
+        module = self.engine.module
+        for group in gather_groups(untied(module.state_dict(keep_vars=True).items(), tied_aliases(module)),
                                    self.plan.spec.sync.bucket_mb << 20, _full_nbytes):
             sharded = list({id(t): t for _, t in group if hasattr(t, "ds_id")}.values())  # tied: gathered once
             with deepspeed.zero.GatheredParameters(sharded, modifier_rank=None):
@@ -253,6 +256,7 @@ class DeepSpeedWorker(RankWorker):
         (`rlspec.runtime.checkpoints`), gathered from the ZeRO partitions: any backend at any rank count and
         any ZeRO stage resumes it."""
         self.run_sender(save_gathered, (self.engine.module, self.tokenizer, Path(path)))
+        save_rng_state(Path(path), self.rank)
         if save_optimizer:
             tensors, step = self._portable_state()
             if self.rank == 0:
@@ -292,6 +296,7 @@ class DeepSpeedWorker(RankWorker):
         """Resume from a checkpoint of any backend: the safetensors weights, then the fp32 masters and AdamW
         moments of the portable optimizer state where saved (each rank keeps its partition). A checkpoint of an
         older rlspec with DeepSpeed's own `ZERO_DIR` (ZeRO-3 partitions) loads that instead."""
+        load_rng_state(Path(path), self.rank)
         import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 

@@ -7,4 +7,5 @@ from ...spec import BackendCaps
 
 CAPS = BackendCaps(name="fsdp", model_kinds=("causal_lm", "vla"), placements=("colocated", "separate"),
                    sync_methods=("ray", "nccl", "checkpoint", "cuda_ipc"), engines=("hf",), devices=("cpu", "cuda"),
-                   supports_lora=True, compiles_layers=True, requires=("ray",), install_hint="pip install 'rlspec[fsdp]'")
+                   supports_lora=True, keeps_master_weights=True,
+                   compiles_layers=True, requires=("ray",), install_hint="pip install 'rlspec[fsdp]'")

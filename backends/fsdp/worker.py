@@ -25,7 +25,8 @@ from ...core.grpo import LossConfig, LossNorm
 from ...core.policy import CompiledBlocks, accumulate, block_classes
 from ...core.shards import gather_flat, step_on_shards
 from ...core.trainer import build_optimizer, grad_norm_and_clip, merged_weights
-from ...core.weights import gather_groups
+from ...core.rng import load_rng_state, save_rng_state, seed_rank
+from ...core.weights import gather_groups, tied_aliases, untied
 from ...models.base import DTYPES
 from ...models.factory import apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_gathered
 from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
@@ -95,6 +96,7 @@ class FSDPWorker(RankWorker):
         self.tokenizer = load_tokenizer(spec.model) if self.rank == 0 else None
 
         model = load_model(spec.model, spec.algorithm.seed, self.device)
+        seed_rank(spec.algorithm.seed, self.rank)  # dropout draws from here (`rlspec.core.rng`)
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # fp32 master parameters (exact for a bf16 start); MixedPrecisionPolicy computes in model.dtype.
@@ -182,7 +184,8 @@ class FSDPWorker(RankWorker):
     # --- weights -------------------------------------------------------------------------------------
 
     def full_weights(self, keep: bool) -> Iterator[tuple[str, Tensor]]:
-        """Full weights by HF state-dict name (LoRA merged, tied weights under each name) in `model.dtype`.
+        """Full weights by HF state-dict name (LoRA merged, a tied weight under its first name only) in
+        `model.dtype`.
 
         Gathered a third of a bucket (`sync.bucket_mb`, or one larger tensor) at a time on every rank: one
         all-gather of a group holds the rank's shards, every rank's and the full tensors (`gather_flat`), so the
@@ -190,7 +193,8 @@ class FSDPWorker(RankWorker):
         rank yields them (a colocated rank feeds the engine beside it from its own copy); `keep` changes nothing.
         """
         self._sharded()
-        for group in gather_groups(merged_weights(self.model), (self.plan.spec.sync.bucket_mb << 20) // 3,
+        for group in gather_groups(untied(merged_weights(self.model), tied_aliases(self.model)),
+                                   (self.plan.spec.sync.bucket_mb << 20) // 3,
                                    lambda t: t.numel() * self.dtype.itemsize):
             yield from self._gather(group)
 
@@ -209,6 +213,7 @@ class FSDPWorker(RankWorker):
         resumes it)."""
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self.run_sender(save_gathered, (base, self.tokenizer, Path(path)))  # rank 0 writes the full weights
+        save_rng_state(Path(path), self.rank)
         if not save_optimizer:
             return
         if hasattr(self.model, "peft_config"):
@@ -242,6 +247,7 @@ class FSDPWorker(RankWorker):
         and the fp32 masters where saved, else the safetensors weights; with LoRA, `STATE_DIR` when present.
         Without optimizer state (saved with `checkpoint.save_optimizer=false`): the weights, a fresh optimizer
         (with LoRA the merged weights go into the base and the adapters start again at B = 0)."""
+        load_rng_state(Path(path), self.rank)
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict, set_state_dict)
 

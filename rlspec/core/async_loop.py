@@ -41,6 +41,7 @@ from ..spec.evaluation import eval_due
 from ..tasks import Task
 from .backend import Backend
 from .batch import TrainBatch
+from .engine_state import EngineState, Pending
 from .step import metrics_row, rollout_batch, served_version, update
 
 JOIN_TIMEOUT_S = 60.0
@@ -96,6 +97,11 @@ class Pool:
                 err, trace = self._error
                 raise RunError(f"the rollout loop failed: {type(err).__name__}: {err}", trace)
             raise RunError("the pool was closed before the trainer's last step")
+
+    def pending(self) -> list[Pending]:
+        """The batches in the pool now, oldest first (what a checkpoint keeps of it)."""
+        with self._cond:
+            return [Pending(i.step, i.batch, i.policy_version, i.counters) for i in self._items]
 
     def wait_for_version(self, version: int) -> bool:
         """Wait until the engine holds policy `version` or newer; False once the pool is closed."""
@@ -173,14 +179,22 @@ def rollout_loop(plan: RunPlan, engine: LockedEngine, task: Task, pool: Pool, pa
 
 
 def async_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, weights, pad_id: int,
-                start_step: int, evaluator=None) -> Iterator[dict]:
+                start_step: int, evaluator=None, state: EngineState | None = None,
+                pending: list[Pending] = ()) -> Iterator[dict]:
     """One metrics row per step, trained from the pool while the rollout loop generates ahead. An eval
-    (`evaluator`) after a step's push holds the engine between two of the rollout loop's generations."""
+    (`evaluator`) after a step's push holds the engine between two of the rollout loop's generations. A resumed
+    run starts from the engine's version in `state` and the batches that were `pending` in the pool
+    (`rlspec.core.engine_state`), and keeps `state` current for the next checkpoint."""
     spec = plan.spec
+    state = state if state is not None else EngineState(version=start_step)
     locked = LockedEngine(engine)
-    locked.version = start_step  # a resumed run has just pushed the checkpoint's weights
-    pool = Pool(capacity=spec.rollout.max_staleness + 1, version=start_step)
-    producer = threading.Thread(target=rollout_loop, args=(plan, locked, task, pool, pad_id, start_step),
+    locked.version = state.version  # a resumed run's engine holds the checkpoint's engine weights
+    pool = Pool(capacity=spec.rollout.max_staleness + 1, version=state.version)
+    for item in pending:
+        pool.put(PooledBatch(item.step, item.batch, item.policy_version, PhaseTimer(), item.counters))
+    state.pending = pool.pending
+    producer = threading.Thread(target=rollout_loop,
+                                args=(plan, locked, task, pool, pad_id, start_step + len(pending)),
                                 name="rlspec-rollout", daemon=True)
     producer.start()
     prepare = getattr(backend, "prepare_update", None)  # optional (`rlspec.core.backend.Backend`)
@@ -201,6 +215,7 @@ def async_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, 
                     with timer("sync"):
                         sync_bytes = locked.push(transport, weights, step + 1)
                     pool.set_version(step + 1)
+                    state.version = step + 1
             timer.update({k: v for k, v in item.timer.items() if k != "step"})
             row = metrics_row(plan, step, result, timer, sync_bytes, item.counters)
             row.update({"async/staleness_mean": float(step - item.policy_version), "async/pool_size": waiting,

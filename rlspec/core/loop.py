@@ -23,6 +23,7 @@ from ..spec import RunPlan
 from ..spec.evaluation import eval_due
 from ..tasks import Task
 from .backend import Backend, weight_source_of
+from .engine_state import EngineState, RunSaver, read_engine_state
 from .step import env_rollouts, metrics_row, replica_metrics, rollout_batch, served_version, update
 
 if TYPE_CHECKING:
@@ -52,11 +53,20 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     transport.connect(engine, weights)
     if hasattr(engine, "reconnecting"):  # a rollout server, which may be lost and come back
         transport = engine.reconnecting(transport, weights)
-    # Resumed, or a joined rollout server: the engine holds other weights than the trainer's.
-    if start_step or not getattr(engine, "starts_in_sync", True):
+    checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
+    checkpoints.remove_leftovers()
+    # A resumed run's engine gets what it held when the checkpoint was written (`rlspec.core.engine_state`).
+    resumed = read_engine_state(checkpoints.latest()) if start_step else None
+    state = EngineState(version=start_step, lags=plan.sync_method != "shared")
+    if resumed is not None and resumed[1] is not None:  # it lagged the trainer: its own weights back
+        engine.load_weights(resumed[1].items())
+        state.version = resumed[0]
+        served_version(engine, state.version)
+    elif start_step or not getattr(engine, "starts_in_sync", True):
+        # Resumed, or a joined rollout server: the engine holds other weights than the trainer's.
         transport.push(weights, engine)
         served_version(engine, start_step)
-    checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
+    saver = RunSaver(backend, engine, state)
     log = MetricsLog(out_dir, spec.algorithm.steps, start_step, progress=progress,
                      tensorboard=spec.logging.tensorboard, loggers=loggers)
     best = None
@@ -75,10 +85,11 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
     if spec.rollout.mode == "async":
         from .async_loop import async_steps
 
-        rows = async_steps(plan, backend, engine, task, transport, weights, pad_id, start_step, evaluator)
+        rows = async_steps(plan, backend, engine, task, transport, weights, pad_id, start_step, evaluator, state,
+                           resumed[2] if resumed is not None else [])
     else:
         rows = sync_steps(plan, backend, engine, task, transport, weights, pad_id, start_step, envs, gateway, monitor,
-                          evaluator)
+                          evaluator, state)
     done = saved = None  # the last step completed here, the last checkpoint written here
     try:
         for row in rows:
@@ -89,7 +100,7 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
             every = spec.checkpoint.every_n_steps
             scored = best is not None and best.record(step, row)  # before the save prunes
             if last or stop or scored or (every and (step + 1) % every == 0):
-                saved = checkpoints.save(step, backend, {"backend": plan.backend})
+                saved = checkpoints.save(step, saver.at(step), {"backend": plan.backend})
                 if stop and not last:
                     raise monitor.stopped(step, saved)
     except BaseException as err:
@@ -97,7 +108,7 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
             raise
         # A stop signal while sampling: the weights are still those of the last completed step.
         if done is not None and (saved is None or saved.name != f"step_{done:06d}"):
-            saved = checkpoints.save(done, backend, {"backend": plan.backend})
+            saved = checkpoints.save(done, saver.at(done), {"backend": plan.backend})
         raise monitor.stopped(done if done is not None else start_step - 1, saved or checkpoints.latest()) from None
     finally:
         rows.close()  # async: closes the pool and ends the rollout loop
@@ -112,7 +123,8 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
 
 def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, weights, pad_id: int,
                start_step: int, envs=None, gateway: AgentGateway | None = None,
-               monitor: RunMonitor | None = None, evaluator: Evaluator | None = None) -> Iterator[dict]:
+               monitor: RunMonitor | None = None, evaluator: Evaluator | None = None,
+               state: EngineState | None = None) -> Iterator[dict]:
     """One metrics row per step, each step in turn: generate (or run the environments' episodes), train, sync,
     [eval]. A stop signal while a step samples abandons it (`RunMonitor.abandonable`)."""
     spec = plan.spec
@@ -134,6 +146,8 @@ def sync_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, w
                 with timer("sync"):
                     sync_bytes = transport.push(weights, engine)
                 served_version(engine, step + 1)
+                if state is not None:
+                    state.version = step + 1
         extra = {**counters, **replica_metrics(engine, transport)}
         if evaluator is not None and eval_due(spec.eval, step, spec.algorithm.steps):  # between steps, on the engines
             extra.update(evaluator.run(engine, step))

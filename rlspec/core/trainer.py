@@ -20,8 +20,9 @@ from ..spec import AlgorithmSpec, ModelSpec
 from .batch import TrainBatch
 from .grpo import LossConfig, LossNorm
 from .policy import CompiledBlocks, accumulate, batch_logprobs
+from .rng import load_rng_state, save_rng_state, seed_rank
 from .shards import sharded_grad_norm_and_clip
-from .weights import state_items
+from .weights import state_items, tied_aliases, untied
 
 OPTIMIZER_FILE = "optimizer.pt"
 ADAPTER_DIR = "adapter"
@@ -76,6 +77,7 @@ class LocalTrainer:
                  model: torch.nn.Module | None = None) -> None:
         self.device = torch.device(device)
         self.algo = algo
+        seed_rank(algo.seed, 0)  # LoRA dropout draws from here (`rlspec.core.rng`)
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens
         self.loss_cfg = LossConfig.from_algorithm(algo)
@@ -90,6 +92,7 @@ class LocalTrainer:
         self.model = apply_lora(base, model_spec, algo.seed).to(self.device)
         self.model.train()
         self.compiled = CompiledBlocks(self.model, model_spec.compile_layers)
+        self.aliases = tied_aliases(self.model)
         self.optimizer = build_optimizer(self.model.parameters(), algo)
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
@@ -115,12 +118,13 @@ class LocalTrainer:
         return float(norm)
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Full policy weights by base-model name (LoRA adapters merged in); without LoRA, views of the
-        model's own tensors (`state_items`: no state-dict walk per sync)."""
+        """Full policy weights by base-model name (LoRA adapters merged in), a tied weight under its first name
+        only (`tied_aliases`); without LoRA, views of the model's own tensors (`state_items`: no state-dict walk
+        per sync)."""
         if hasattr(self.model, "peft_config"):
-            yield from full_state_dict(self.model).items()
+            yield from untied(merged_weights(self.model), self.aliases)
         else:
-            yield from state_items(self.model)
+            yield from untied(state_items(self.model), self.aliases)
 
     def export_adapters(self) -> Iterator[tuple[str, Tensor]]:
         """The LoRA adapter tensors alone, by PEFT state-dict name (what `sync.method=lora` moves)."""
@@ -131,6 +135,7 @@ class LocalTrainer:
     def save(self, path: Path, save_optimizer: bool = True) -> None:
         """Merged weights for `from_pretrained`; with LoRA also the adapters alone, which `load` resumes from."""
         save_hf(self.model, self.tokenizer, path)
+        save_rng_state(path, 0)
         if hasattr(self.model, "peft_config"):
             self.model.save_pretrained(path / ADAPTER_DIR)
         if save_optimizer:
@@ -138,6 +143,7 @@ class LocalTrainer:
             write_optimizer_state(path, tensors, self.algo.optimizer, step)
 
     def load(self, path: Path) -> None:
+        load_rng_state(path, 0)
         if hasattr(self.model, "peft_config"):
             # The base stays as built (same seed or directory); the adapters carry all training.
             from peft import set_peft_model_state_dict

@@ -95,6 +95,22 @@ def gather_groups(named: NamedTensors, limit_bytes: int,
         yield group
 
 
+def tied_aliases(model: torch.nn.Module) -> frozenset[str]:
+    """The parameter names that are a second name of a parameter already named (a tied LM head: `lm_head.weight`
+    is `model.embed_tokens.weight`). An export leaves them out, so a tied tensor crosses the wire once; the engine,
+    built with the same ties, holds it under every name (`sync.base.check_mapping` counts a tensor written under
+    any of its names as written). With LoRA (PEFT), the names are the base model's."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    once = {name for name, _ in base.named_parameters()}
+    return frozenset(name.replace(".base_layer.", ".") for name, _ in base.named_parameters(remove_duplicate=False)
+                     if name not in once)
+
+
+def untied(named: NamedTensors, aliases: frozenset[str]) -> Iterator[tuple[str, Tensor]]:
+    """`named` without the names in `aliases` (`tied_aliases`)."""
+    return ((name, tensor) for name, tensor in named if name not in aliases)
+
+
 _registrations = 0
 """Bumped whenever any module anywhere registers a parameter, buffer or submodule (torch's global hooks)."""
 _watching = False

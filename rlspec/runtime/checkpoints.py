@@ -79,9 +79,25 @@ class Checkpoints:
         return done[-1] if done else None
 
     def completed(self) -> list[Path]:
+        """The completed checkpoints, oldest first by step number (`step_1000000` is newer than `step_999999`)."""
         if not self.root.is_dir():
             return []
-        return sorted(p for p in self.root.glob("step_*") if (p / STATE_FILE).is_file())
+        done = [p for p in self.root.glob("step_*") if p.name[5:].isdigit() and (p / STATE_FILE).is_file()]
+        return sorted(done, key=lambda p: int(p.name[5:]))
+
+    def remove_leftovers(self) -> None:
+        """At the start of a run: remove what a crash in the middle of `save` left behind. A staging folder is
+        unfinished work; a replaced checkpoint is dropped once its successor is in place, else put back."""
+        if not self.root.is_dir():
+            return
+        for staging in self.root.glob(".staging_step_*"):
+            shutil.rmtree(staging, ignore_errors=True)
+        for old in self.root.glob(".replaced_step_*"):
+            final = self.root / old.name.removeprefix(".replaced_")
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.rename(final)
 
     def _prune(self) -> None:
         if self.keep_last <= 0:
@@ -116,6 +132,32 @@ def check_resumable(checkpoint: Path, model_spec) -> int:
     except SpecError as err:
         raise SpecError("--resume", f"checkpoint {checkpoint.name}: {err.problem}", fix) from None
     return step
+
+
+def resume_warnings(checkpoint: Path, plan, caps) -> list[str]:
+    """How resuming `checkpoint` under `plan` (on a backend with `caps`) makes the next steps compute other than
+    the uninterrupted run would: optimizer state not saved (`checkpoint.save_optimizer=false`: AdamW starts again
+    from zero moments and step 0), or fp32 master weights the resuming trainer does not keep. Empty when exact."""
+    found = []
+    saved = [checkpoint / OPTIMIZER_DIR / OPTIMIZER_META, checkpoint / "optimizer.pt", checkpoint / "optimizer_dcp"]
+    if plan.spec.algorithm.optimizer != "sgd" and not any(path.exists() for path in saved):
+        found.append(f"checkpoint {checkpoint.name} holds no optimizer state (it was saved with "
+                     "checkpoint.save_optimizer=false): the optimizer starts again from zero moments and step 0, so "
+                     "the resumed steps differ from an uninterrupted run's (keep checkpoint.save_optimizer=true "
+                     "for exact resumes)")
+    tensors = checkpoint / OPTIMIZER_DIR / OPTIMIZER_TENSORS
+    if tensors.is_file() and not caps.keeps_master_weights:
+        from safetensors import safe_open
+
+        with safe_open(str(tensors), framework="pt") as f:
+            masters = sum(1 for key in f.keys() if key.endswith(f".{MASTER_KEY}"))
+        if masters:
+            found.append(f"checkpoint {checkpoint.name} holds fp32 master weights for {masters} parameters, which the "
+                         f"{plan.backend} backend does not keep: it resumes from the {plan.spec.model.dtype} weights "
+                         "and steps them directly, so the resumed steps differ from an uninterrupted run's (resume "
+                         "with a backend that keeps master weights: "
+                         "--backend fsdp or deepspeed)")
+    return found
 
 
 def write_optimizer_state(path: Path, tensors: dict, optimizer: str, step: int) -> None:

@@ -69,7 +69,7 @@ def test_fingerprint_mismatch_fails_the_sync():
 
     weights = _trainer_weights()
     expected = fingerprint(weights.items())
-    expected["model.norm.weight"] = (expected["model.norm.weight"][0] + 1.0, expected["model.norm.weight"][1])
+    expected["model.norm.weight"] = (expected["model.norm.weight"][0] + 1.0, *expected["model.norm.weight"][1:])
     with pytest.raises(SyncError, match="model.norm.weight' differs"):
         _sync(_engine(), weights.items(), expected)
 
