@@ -148,8 +148,9 @@ def check_eval(spec: EvalSpec, task: TaskSpec, keep_best: Optional[str]) -> None
 
 
 def check_eval_cadence(spec: EvalSpec, sync_every: int, steps: int) -> None:
-    """An eval scores the engine's weights: they must be the step's, so an eval falls on a step that syncs."""
-    require(spec.every_n_steps % sync_every == 0, "eval.every_n_steps",
+    """An eval scores the engine's weights: they must be the step's, so an eval falls on a step that syncs (a run
+    too short to reach its first eval is not refused for it)."""
+    require(spec.every_n_steps % sync_every == 0 or spec.every_n_steps > steps, "eval.every_n_steps",
             f"{spec.every_n_steps} is not a multiple of sync.every_n_steps={sync_every}: an eval would score weights "
             "the engines have not received", f"set eval.every_n_steps to a multiple of {sync_every}")
     require(not spec.at_end or steps % sync_every == 0, "eval.at_end",

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import RunError
+from ..runtime.engine_state import EngineState, Pending
 from ..runtime.metrics import PhaseTimer
 from ..spec import RunPlan
 from ..spec.evaluation import eval_due
 from ..tasks import Task
 from .backend import Backend
 from .batch import TrainBatch
-from .engine_state import EngineState, Pending
 from .step import metrics_row, rollout_batch, served_version, update
 
 JOIN_TIMEOUT_S = 60.0
@@ -184,7 +184,7 @@ def async_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, 
     """One metrics row per step, trained from the pool while the rollout loop generates ahead. An eval
     (`evaluator`) after a step's push holds the engine between two of the rollout loop's generations. A resumed
     run starts from the engine's version in `state` and the batches that were `pending` in the pool
-    (`rlspec.core.engine_state`), and keeps `state` current for the next checkpoint."""
+    (`rlspec.runtime.engine_state`), and keeps `state` current for the next checkpoint."""
     spec = plan.spec
     state = state if state is not None else EngineState(version=start_step)
     locked = LockedEngine(engine)

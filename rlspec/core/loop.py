@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from ..runtime.checkpoints import Checkpoints
+from ..runtime.engine_state import EngineState, RunSaver, read_engine_state
 from ..runtime.loggers import Loggers
 from ..runtime.metrics import MetricsLog, PhaseTimer
 from ..runtime.monitor import RunMonitor, StepAbandoned
@@ -23,7 +24,6 @@ from ..spec import RunPlan
 from ..spec.evaluation import eval_due
 from ..tasks import Task
 from .backend import Backend, weight_source_of
-from .engine_state import EngineState, RunSaver, read_engine_state
 from .step import env_rollouts, metrics_row, replica_metrics, rollout_batch, served_version, update
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ def train(plan: RunPlan, backend: Backend, task: Task, transport, out_dir: Path,
         transport = engine.reconnecting(transport, weights)
     checkpoints = Checkpoints(out_dir / "checkpoints", spec.checkpoint.keep_last, spec.checkpoint.save_optimizer)
     checkpoints.remove_leftovers()
-    # A resumed run's engine gets what it held when the checkpoint was written (`rlspec.core.engine_state`).
+    # A resumed run's engine gets what it held when the checkpoint was written (`rlspec.runtime.engine_state`).
     resumed = read_engine_state(checkpoints.latest()) if start_step else None
     state = EngineState(version=start_step, lags=plan.sync_method != "shared")
     if resumed is not None and resumed[1] is not None:  # it lagged the trainer: its own weights back

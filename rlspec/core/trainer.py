@@ -16,11 +16,11 @@ from torch import Tensor
 
 from ..models.factory import apply_lora, copy_weights, load_model, load_tokenizer, read_safetensors_dir, save_hf
 from ..runtime.checkpoints import ADAM_KEYS, read_optimizer_state, write_optimizer_state
+from ..runtime.rng import load_rng_state, save_rng_state, seed_rank
 from ..spec import AlgorithmSpec, ModelSpec
 from .batch import TrainBatch
 from .grpo import LossConfig, LossNorm
 from .policy import CompiledBlocks, accumulate, batch_logprobs
-from .rng import load_rng_state, save_rng_state, seed_rank
 from .shards import sharded_grad_norm_and_clip
 from .weights import state_items, tied_aliases, untied
 
@@ -77,7 +77,7 @@ class LocalTrainer:
                  model: torch.nn.Module | None = None) -> None:
         self.device = torch.device(device)
         self.algo = algo
-        seed_rank(algo.seed, 0)  # LoRA dropout draws from here (`rlspec.core.rng`)
+        seed_rank(algo.seed, 0)  # LoRA dropout draws from here (`rlspec.runtime.rng`)
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens
         self.loss_cfg = LossConfig.from_algorithm(algo)

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from ..errors import RunError
-from .batch import TrainBatch
+from ..core.batch import TrainBatch
 
 ENGINE_DIR = "engine"
 ENGINE_FORMAT = 1

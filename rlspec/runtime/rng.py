@@ -29,7 +29,7 @@ def save_rng_state(checkpoint: Path, rank: int) -> None:
     if torch.cuda.is_initialized():
         states.update({f"cuda_{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())})
     folder = Path(checkpoint) / RNG_DIR
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)  # a rank may get here before rank 0 has made the checkpoint's folder
     save_file(states, str(folder / f"rank_{rank:05d}.safetensors"))
 
 
