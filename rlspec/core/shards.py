@@ -9,7 +9,7 @@ tensors) and the norm and clip about 9 ms, both with the GPU idle.
 Only parameters sharded on every mesh dimension qualify (FSDP2's `Shard(0)` on a 1-D mesh): a replicated
 one would be counted once per rank in the norm. Anything else takes the DTensor path (`local_shards` is None).
 
-The full weights of such a model for a push are gathered the same way, one flat all-gather per bucket of
+The full weights of such a model for a push are gathered the same way on CUDA, one flat all-gather per group of
 local shards (`gather_flat`), not one DTensor `full_tensor()` per tensor.
 """
 
@@ -131,6 +131,7 @@ def gather_flat(pending: list[tuple[str, Tensor]], dtype: torch.dtype,
     by 8.0 MiB flat against 5.5 MiB per tensor, `tests/backends/fsdp/test_fsdp.py`).
     """
     import math
+    from itertools import accumulate
 
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
@@ -139,13 +140,14 @@ def gather_flat(pending: list[tuple[str, Tensor]], dtype: torch.dtype,
     mesh = sharded[0].device_mesh if sharded else None
     if flat is None:
         flat = bool(sharded) and sharded[0].device.type == "cuda"
-    if not flat or len(sharded) < 2 or mesh.ndim != 1 or any(t.device_mesh != mesh or tuple(t.placements) != (Shard(0),)
-                                                 for t in sharded):
+    one_mesh = bool(sharded) and mesh.ndim == 1 and all(t.device_mesh == mesh and tuple(t.placements) == (Shard(0),)
+                                                       for t in sharded)
+    if not flat or len(sharded) < 2 or not one_mesh:
         return [(name, t.to(dtype).full_tensor() if isinstance(t, DTensor) else t.to(dtype)) for name, t in pending]
     world = mesh.size()
     rows = [-(-t.shape[0] // world) if isinstance(t, DTensor) else 0 for _, t in pending]
     sizes = [r * math.prod(t.shape[1:]) for r, (_, t) in zip(rows, pending)]
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    offsets = list(accumulate([0, *sizes[:-1]]))
     local = torch.zeros(sum(sizes), dtype=dtype, device=sharded[0].to_local().device)
     for (_, t), offset in zip(pending, offsets):
         if isinstance(t, DTensor):
