@@ -285,6 +285,7 @@ def _kill(server: subprocess.Popen) -> None:
     server.wait()
 
 
+@pytest.mark.slow  # a server killed mid-run (started by the run) and a joined server outliving its trainer run in CI
 def test_a_joined_server_killed_and_restarted_mid_run_is_waited_for_and_the_run_learns_as_before(colocated, tmp_path):
     from rlspec.serve import TOKEN_ENV
     from rlspec.serve.process import free_port

@@ -202,6 +202,8 @@ def test_sigterm_to_the_whole_tree_checkpoints_and_resume_finishes(tmp_path):
     preempt_whole_tree("fsdp", tmp_path / "preempted", signal.SIGTERM)
 
 
+@pytest.mark.slow  # VLA on fsdp runs in CI in the conformance suite, a step's samples split over two engines in
+# tests/backends/test_remote_engines.py
 def test_vla_episodes_in_two_engines_equal_standalone(tmp_path):
     """`model.kind: vla` on 2 ranks with the episodes split over 2 engine actors: the same episodes, losses and
     success rates as the standalone backend's in-process run from the same seed."""
