@@ -540,7 +540,8 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
       # before training and every EVERY steps (default 10) of STEPS (default 20). Prints the rollout's samples/s (the
       # training rows' P x 8 / timing_s/gen, the steps after the first), the eval's (EVAL_PROMPTS x K /
       # timing_s/eval, the evals after the first) and their ratio, and the evals' share of the run's time
-      # (sum timing_s/eval / (sum timing_s/step + sum timing_s/eval)). The eval data: EVAL_PROMPTS copy_char prompts in
+      # (sum timing_s/eval / (sum timing_s/step + sum timing_s/eval)), and the steady state's share (the median eval after
+      # the first against EVERY median steps; K=1 is the spec's default: greedy, one sample). The eval data: EVAL_PROMPTS copy_char prompts in
       # a file (eval.data_path, columns prompt and letter), scored by copy_char's reward as training is.
       P=${P:-64}; EP=${EVAL_PROMPTS:-512}; K=${K:-4}
       python3 -c "import json, random; r = random.Random(0)
@@ -553,7 +554,9 @@ open('$SCRATCH/eval_letters.jsonl', 'w').writelines(json.dumps({'prompt': c + '=
 train = [r for r in rows if r['step'] >= 1 and 'timing_s/gen' in r]; evals = [r for r in rows if 'timing_s/eval' in r]
 gen = $P * 8 * len(train) / sum(r['timing_s/gen'] for r in train); ev = $EP * $K * (len(evals) - 1) / sum(r['timing_s/eval'] for r in evals[1:])
 step = sum(r['timing_s/step'] for r in rows if 'timing_s/step' in r); spent = sum(r['timing_s/eval'] for r in evals)
-print(f'rollout {gen:.0f} samples/s, eval {ev:.0f} samples/s, ratio {ev / gen:.2f}; evals {spent:.1f} s of {step + spent:.1f} s = {spent / (step + spent):.1%}')
+import statistics as st; one = st.median(r['timing_s/eval'] for r in evals[1:]); med = st.median(r['timing_s/step'] for r in train)
+print(f'rollout {gen:.0f} samples/s, eval {ev:.0f} samples/s, ratio {ev / gen:.2f}; evals {spent:.1f} s of {step + spent:.1f} s = {spent / (step + spent):.1%} (the first eval, before training, includes its batch shape\'s graph captures: {evals[0][\"timing_s/eval\"]:.1f} s)')
+print(f'steady state: an eval {one:.2f} s every ${EVERY:-10} steps of {med:.3f} s (median) = {one / (one + ${EVERY:-10} * med):.1%} of the wall time')
 print('eval/mean@$K by step:', [(r['step'], round(r['eval/mean@$K'], 4)) for r in evals])" >> $OUT/results.txt 2>&1
       tail -6 $OUT/eval.log >> $OUT/results.txt ;;
     offload)  # issue 47: rollout.free_during_train, deepspeed colocated on one GPU (its engine a Ray actor of its own
