@@ -208,6 +208,36 @@ def test_a_client_that_leaves_a_long_lane_stream_frees_its_row(server):
         assert scheduler.stats["rows_cancelled"] == cancelled + 1, scheduler.stats
 
 
+def test_rows_waiting_for_the_long_lane_count_against_the_queues_bound(server):
+    from rlspec.serve.pool import RowSampling
+    from rlspec.serve.scheduler import LONG_SLOTS, QueueFull, Submission
+
+    _, host = server
+    scheduler = host.thread
+    cancelled = scheduler.stats["rows_cancelled"]
+
+    def long(rows: int) -> Submission:
+        return Submission([[5, 6, 7]] * rows, [RowSampling(i, scheduler.context - 3, greedy=True) for i in range(rows)])
+
+    scheduler.max_queued_rows = 1
+    subs = [scheduler.submit_rows(long(LONG_SLOTS))]  # nothing waits: accepted, and it fills the lane
+    try:
+        deadline = time.monotonic() + 20
+        while scheduler.describe()["long_rows_in_flight"] < LONG_SLOTS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        subs.append(scheduler.submit_rows(long(1)))  # waits for a slot of the full lane: counted
+        assert scheduler.describe()["rows_queued"] == 1
+        with pytest.raises(QueueFull, match="--max-queued-rows"):
+            scheduler.submit_rows(long(1))
+    finally:
+        scheduler.max_queued_rows = 8192
+        for sub in subs:
+            sub.cancel()
+    assert all(sub.done.wait(20) for sub in subs)
+    assert scheduler.stats["rows_cancelled"] == cancelled + LONG_SLOTS + 1
+    assert scheduler.describe()["rows_queued"] == 0
+
+
 def test_a_client_that_gives_up_on_a_request_that_runs_alone_stops_it(server):
     """A model the slot pool cannot run samples each request alone, as an engine job: a client gone (here: its
     timeout) stops the job at its next token, and its rows are counted as cancelled."""
