@@ -102,9 +102,11 @@ class ServingPool:
                "valid", "done", "out_tokens", "out_logps", "out_top_ids", "out_top_logps")
 
     def __init__(self, sampler: GraphSampler, max_tokens_per_row: int, max_slots: int, eos: int,
-                 check_every: int | None = None, floor: int = SHRINK_FLOOR, prefills: Prefills | None = None) -> None:
+                 check_every: int | None = None, floor: int = SHRINK_FLOOR,
+                 prefills: Prefills | None = None) -> None:
         """`prefills`: another pool's, whose prompts this one admits too (the server's long lane: its prompts are no
-        longer than the pool's); that pool then refreshes them (`refresh_weights`)."""
+        longer than the pool's); that pool then refreshes them and the fused weights (`refresh_weights`, called on
+        it first)."""
         self.sampler = sampler
         self.decoder = sampler.decoder
         self.device = sampler.device
@@ -154,7 +156,7 @@ class ServingPool:
 
     def refresh_weights(self) -> None:
         """After the module's weights changed (a push): the fused copies refreshed, cached prefills dropped."""
-        if self.sampler.fuse:
+        if self.sampler.fuse and self._own_prefills:
             self.decoder.fuse_weights()  # into the same buffers once they exist
         if self._own_prefills:
             self.prefills.cache.clear()

@@ -155,9 +155,12 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
         raise SpecError("--shutdown-timeout-s", f"must be a number of seconds >= 0, got {shutdown_timeout_s}",
                         f"e.g. --shutdown-timeout-s {SHUTDOWN_TIMEOUT_S:g} (what requests in flight get to finish "
                         "when the server stops)")
-    if max_model_len is not None and max_model_len < 1:
-        raise SpecError("--max-model-len", f"must be at least 1, got {max_model_len}",
-                        "e.g. --max-model-len 4096, or leave it out (the model's context)")
+    if max_model_len is not None:
+        context = _model_context(plan.spec.model)
+        if max_model_len < 1 or (context is not None and max_model_len > context):
+            raise SpecError("--max-model-len", f"must be 1 to the model's context ({context}), got {max_model_len}",
+                            f"e.g. --max-model-len {min(4096, context or 4096)}, or leave it out (the model's "
+                            "context)")
     if max_queued_rows is not None and max_queued_rows < 1:
         raise SpecError("--max-queued-rows", f"must be at least 1, got {max_queued_rows}",
                         "e.g. --max-queued-rows 8192 (rows waiting for a decode slot before requests get 429)")
@@ -240,6 +243,26 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
         os._exit(code)
     if gone:
         raise RunError(gone[0])
+
+
+def _model_context(model) -> int | None:
+    """The positions the spec's model was built for (its config's `max_position_embeddings`), read without loading
+    it; None where the config does not say (the engine then checks `--max-model-len` once built)."""
+    try:
+        if model.kind == "vla":
+            return None
+        if model.path is None:
+            from ..models.factory import preset_config
+
+            config = preset_config(model.preset)
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model.path)
+    except Exception:  # noqa: BLE001 - a model the engine's own build then reports
+        return None
+    context = getattr(config, "max_position_embeddings", None)
+    return context if isinstance(context, int) else None
 
 
 def _exit_on_sigterm(signum, _frame) -> None:

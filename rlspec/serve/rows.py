@@ -13,6 +13,7 @@ from .pool import RowSampling
 RETRY_AFTER_S = 1
 """What a refused request is told to wait before it retries."""
 
+
 class QueueFull(Exception):
     """More rows wait for a slot than the server's bound (`rlspec serve --max-queued-rows`)."""
 

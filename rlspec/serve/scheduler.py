@@ -134,9 +134,11 @@ class Scheduler(RowQueue):
         self.stats = {"steps": 0, "rows_admitted": 0, "long_rows_admitted": 0, "rows_cancelled": 0, "refused": 0,
                       "max_rows_in_flight": 0,
                       "admits": 0, "admit_s": 0.0, "decode_s": 0.0, "slow_decodes": 0}
-        """Counters since start (`rows_cancelled`: of rows in the decode batch and of jobs' requests); `admit_s`, `decode_s`: the engine thread's seconds in admissions (`admits` of them:
-        prefill, pool resize, copies into slots) and in decode runs (`steps` of them, each up to `check_every`
-        decode steps and the read of their tokens), host clock; `slow_decodes`: decode runs over `SLOW_DECODE_S`.
+        """Counters since start (`rows_cancelled`: rows of the decode batch and of jobs' requests; `long_rows_admitted`:
+        rows started in the long lane); `admit_s`, `decode_s`: the engine thread's seconds in admissions (`admits` of
+        them: prefill, pool resize, copies into slots) and in decode runs (`steps` of them, each up to `check_every`
+        decode steps of one lane and the read of their tokens), host clock; `slow_decodes`: decode runs over
+        `SLOW_DECODE_S`.
         `describe` adds `gc_s` (this process's seconds in Python's garbage collector since the scheduler started, any
         thread) and the pool's `captures` and `capture_s` (decode steps and packed prefills captured as CUDA graphs,
         within the decode runs' and admissions' time)."""
@@ -224,7 +226,8 @@ class Scheduler(RowQueue):
     def describe(self) -> dict:
         captures, capture_s = self._captures()
         return {"batching": "continuous" if self.pool_reason is None else f"one request at a time ({self.pool_reason})",
-                "rows_in_flight": self._live(), "long_rows_in_flight": len(self.long_pool.live) if self.long_pool else 0,
+                "rows_in_flight": self._live(),
+                "long_rows_in_flight": len(self.long_pool.live) if self.long_pool else 0,
                 "rows_queued": self.queued_rows, "max_queued_rows": self.max_queued_rows,
                 "row_limit": self.row_limit if self.pool_reason is None else None, **self.stats,
                 "gc_s": round(_gc_clock() - self._gc_at_start, 4), "captures": captures,

@@ -57,7 +57,7 @@ def test_completions_return_the_engines_tokens_and_logprobs(served):
     ({"prompt": "a", "best_of": 2}, "best_of"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "n": "many"}, "n"),
-    ({"prompt": "a", "max_tokens": 600}, "max_tokens"),  # past the pool's rows and the model's context
+    ({"prompt": "a", "max_tokens": 600}, "max_tokens"),  # past the model's context (512)
     ({"prompt": "a", "logprobs": True}, "logprobs"),  # chat's boolean: not a count
     ({"prompt": [True, False]}, "prompt"),  # not token ids
 ])
@@ -95,6 +95,12 @@ def test_a_prompt_plus_max_tokens_past_the_context_or_max_model_len_is_refused_n
             error["message"]
     with pytest.raises(SpecError, match="--max-model-len"):
         EngineHost(engine, "tiny_qwen2", max_model_len=context + 1)
+    from rlspec.plan import build_plan
+    from rlspec.serve.process import serve
+
+    plan, _ = build_plan("examples/tiny.yaml", [], None)
+    with pytest.raises(SpecError, match=r"must be 1 to the model's context \(512\), got 513"):
+        serve(plan, "127.0.0.1", 1, max_model_len=513)  # before the port is bound or anything is written
     queue = RowQueue()  # neither a context nor --max-model-len known: the pool's rows are the limit
     queue.pool_reason, queue.row_budget, queue.context, queue.max_model_len = None, 384, None, None
     assert queue.token_limit()[0] == 384 and queue.token_limit()[2] == "rollout.max_new_tokens"

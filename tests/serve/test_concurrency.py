@@ -249,7 +249,8 @@ def test_a_client_that_gives_up_on_a_request_that_runs_alone_stops_it(server):
 
     url, host = server
     calls = itertools.count()  # the engine's plain loop asks `stop` before each next token
-    cut = host.engine.generate([[5, 6, 7]], 1, seed=0, options=SampleOptions(greedy=True), stop=lambda: next(calls) >= 2)
+    cut = host.engine.generate([[5, 6, 7]], 1, seed=0, options=SampleOptions(greedy=True),
+                               stop=lambda: next(calls) >= 2)
     assert len(cut.completion_ids[0]) == 3 < host.engine.spec.max_new_tokens
     scheduler = host.thread
     cancelled = scheduler.stats["rows_cancelled"]
@@ -282,7 +283,8 @@ def flood_past_the_bound(url: str, body: dict, count: int) -> None:
     accepted = [r for r in responses if r.status_code == 200]
     assert len(refused) + len(accepted) == len(responses), {r.status_code for r in responses}
     assert refused and accepted, (len(refused), len(accepted))
-    assert all(r.headers["retry-after"] == "1" and "--max-queued-rows" in r.text for r in refused)
+    assert all(r.headers["retry-after"] == "1" and "--max-queued-rows" in r.json()["error"]["message"]
+               and r.json()["error"]["code"] == "rate_limit_exceeded" for r in refused)  # OpenAI's error object
     for r in accepted:  # nothing accepted is lost: every row answered in full
         choices = r.json()["choices"]
         assert len(choices) == 4 and all(c["token_ids"] and len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"])
