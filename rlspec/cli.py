@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the spec's rollout engine as an HTTP server (OpenAI-compatible completions)",
                            usage="rlspec serve SPEC [key=value ...] [--host H [--allow-remote]] [--port P] [--backend B] "
-                                 "[--max-queued-rows N] [--engine-process off] [--warm-pool] [--shutdown-timeout-s S]")
+                                 "[--max-queued-rows N] [--max-model-len N] [--engine-process off] [--warm-pool] "
+                                 "[--shutdown-timeout-s S]")
     serve.add_argument("spec")
     serve.add_argument("--backend")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -57,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-rows", type=int,
                        help="rows (a request's prompts x n) that may wait for a decode slot; a request past it gets 429 "
                             "with Retry-After (default 8192)")
+    serve.add_argument("--max-model-len", type=int,
+                       help="the most tokens a request's prompt plus max_tokens may reach; past it a request gets 400 "
+                            "(default: the model's context). Rows longer than the spec's rollout.max_prompt_tokens + "
+                            "rollout.max_new_tokens decode in a lane of 4 rows this long, beside the others")
     serve.add_argument("--engine-process", default="on", choices=("off", "on"),
                        help="on (default): the engine in a process of its own, beside the HTTP side (more requests/s "
                             "and a shorter TTFT at 64 and 256 streams on a GPU; docs/serving_concurrency.md); off: on "
@@ -146,7 +151,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         plan, _ = build_plan(args.spec, args.overrides, args.backend)
         serve(plan, args.host, args.port, args.parent_pid, args.allow_remote, args.engine_index, args.max_queued_rows,
-              args.engine_process, args.warm_pool, args.shutdown_timeout_s)
+              args.engine_process, args.warm_pool, args.shutdown_timeout_s, args.max_model_len)
         return EXIT_OK
     if args.command == "bench":
         from pathlib import Path

@@ -110,8 +110,8 @@ def test_cli_surface_is_frozen():
     assert flags == {
         "run": ["--backend", "--multirun", "--no-progress", "--out", "--resume", "-m"],
         "plan": ["--backend"],
-        "serve": ["--allow-remote", "--backend", "--engine-index", "--engine-process", "--host", "--max-queued-rows",
-                  "--parent-pid", "--port", "--shutdown-timeout-s", "--warm-pool"],
+        "serve": ["--allow-remote", "--backend", "--engine-index", "--engine-process", "--host", "--max-model-len",
+                  "--max-queued-rows", "--parent-pid", "--port", "--shutdown-timeout-s", "--warm-pool"],
         "bench": ["--backends", "--multirun", "--out", "--reference", "--warmup-steps", "-m"],
         "conformance": ["--backends", "--dump", "--json"],
         "eval": ["--backend", "--checkpoint", "--checkpoints", "--model", "--out"],

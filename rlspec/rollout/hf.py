@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -83,8 +83,10 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[str] | list[list[int]], n: int, seed: int,
-                 options: SampleOptions | None = None, first_sample: int = 0) -> Rollout:
-        """`n` completions per prompt; `options` (greedy, top log-probs) take the plain loop.
+                 options: SampleOptions | None = None, first_sample: int = 0,
+                 stop: Callable[[], bool] | None = None) -> Rollout:
+        """`n` completions per prompt; `options` (greedy, top log-probs) take the plain loop. `stop`: asked before
+        each token of the plain loop; true ends the rollout there (a server's request whose client went away).
 
         Sample i of this call draws its noise as sample `first_sample + i` of `seed` (`rlspec.rollout.noise`): a
         step split over several engines sends each part with the index of its first sample, so every sample is
@@ -98,7 +100,7 @@ class HFEngine:
         try:
             sampler = None if options.top_logprobs else self._fast_sampler()
             if sampler is None:
-                tokens, logps, top = self._sample(input_ids, attention_mask, seed, options, first_sample)
+                tokens, logps, top = self._sample(input_ids, attention_mask, seed, options, first_sample, stop)
             else:
                 slots = self.spec.decode_slots if self.spec.continuous_batching else None
                 temperature = 0.0 if options.greedy else self.spec.temperature  # the sampler's greedy decoding
@@ -150,7 +152,8 @@ class HFEngine:
         return self._graph_sampler
 
     def _sample(self, input_ids: Tensor, attention_mask: Tensor, seed: int, options: SampleOptions,
-                first_sample: int = 0) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+                first_sample: int = 0, stop: Callable[[], bool] | None = None
+                ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
         """[B, T] sampled tokens and their log-probs, and with `options.top_logprobs` the [B, T, k] ids and
         log-probs of the k most likely tokens; rows that ended carry the end token onward (cut later).
         Row i's noise is keyed by (seed, first_sample + i, position), as in the CUDA-graph sampler."""
@@ -175,7 +178,7 @@ class HFEngine:
                 top_logps.append(best.values)
                 top_ids.append(best.indices)
             done |= token == eos
-            if bool(done.all()):
+            if bool(done.all()) or (stop is not None and stop()):
                 break
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
             logits = self.model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_position,

@@ -59,7 +59,7 @@ class EngineHost:
     bridge jobs between decode steps; `scheduler.py`), plus the weight version it serves."""
 
     def __init__(self, engine, model_name: str, max_queued_rows: int = MAX_QUEUED_ROWS,
-                 owns_weights: bool = False) -> None:
+                 owns_weights: bool = False, max_model_len: int | None = None) -> None:
         fault = os.environ.get(FAULT_ENV, "")
         self.skip = fault.removeprefix("skip:") if fault.startswith("skip:") else None
         self.engine = engine
@@ -68,7 +68,8 @@ class EngineHost:
         """Changed only on the engine thread, by jobs, which run with no row in flight: a completion reports the
         version all of its tokens were sampled with."""
         self.thread = Scheduler(engine, self, max_queued_rows, on_submitted_error=self._weights_unknown,
-                                on_submitted_start=self._weights_unknown, owns_weights=owns_weights)
+                                on_submitted_start=self._weights_unknown, owns_weights=owns_weights,
+                                max_model_len=max_model_len)
         self.started = time.time()
 
     def _weights_unknown(self, _err: BaseException | None = None) -> None:
@@ -111,11 +112,12 @@ class EngineHost:
     async def bridge(self, body: bytes) -> tuple[int, str, bytes]:
         return await bridge_call(self, body)
 
-    async def generate_alone(self, *args):
-        """A request the decode batch cannot take, sampled alone on the engine thread (`openai_api.generate_alone`)."""
+    async def generate_alone(self, *args, abort=None):
+        """A request the decode batch cannot take, sampled alone on the engine thread (`openai_api.generate_alone`;
+        `abort`: its client went away)."""
         from .openai_api import generate_alone
 
-        return await self.thread.run_async(generate_alone, self, *args, beside=self.thread.outside)
+        return await self.thread.run_async(generate_alone, self, *args, abort, beside=self.thread.outside)
 
 
 def _json(value: dict, status_code: int = 200) -> tuple[int, str, bytes]:

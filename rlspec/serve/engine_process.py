@@ -8,6 +8,7 @@ pipe; measured with the packed prefill (docs/serving_concurrency.md), this led a
     HTTP process (the port, every route)            engine process (the engine, `Scheduler`, `EngineHost`)
       a request's rows  ---- ("rows", id, ...) --->   queued, admitted, decoded in the one batch
       a client gone     ---- ("cancel", id) ----->    its rows leave at the next step
+                        ---- ("abort", call id) -->   a request that runs alone stops at its next token
       bridge, label,    ---- ("call", id, ...) --->   run on the engine thread as in one process
       state (/health)   <--- ("reply", id, ...) ---
       streams, replies  <--- ("deltas", [...]) ----   every row's new tokens of one decode run, one message
@@ -43,7 +44,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from ..errors import RunError, SpecError
-from .scheduler import RowQueue, Submission
+from .rows import Abort, RowQueue, Submission
 
 STATE_TIMEOUT_S = 30.0
 """How long a state query (`/health`, the weight version) waits for the engine process's answer."""
@@ -150,6 +151,8 @@ class EngineCore:
         self.decode = decoder(host.engine.tokenizer)
         self.subs: dict[int, _Forwarded] = {}
         """Requests in flight, by the HTTP process's id (a cancel names one)."""
+        self.aborts: dict[int, Abort] = {}
+        """Requests that run alone (`generate` calls) in flight, by call id (an abort names one)."""
         self._touched: dict[int, _Forwarded] = {}
         self._lock = threading.Lock()
         self.writer = PipeWriter(conn, "rlspec-engine-pipe-writer")
@@ -209,6 +212,10 @@ class EngineCore:
             sub = self.subs.get(message[1])
             if sub is not None:
                 sub.cancel()
+        elif kind == "abort":
+            abort = self.aborts.get(message[1])
+            if abort is not None:
+                abort.set()
         elif kind == "call":
             _, cid, what, args = message
             if what == "bridge":
@@ -216,9 +223,9 @@ class EngineCore:
             if what == "state":
                 self._reply(cid, lambda: self.host.state())
             else:
-                threading.Thread(target=self._reply, args=(cid, self._call(what, args)), daemon=True).start()
+                threading.Thread(target=self._reply, args=(cid, self._call(cid, what, args)), daemon=True).start()
 
-    def _call(self, what: str, args: tuple) -> Callable[[], Any]:
+    def _call(self, cid: int, what: str, args: tuple) -> Callable[[], Any]:
         from .app import bridge_call
         from .openai_api import generate_alone
 
@@ -228,7 +235,15 @@ class EngineCore:
         if what == "label":
             return lambda: asyncio.run(host.label(*args))
         if what == "generate":
-            return lambda: asyncio.run(host.thread.run_async(generate_alone, host, *args))
+            abort = self.aborts[cid] = Abort()
+
+            def generate():
+                try:
+                    return asyncio.run(host.thread.run_async(generate_alone, host, *args, abort))
+                finally:
+                    self.aborts.pop(cid, None)
+
+            return generate
         raise ValueError(f"unknown engine call {what!r}")
 
     def _reply(self, cid: int, fn: Callable[[], Any]) -> None:
@@ -249,7 +264,7 @@ def settle_heap() -> None:
 
 
 def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str, switch_interval: float,
-                warm_pool: bool = False) -> None:
+                warm_pool: bool = False, max_model_len: int | None = None) -> None:
     """The engine process: `build(plan, engine_index)` the engine (`process.build_engine`), answer `ready` (or
     `failed`), then serve the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -263,10 +278,11 @@ def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str,
             torch.set_num_threads(plan.spec.hardware.num_threads)
         engine = build(plan, engine_index)
         # the HTTP process keeps the bound; only the bridge's jobs write this engine's weights
-        host = EngineHost(engine, model_name, max_queued_rows=sys.maxsize, owns_weights=True)
+        host = EngineHost(engine, model_name, max_queued_rows=sys.maxsize, owns_weights=True,
+                          max_model_len=max_model_len)
         sampler = getattr(engine, "sampler_kind", None)
         info = {"pool_reason": host.thread.pool_reason, "row_budget": host.thread.row_budget,
-                "context": host.thread.context,
+                "context": host.thread.context, "max_model_len": max_model_len,
                 "sampler": sampler() if sampler else None, "pid": os.getpid(),
                 "warmed": host.thread.warm_pool() if warm_pool else None}
     except BaseException as err:  # noqa: BLE001 - the HTTP process raises it (a SpecError stays exit 2)
@@ -301,6 +317,7 @@ class RemoteScheduler(RowQueue):
         self.pool_reason = info["pool_reason"]
         self.row_budget = info["row_budget"]
         self.context = info["context"]
+        self.max_model_len = info["max_model_len"]
         self.max_queued_rows = max_queued_rows
         self.queued_rows = 0
         self.stats = {"refused": 0}
@@ -363,11 +380,12 @@ class EngineProcess:
     """The HTTP process's handle on the engine process: start, send, calls with replies, the reader thread."""
 
     def __init__(self, build: Callable, plan, engine_index: int, model_name: str, switch_interval: float,
-                 on_exit: Callable[[str], None], warm_pool: bool = False) -> None:
+                 on_exit: Callable[[str], None], warm_pool: bool = False, max_model_len: int | None = None) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.proc = context.Process(target=engine_main, name="rlspec-engine",
-                                    args=(child, build, plan, engine_index, model_name, switch_interval, warm_pool))
+                                    args=(child, build, plan, engine_index, model_name, switch_interval, warm_pool,
+                                          max_model_len))
         self.proc.start()
         child.close()
         self.on_exit = on_exit
@@ -393,6 +411,7 @@ class EngineProcess:
     def call(self, what: str, *args, body: bytes | None = None) -> Future:
         cid = next(self._ids)
         self._calls[cid] = future = Future()
+        future.call_id = cid  # what an `abort` names
         self.send(("call", cid, what, args), body)
         return future
 
@@ -465,13 +484,15 @@ class RemoteHost:
     """`EngineHost`'s face (`app.build_app`, `OpenAIRoutes`) over an engine in a process of its own."""
 
     def __init__(self, build: Callable, plan, engine_index: int, model_name: str, max_queued_rows: int,
-                 switch_interval: float, on_exit: Callable[[str], None], warm_pool: bool = False) -> None:
+                 switch_interval: float, on_exit: Callable[[str], None], warm_pool: bool = False,
+                 max_model_len: int | None = None) -> None:
         """`build(plan, engine_index)`: the engine, in the engine process (`process.build_engine`); `on_exit(why)`:
         called (from a thread of this process) when the engine process has died."""
         from ..models.factory import load_tokenizer
 
         self.model_name = model_name
-        self.process = EngineProcess(build, plan, engine_index, model_name, switch_interval, on_exit, warm_pool)
+        self.process = EngineProcess(build, plan, engine_index, model_name, switch_interval, on_exit, warm_pool,
+                                     max_model_len)
         info = self.process.info
         self.warmed = info["warmed"]
         self.engine = _EngineView(load_tokenizer(plan.spec.model), plan.spec.rollout, info["sampler"])
@@ -493,8 +514,11 @@ class RemoteHost:
     async def bridge(self, body: bytes) -> tuple[int, str, bytes]:
         return await self.process.call_async("bridge", body=body)
 
-    async def generate_alone(self, *args):
-        return await self.process.call_async("generate", *args)
+    async def generate_alone(self, *args, abort: Abort | None = None):
+        future = self.process.call("generate", *args)
+        if abort is not None:
+            abort.on_set(lambda: self.process.send(("abort", future.call_id)))
+        return await asyncio.wrap_future(future)
 
     def stop(self) -> None:
         self.process.stop()

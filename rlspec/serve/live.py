@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from .chat import cut_at_stop, decoder
-from .scheduler import Submission
+from .rows import Submission
 
 
 @dataclass

@@ -11,15 +11,17 @@ What the fields mean here:
 - `logprobs: k` (completions) / `logprobs: true, top_logprobs: k` (chat, k <= 20): the chosen tokens' log-probs
   and the k most likely tokens of the same distribution at each step; tokens as OpenAI names them (their text,
   their bytes, completions' `text_offset`: `shapes.TokenText`).
-- `max_tokens`: a prompt plus it past the server's limit (the pool's rows, `rollout.max_prompt_tokens +
-  rollout.max_new_tokens` rounded up, or the model's context) is refused with a 400 naming both numbers.
+- `max_tokens`: a prompt plus it past the model's context (or the server's `--max-model-len`) is refused with a 400
+  naming both numbers. Rows longer than the pool's (`rollout.max_prompt_tokens + rollout.max_new_tokens`, rounded
+  up) decode in the scheduler's long lane, beside the others (`scheduler.py`).
 - `stop` (a string or a list): a choice ends at the first token after which its text contains a stop string; the
   text ends before the stop string (as OpenAI's), `token_ids` keep the token that completed it, and
   `finish_reason` is "stop" (also when the model sampled its end-of-sequence token; "length" otherwise).
 - `stream: true`: server-sent events in OpenAI's chunk format, ending with `data: [DONE]`: each choice's text as
   the decode batch samples it (`live.py`; their texts join to the text the same request returns unstreamed; a
   choice's finishing chunk carries the `weight_version`); `stream_options.include_usage` adds the usage chunk.
-  A request that runs alone (`scheduler.py`) streams its chunks after sampling, one per token.
+  A request that runs alone (`scheduler.py`: a model the slot pool cannot run) streams its chunks after sampling,
+  one per token; its client going away stops it at the next token, streamed or not.
 - `tools` (chat): a Qwen/Hermes-style `<tool_call>{"name": ..., "arguments": ...}</tool_call>` in the sampled text
   naming a given tool becomes a `tool_calls` entry (finish_reason "tool_calls"); other `<tool_call>` text stays
   in the content and is counted in the choice's `malformed_tool_calls` (and in `/v1/rlspec/counters`).
@@ -39,6 +41,7 @@ log-probs included (the slot pool's `full` step); `stop` and streaming do not ch
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -60,7 +63,7 @@ from ..spec import SpecError
 from .chat import ChatError, TemplateError, decoder, normalize_messages, parse_tool_calls, render, token_pieces
 from .live import Choice, live_events
 from .live import Planned as _Planned
-from .scheduler import QueueFull, Submission
+from .rows import Abort, QueueFull, Submission
 from .shapes import token_text
 
 MAX_PROMPTS = 4096
@@ -291,13 +294,45 @@ class Reply:
             yield chunk("", None, c.finish_reason)
 
 
-def generate_alone(host, prompts: list, n: int, seed: int, changes: dict, options: SampleOptions, first_sample: int):
+def generate_alone(host, prompts: list, n: int, seed: int, changes: dict, options: SampleOptions, first_sample: int,
+                   abort: Abort | None = None):
     """(weight version, rollout) of a request the decode batch cannot take (`OpenAIRoutes._job`), sampled alone by
-    `host`'s engine with its rollout settings `changes`; runs on the engine thread."""
+    `host`'s engine with its rollout settings `changes`; runs on the engine thread. `abort` set (its client went
+    away): not started, or stopped at the next token (an in-process engine's), its rows counted as cancelled."""
     engine = host.engine
-    numbered = {"first_sample": first_sample} if first_sample else {}  # only engines that number samples take it
-    return host.weight_version, engine.with_spec(dataclasses.replace(engine.spec, **changes)).generate(
-        prompts, n, seed=seed, options=options, **numbered)
+    rows = len(prompts) * n
+    if abort is not None and abort.is_set():
+        host.thread.stats["rows_cancelled"] += rows
+        return host.weight_version, None
+    extra = {"first_sample": first_sample} if first_sample else {}  # only engines that number samples take it
+    if abort is not None and not host.thread.outside:
+        extra["stop"] = abort.is_set
+    rollout = engine.with_spec(dataclasses.replace(engine.spec, **changes)).generate(
+        prompts, n, seed=seed, options=options, **extra)
+    if abort is not None and abort.is_set():
+        host.thread.stats["rows_cancelled"] += rows
+    return host.weight_version, rollout
+
+
+async def _until_done_or_gone(job: asyncio.Future, receive) -> bool:
+    """Wait for `job` while listening to the request's ASGI `receive` (its body already read): True when the job
+    ended, False when the client went away first."""
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([job, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    return job.done()
+
+
+def _discard(job: asyncio.Future) -> None:
+    """Read a given-up job's outcome (an error of a stopped job is nobody's)."""
+    if not job.cancelled():
+        job.exception()
 
 
 class OpenAIRoutes:
@@ -344,7 +379,7 @@ class OpenAIRoutes:
     def _fit(self, encoded: list[list[int]], max_tokens: int, given: bool) -> int:
         """`max_tokens`, checked against the server's limit on a row's prompt plus its tokens
         (`RowQueue.token_limit`): 400 naming max_tokens past it; a default (not `given`) cut to fit."""
-        limit, why, spec_key = self.host.thread.token_limit()
+        limit, why, setting = self.host.thread.token_limit()
         longest = max(len(ids) for ids in encoded)
         if limit is None:
             return max_tokens
@@ -352,8 +387,9 @@ class OpenAIRoutes:
             max_tokens = max(1, min(max_tokens, limit - longest))
         if longest + max_tokens > limit:
             room = f"at most {limit - longest}" if limit > longest else "none: the prompt alone reaches it"
-            extra = {"spec_key": spec_key, "fix": f"raise {spec_key} in the server's spec, or ask for fewer tokens"} \
-                if spec_key else {}
+            extra = {}
+            if setting and not setting.startswith("--"):  # a spec key (a flag is named in `why`)
+                extra = {"spec_key": setting, "fix": f"raise {setting} in the server's spec, or ask for fewer tokens"}
             raise bad("max_tokens", f"max_tokens={max_tokens} and a prompt of {longest} tokens make "
                                     f"{longest + max_tokens} tokens, past {why}; max_tokens can be {room}", **extra)
         return max_tokens
@@ -381,8 +417,13 @@ class OpenAIRoutes:
         with _prompt_errors():
             if planned.generate is not None:
                 with self._counted(planned):
-                    return self._reply(planned, *planned.rollout_choices(*(await self.host.generate_alone(
-                        *planned.generate))))
+                    abort = Abort()
+                    job = asyncio.ensure_future(self.host.generate_alone(*planned.generate, abort=abort))
+                    if request is not None and not await _until_done_or_gone(job, request.receive):
+                        abort.set()  # nobody reads the reply: the job stops at its next token
+                        job.add_done_callback(_discard)
+                        raise HTTPException(499, detail=[{"loc": ["client"], "msg": "the client went away"}])
+                    return self._reply(planned, *planned.rollout_choices(*(await job)))
             sub = self._submit(planned)
             if stream:
                 return StreamingResponse(live_events(planned, sub), media_type="text/event-stream")

@@ -102,7 +102,11 @@ class ServingPool:
                "valid", "done", "out_tokens", "out_logps", "out_top_ids", "out_top_logps")
 
     def __init__(self, sampler: GraphSampler, max_tokens_per_row: int, max_slots: int, eos: int,
-                 check_every: int | None = None, floor: int = SHRINK_FLOOR) -> None:
+                 check_every: int | None = None, floor: int = SHRINK_FLOOR,
+                 prefills: Prefills | None = None) -> None:
+        """`prefills`: another pool's, whose prompts this one admits too (the server's long lane: its prompts are no
+        longer than the pool's); that pool then refreshes them and the fused weights (`refresh_weights`, called on
+        it first)."""
         self.sampler = sampler
         self.decoder = sampler.decoder
         self.device = sampler.device
@@ -121,7 +125,8 @@ class ServingPool:
         """slot -> tokens its row has sampled (host side: how many steps a `run` may take)."""
         self._sequence: dict[int, list[int]] = {}
         """slot -> its row's prompt and sampled ids: what its K/V hold, kept by the prefix cache when it ends."""
-        self.prefills = Prefills(sampler, eos, self.max_slots, self.length)
+        self._own_prefills = prefills is None
+        self.prefills = prefills or Prefills(sampler, eos, self.max_slots, self.length)
         self._pointers: tuple[int, ...] = ()
         self._decode_captures, self._decode_capture_s = 0, 0.0
         self.refresh_weights()
@@ -151,16 +156,18 @@ class ServingPool:
 
     def refresh_weights(self) -> None:
         """After the module's weights changed (a push): the fused copies refreshed, cached prefills dropped."""
-        if self.sampler.fuse:
-            self.decoder.fuse_weights()
-        self.prefills.cache.clear()
-        self.prefills.prefix.clear()
+        if self.sampler.fuse and self._own_prefills:
+            self.decoder.fuse_weights()  # into the same buffers once they exist
+        if self._own_prefills:
+            self.prefills.cache.clear()
+            self.prefills.prefix.clear()
         fused = tuple(t.data_ptr() for layer in self.decoder._fused or () for t in layer if t is not None)
         pointers = self.decoder.weight_pointers() + fused
         if pointers != self._pointers:  # a weight (or a fused copy) was re-allocated: graphs would read stale memory
             for pool in self._pools.values():
                 pool.graphs.clear()
-            self.prefills.graphs.clear()
+            if self._own_prefills:
+                self.prefills.graphs.clear()
             self._pointers = pointers
 
     @torch.no_grad()

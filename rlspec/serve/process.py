@@ -137,12 +137,14 @@ against 100 ms) and at 256 (0.73 against 0.58 of the engine's batched tokens/s).
 
 def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, allow_remote: bool = False,
           engine_index: int = 0, max_queued_rows: int | None = None, engine_process: str = "on",
-          warm_pool: bool = False, shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+          warm_pool: bool = False, shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
+          max_model_len: int | None = None) -> None:
     """Run the server in this process until it is stopped (SIGTERM/SIGINT) or its parent dies; with `engine_process`
     (see `ENGINE_PROCESS`) its engine runs in a child process, which ends with it. `warm_pool`: every pool size's
     decode step and every token bucket's packed prefill captured before it serves (`Scheduler.warm_pool`).
     Stopping: no new connection is accepted, the requests in flight get `shutdown_timeout_s` to finish (then are cut
-    off), and the process exits (the engine process told to stop, not waited out)."""
+    off), and the process exits (the engine process told to stop, not waited out). `max_model_len`: the most tokens a
+    request's prompt plus max_tokens may reach (None: the model's context; `scheduler.py`'s long lane)."""
     import uvicorn
 
     from .app import FAULT_ENV, MAX_QUEUED_ROWS, EngineHost, build_app
@@ -153,6 +155,12 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
         raise SpecError("--shutdown-timeout-s", f"must be a number of seconds >= 0, got {shutdown_timeout_s}",
                         f"e.g. --shutdown-timeout-s {SHUTDOWN_TIMEOUT_S:g} (what requests in flight get to finish "
                         "when the server stops)")
+    if max_model_len is not None:
+        context = _model_context(plan.spec.model)
+        if max_model_len < 1 or (context is not None and max_model_len > context):
+            raise SpecError("--max-model-len", f"must be 1 to the model's context ({context}), got {max_model_len}",
+                            f"e.g. --max-model-len {min(4096, context or 4096)}, or leave it out (the model's "
+                            "context)")
     if max_queued_rows is not None and max_queued_rows < 1:
         raise SpecError("--max-queued-rows", f"must be at least 1, got {max_queued_rows}",
                         "e.g. --max-queued-rows 8192 (rows waiting for a decode slot before requests get 429)")
@@ -192,10 +200,11 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
             web.should_exit = True
 
         engine_host = RemoteHost(build_engine, plan, engine_index, name, bound, switch_interval, on_exit=engine_gone,
-                                 warm_pool=warm_pool)
+                                 warm_pool=warm_pool, max_model_len=max_model_len)
         warmed = engine_host.warmed
     else:
-        engine_host = EngineHost(build_engine(plan, engine_index), name, bound, owns_weights=True)
+        engine_host = EngineHost(build_engine(plan, engine_index), name, bound, owns_weights=True,
+                                 max_model_len=max_model_len)
         warmed = engine_host.thread.warm_pool() if warm_pool else None
     if warmed is not None:
         print(f"rlspec serve: serving pool warmed: {warmed[0]} graphs (decode steps, packed prefills) captured in "
@@ -234,6 +243,26 @@ def serve(plan: RunPlan, host: str, port: int, parent_pid: int | None = None, al
         os._exit(code)
     if gone:
         raise RunError(gone[0])
+
+
+def _model_context(model) -> int | None:
+    """The positions the spec's model was built for (its config's `max_position_embeddings`), read without loading
+    it; None where the config does not say (the engine then checks `--max-model-len` once built)."""
+    try:
+        if model.kind == "vla":
+            return None
+        if model.path is None:
+            from ..models.factory import preset_config
+
+            config = preset_config(model.preset)
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model.path)
+    except Exception:  # noqa: BLE001 - a model the engine's own build then reports
+        return None
+    context = getattr(config, "max_position_embeddings", None)
+    return context if isinstance(context, int) else None
 
 
 def _exit_on_sigterm(signum, _frame) -> None:

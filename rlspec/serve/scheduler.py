@@ -19,10 +19,16 @@ refused (`QueueFull`: 429 with Retry-After) unless nothing waits (a request larg
 accepted). A request accepted is never dropped: only its client can cancel it (`Submission.cancel`, when it
 disconnects), which frees its rows at the next step.
 
-Requests the pool cannot take (an engine that is not in this process, a model the slot pool cannot run) run as
-jobs, one at a time, as the server ran every request before; their rows count against the same bound while they
-wait and run. A prompt plus max_tokens past the pool's cache length or the model's context is refused by the
-routes (`RowQueue.token_limit`).
+Two lanes: a row whose prompt plus max_tokens fits the pool's cache length (`rollout.max_prompt_tokens +
+rollout.max_new_tokens`, rounded up) decodes in the pool; a longer one, up to the model's context (or the server's
+`--max-model-len`), in the long lane: a second pool of `LONG_SLOTS` rows of that length, made at its first row,
+decoded in the same loop turn by turn with the first. Both lanes count against the queue's bound, a gone client's
+rows leave either at the next step, and a short request never waits for a long one. Past the model's context (or
+`--max-model-len`) the routes refuse the request (`RowQueue.token_limit`).
+
+Requests the pool cannot take at all (an engine that is not in this process, a model the slot pool cannot run) run
+as jobs, one at a time; their rows count against the same bound while they wait and run, and a client that goes
+away stops its job at the next token (`Abort`).
 """
 
 from __future__ import annotations
@@ -35,16 +41,19 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
-from .pool import RowSampling, ServingPool
+from ..errors import SpecError
+from .pool import ServingPool
+from .rows import RETRY_AFTER_S, Abort, QueueFull, RowQueue, Submission  # noqa: F401 - the routes' names
 
-RETRY_AFTER_S = 1
-"""What a refused request is told to wait before it retries."""
 BESIDE_THREADS = 256
 """Requests in flight at once to an engine outside this process (`Scheduler.run_async(beside=True)`)."""
 
+
+LONG_SLOTS = 4
+"""Rows the long lane decodes at once (its cache: this many rows of the model's context, or `--max-model-len`)."""
 
 SLOW_DECODE_S = 0.1
 """A decode run longer than this counts in `slow_decodes` (a run is up to 8 steps: a few ms when nothing stalls it)."""
@@ -70,93 +79,6 @@ def _gc_callback(phase: str, _info: dict) -> None:
         _gc_seconds[0] += time.perf_counter() - _gc_seconds[1]
 
 
-class QueueFull(Exception):
-    """More rows wait for a slot than the server's bound (`rlspec serve --max-queued-rows`)."""
-
-    def __init__(self, queued: int, asked: int, bound: int) -> None:
-        super().__init__(f"{queued} rows wait for a decode slot; {asked} more would pass this server's bound of {bound} "
-                         f"(rlspec serve --max-queued-rows): retry after {RETRY_AFTER_S} s")
-        self.retry_after_s = RETRY_AFTER_S
-
-
-@dataclass
-class Submission:
-    """One request's rows in the scheduler, and what they have sampled so far (read under `lock`)."""
-
-    prompt_ids: list[list[int]]
-    samplings: list[RowSampling]
-    stops: list[str] = field(default_factory=list)
-    stop_window: Callable[[list[int]], str] | None = None
-    """Decodes a row's last tokens; a row whose recent text holds a stop string leaves (the caller cuts it)."""
-    ids: list[list[int]] = field(init=False)
-    logprobs: list[list[float]] = field(init=False)
-    top: list[list] = field(init=False)
-    ended: list[bool] = field(init=False)
-    version: int | None = None
-    error: BaseException | None = None
-    cancelled: bool = False
-    admitted: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    done: threading.Event = field(default_factory=threading.Event)
-    on_cancel: Callable[[], None] | None = None
-    _listeners: list = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        rows = len(self.samplings)
-        self.ids, self.logprobs, self.top = [[] for _ in range(rows)], [[] for _ in range(rows)], [[] for _ in range(rows)]
-        self.ended = [False] * rows
-
-    @property
-    def rows(self) -> int:
-        return len(self.samplings)
-
-    def cancel(self) -> None:
-        """The client is gone: its rows leave at the next step (and rows not started never start)."""
-        self.cancelled = True
-        if self.on_cancel is not None:
-            self.on_cancel()
-
-    def listen(self) -> asyncio.Event:
-        """An event set (on the caller's event loop) whenever rows got tokens or ended."""
-        loop, event = asyncio.get_running_loop(), asyncio.Event()
-        self._listeners.append((loop, event))
-        if self.done.is_set():
-            event.set()
-        return event
-
-    def notify(self) -> None:
-        for loop, event in self._listeners:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the loop has closed (the server is stopping)
-                pass
-
-    def finish(self, error: BaseException | None = None) -> None:
-        with self.lock:
-            self.error = self.error or error
-            self.ended = [True] * self.rows
-        self.done.set()
-        self.notify()
-
-    async def wait_async(self, receive: Callable[[], Any] | None = None) -> None:
-        """Until every row has ended. `receive` (the ASGI receive of the request, its body already read) is
-        listened to meanwhile: a client that goes away cancels the request (its rows leave at the next step)."""
-        async def listen_for_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            self.cancel()
-
-        event = self.listen()
-        watcher = asyncio.ensure_future(listen_for_disconnect()) if receive is not None else None
-        try:
-            while not self.done.is_set():  # a cancelled request's rows end too (nobody reads its reply)
-                await event.wait()
-                event.clear()
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-
-
 @dataclass
 class _Job:
     fn: Callable
@@ -164,49 +86,13 @@ class _Job:
     future: Future
 
 
-class RowQueue:
-    """What the routes ask of a scheduler before rows go to it, kept where the requests arrive: whether rows join
-    the decode batch, and the count of rows waiting for a slot against `max_queued_rows` (`Scheduler` here,
-    `engine_process.RemoteScheduler` in the HTTP process of an engine of its own). Subclasses set `pool_reason`,
-    `row_budget`, `context`, `max_queued_rows`, `queued_rows`, `stats` (with "refused") and `_count_lock`."""
-
-    def takes(self, prompt_ids: list[list[int]], max_tokens: int) -> bool:
-        """Whether rows of these prompts join the decode batch (else the request runs as a job)."""
-        return self.pool_reason is None and all(len(p) + max_tokens <= self.row_budget for p in prompt_ids)
-
-    def token_limit(self) -> tuple[int | None, str, str | None]:
-        """(the most tokens a row's prompt plus max_tokens may reach here (None: no limit known), what sets it, the
-        spec key that raises it): the model's context (`context`) and, where rows join the decode batch, the pool's
-        cache length. A request past it is refused (400): one past the pool would run alone, outside the batch, the
-        queue's bound and its client's cancel, and one past the context decodes positions the model never saw."""
-        limits = []
-        if self.context is not None:
-            limits.append((self.context, f"the model's context of {self.context} positions", None))
-        if self.pool_reason is None:
-            limits.append((self.row_budget, f"this server's limit of {self.row_budget} tokens a row (its spec's "
-                                            "rollout.max_prompt_tokens + rollout.max_new_tokens, rounded up)",
-                           "rollout.max_new_tokens"))
-        return min(limits, key=lambda limit: limit[0]) if limits else (None, "", None)
-
-    def _queue(self, rows: int) -> None:
-        """Count `rows` as waiting for a slot; `QueueFull` past the bound (nothing counted then)."""
-        with self._count_lock:
-            if self.queued_rows and self.queued_rows + rows > self.max_queued_rows:
-                self.stats["refused"] += 1
-                raise QueueFull(self.queued_rows, rows, self.max_queued_rows)
-            self.queued_rows += rows
-
-    def _unqueue(self, rows: int) -> None:
-        with self._count_lock:
-            self.queued_rows -= rows
-
-
 class Scheduler(RowQueue):
     """The engine thread (see the module docstring). `host` supplies the weight version a request reports."""
 
     def __init__(self, engine, host, max_queued_rows: int,
                  on_submitted_error: Callable[[BaseException], None] | None = None,
-                 on_submitted_start: Callable[[], None] | None = None, owns_weights: bool = False) -> None:
+                 on_submitted_start: Callable[[], None] | None = None, owns_weights: bool = False,
+                 max_model_len: int | None = None) -> None:
         self.engine = engine
         self.owns_weights = owns_weights
         """Nothing but this scheduler's jobs writes the engine's weights (`rlspec serve`'s own engine): the pool's
@@ -227,7 +113,16 @@ class Scheduler(RowQueue):
         """Prompt plus max tokens a row of the pool may reach (its cache length)."""
         self.context = model_context(engine)
         """The model's positions (None where unknown: an engine outside this process)."""
+        if max_model_len is not None and self.context is not None and max_model_len > self.context:
+            raise SpecError("--max-model-len", f"{max_model_len} is past the model's context of {self.context} "
+                                               "positions", f"give at most --max-model-len {self.context}, or leave "
+                                                            "it out (the model's context)")
+        self.max_model_len = max_model_len
+        """The server's own limit on a row's prompt plus max tokens (`rlspec serve --max-model-len`), or None."""
         self.pool: ServingPool | None = None
+        self.long_pool: ServingPool | None = None
+        """The long lane (`LONG_SLOTS` rows of `row_limit` positions), made at its first row."""
+        self._long_waiting = 0
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: deque = deque()
         self.queued_rows = 0
@@ -236,11 +131,14 @@ class Scheduler(RowQueue):
         self._ids = itertools.count()
         self._cancelled = threading.Event()
         """Set when a client cancels: the next step looks for its rows."""
-        self.stats = {"steps": 0, "rows_admitted": 0, "rows_cancelled": 0, "refused": 0, "max_rows_in_flight": 0,
+        self.stats = {"steps": 0, "rows_admitted": 0, "long_rows_admitted": 0, "rows_cancelled": 0, "refused": 0,
+                      "max_rows_in_flight": 0,
                       "admits": 0, "admit_s": 0.0, "decode_s": 0.0, "slow_decodes": 0}
-        """Counters since start; `admit_s`, `decode_s`: the engine thread's seconds in admissions (`admits` of them:
-        prefill, pool resize, copies into slots) and in decode runs (`steps` of them, each up to `check_every`
-        decode steps and the read of their tokens), host clock; `slow_decodes`: decode runs over `SLOW_DECODE_S`.
+        """Counters since start (`rows_cancelled`: rows of the decode batch and of jobs' requests; `long_rows_admitted`:
+        rows started in the long lane); `admit_s`, `decode_s`: the engine thread's seconds in admissions (`admits` of
+        them: prefill, pool resize, copies into slots) and in decode runs (`steps` of them, each up to `check_every`
+        decode steps of one lane and the read of their tokens), host clock; `slow_decodes`: decode runs over
+        `SLOW_DECODE_S`.
         `describe` adds `gc_s` (this process's seconds in Python's garbage collector since the scheduler started, any
         thread) and the pool's `captures` and `capture_s` (decode steps and packed prefills captured as CUDA graphs,
         within the decode runs' and admissions' time)."""
@@ -298,21 +196,42 @@ class Scheduler(RowQueue):
         return self.run(self._warm_pool)
 
     def _warm_pool(self) -> tuple[int, float]:
+        """The pool and, where rows may pass its length, the long lane (whose prefills are the pool's)."""
         if self.pool_reason is not None:
             return 0, 0.0
         if self.pool is None:
             self.pool = make_pool(self.engine)
-        captures, seconds = self.pool.captures, self.pool.capture_s
-        self.pool.warm_up()
-        return self.pool.captures - captures, self.pool.capture_s - seconds
+        if self.long_pool is None and self.row_limit > self.pool.length:
+            self.long_pool = make_pool(self.engine, self.row_limit, self.pool)
+        captures, seconds = self._captures()
+        for pool in self._pools():
+            pool.warm_up()
+        now = self._captures()
+        return now[0] - captures, now[1] - seconds
+
+    def _pools(self) -> list[ServingPool]:
+        return [pool for pool in (self.pool, self.long_pool) if pool is not None]
+
+    def _live(self) -> int:
+        return sum(len(pool.live) for pool in self._pools())
+
+    def _captures(self) -> tuple[int, float]:
+        """Graphs the lanes captured and their seconds (the long lane's prefills are the pool's: counted once)."""
+        main, long = self.pool, self.long_pool
+        if main is None:
+            return 0, 0.0
+        extra = (long._decode_captures, long._decode_capture_s) if long is not None else (0, 0.0)
+        return main.captures + extra[0], main.capture_s + extra[1]
 
     def describe(self) -> dict:
+        captures, capture_s = self._captures()
         return {"batching": "continuous" if self.pool_reason is None else f"one request at a time ({self.pool_reason})",
-                "rows_in_flight": len(self.pool.live) if self.pool else 0, "rows_queued": self.queued_rows,
-                "max_queued_rows": self.max_queued_rows, **self.stats,
-                "gc_s": round(_gc_clock() - self._gc_at_start, 4),
-                "captures": self.pool.captures if self.pool else 0,
-                "capture_s": round(self.pool.capture_s, 4) if self.pool else 0.0}
+                "rows_in_flight": self._live(),
+                "long_rows_in_flight": len(self.long_pool.live) if self.long_pool else 0,
+                "rows_queued": self.queued_rows, "max_queued_rows": self.max_queued_rows,
+                "row_limit": self.row_limit if self.pool_reason is None else None, **self.stats,
+                "gc_s": round(_gc_clock() - self._gc_at_start, 4), "captures": captures,
+                "capture_s": round(capture_s, 4)}
 
     # --- the engine thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -326,31 +245,43 @@ class Scheduler(RowQueue):
         while True:
             if self.on_iteration is not None:
                 self.on_iteration()
-            self._take(block=not self.waiting and not (self.pool and self.pool.live))
+            self._take(block=not self.waiting and not self._live())
             self._run_jobs()
             self._drop_cancelled()
             began = time.perf_counter()
             if self._admit():
                 self.stats["admits"] += 1
                 self.stats["admit_s"] += time.perf_counter() - began
-            if self.pool is not None and self.pool.live:
-                began = time.perf_counter()
-                self._decode()
-                took = time.perf_counter() - began
-                self.stats["decode_s"] += took
-                self.stats["slow_decodes"] += took > SLOW_DECODE_S
+            for pool in self._pools():  # the lanes take turns: a short row never waits for a long one's end
+                if pool.live:
+                    began = time.perf_counter()
+                    self._decode(pool)
+                    took = time.perf_counter() - began
+                    self.stats["decode_s"] += took
+                    self.stats["slow_decodes"] += took > SLOW_DECODE_S
 
     def _take(self, block: bool) -> None:
         try:
-            self.waiting.append(self.inbox.get(block=block))
+            self._arrived(self.inbox.get(block=block))
             while True:
-                self.waiting.append(self.inbox.get_nowait())
+                self._arrived(self.inbox.get_nowait())
         except queue.Empty:
             pass
 
+    def _arrived(self, item) -> None:
+        if isinstance(item, Submission):
+            item.long = any(len(p) + s.max_tokens > self.row_budget for p, s in zip(item.prompt_ids, item.samplings))
+            self._long_waiting += item.long
+        self.waiting.append(item)
+
+    def _left_queue(self, sub: Submission) -> None:
+        """`sub` is out of `waiting` (all its rows started, or it ended)."""
+        self.waiting.remove(sub)
+        self._long_waiting -= sub.long
+
     def _run_jobs(self) -> None:
         """Jobs at the head of the queue, once the rows in flight have drained."""
-        while self.waiting and isinstance(self.waiting[0], _Job) and not (self.pool and self.pool.live):
+        while self.waiting and isinstance(self.waiting[0], _Job) and not self._live():
             job = self.waiting.popleft()
             self._job_ran = True
             if job.future.set_running_or_notify_cancel():
@@ -368,78 +299,113 @@ class Scheduler(RowQueue):
             if isinstance(item, Submission) and item.cancelled:
                 self._unqueue(item.rows - item.admitted)
                 self.stats["rows_cancelled"] += item.rows - item.admitted
+                self._long_waiting -= item.long
                 item.finish()
             else:
                 kept.append(item)
         self.waiting = kept
-        if self.pool is None:
-            return
-        gone = [slot for slot, row in self.pool.live.items() if self._rows[row][0].cancelled]
-        if gone:
-            for slot in gone:
-                self._end_row(self.pool.live[slot])
-            self.stats["rows_cancelled"] += len(gone)
-            self.pool.release(gone)
+        for pool in self._pools():
+            gone = [slot for slot, row in pool.live.items() if self._rows[row][0].cancelled]
+            if gone:
+                for slot in gone:
+                    self._end_row(pool.live[slot])
+                self.stats["rows_cancelled"] += len(gone)
+                pool.release(gone)
 
     def _admit(self) -> bool:
-        """Rows of the requests at the head of the queue into the free slots, all in one `ServingPool.admit` (one
-        batched prefill, one resize of the pool), not a request at a time: requests that arrive together start
-        together. Whether any rows were taken."""
+        """Rows of the requests at the head of the queue into the free slots of their lane, all of a lane in one
+        `ServingPool.admit` (one batched prefill, one resize of the pool), not a request at a time: requests that
+        arrive together start together. A lane that is full holds back its own requests only. Whether any rows
+        were taken."""
         while self.pool is None and self.waiting and isinstance(self.waiting[0], Submission):
             try:
                 self.pool = make_pool(self.engine)
             except BaseException as err:  # noqa: BLE001 - e.g. out of device memory: this request fails
-                sub = self.waiting.popleft()
-                self._unqueue(sub.rows)
-                sub.finish(err)
+                self._fail(self.waiting[0], err)
         if self.pool is None or not (self.waiting and isinstance(self.waiting[0], Submission)):
             return False
-        free = self.pool.free()
-        if not free:
-            return False
-        if not self.pool.live and (self._job_ran or not self.owns_weights):
-            # Weights may have changed while the pool was idle: a job (a push), or a colocated trainer's step
+        if not self._live() and (self._job_ran or not self.owns_weights):
+            # Weights may have changed while the lanes were idle: a job (a push), or a colocated trainer's step
             # on the module an in-process engine shares with it (the agent gateway's).
-            self.pool.refresh_weights()
+            for pool in self._pools():
+                pool.refresh_weights()
             self._job_ran = False
-        rows, taken = [], []  # taken: (submission, its first row admitted now, one past its last)
-        for sub in self.waiting:
-            if not isinstance(sub, Submission) or len(rows) == free:
+        lanes: dict[int, tuple[ServingPool, list, list]] = {}  # id(pool) -> (pool, rows, taken)
+        free = {id(pool): pool.free() for pool in self._pools()}
+        for sub in list(self.waiting):
+            if not isinstance(sub, Submission):
                 break
+            if not free[id(self.pool)] and not (self._long_waiting and free.get(id(self.long_pool), 1)):
+                break
+            pool = self._lane(sub)
+            if pool is None:
+                continue
+            free.setdefault(id(pool), pool.free())
+            room = free[id(pool)]
+            if not room:
+                continue
+            _, rows, taken = lanes.setdefault(id(pool), (pool, [], []))  # taken: (sub, first row now, one past last)
             if sub.admitted == 0:
                 sub.version = self.host.weight_version
-            start, stop = sub.admitted, min(sub.rows, sub.admitted + free - len(rows))
+            start, stop = sub.admitted, min(sub.rows, sub.admitted + room)
             for i in range(start, stop):
                 row = next(self._ids)
                 self._rows[row] = (sub, i)
                 rows.append((row, sub.prompt_ids[i], sub.samplings[i]))
             taken.append((sub, start, stop))
+            free[id(pool)] -= stop - start
+        for pool, rows, taken in lanes.values():
+            self._admit_rows(pool, rows, taken)
+        self.stats["max_rows_in_flight"] = max(self.stats["max_rows_in_flight"], self._live())
+        return bool(lanes)
+
+    def _lane(self, sub: Submission) -> ServingPool | None:
+        """The pool `sub`'s rows decode in: the long lane's made at its first row (None: it could not be; `sub`
+        failed)."""
+        if not sub.long:
+            return self.pool
+        if self.long_pool is None:
+            try:
+                self.long_pool = make_pool(self.engine, self.row_limit, self.pool)
+            except BaseException as err:  # noqa: BLE001 - e.g. out of device memory: this request fails
+                self._fail(sub, err)
+                return None
+        return self.long_pool
+
+    def _fail(self, sub: Submission, err: BaseException) -> None:
+        """A queued request (none of its rows in flight) fails with `err`."""
+        self._left_queue(sub)
+        self._unqueue(sub.rows - sub.admitted)
+        sub.finish(err)
+
+    def _admit_rows(self, pool: ServingPool, rows: list, taken: list) -> None:
         try:
-            self.pool.admit(rows)
+            pool.admit(rows)
         except BaseException as err:  # noqa: BLE001 - these requests fail; the server goes on
             for row, _, _ in rows:
                 self._rows.pop(row)
             for sub, _, _ in taken:
-                self.waiting.remove(sub)
+                self._left_queue(sub)
                 self._unqueue(sub.rows - sub.admitted)
                 sub.cancel()  # rows of it already in flight leave at the next step
                 sub.finish(err)
-            return True
+            return
         for sub, start, stop in taken:
             sub.admitted = stop
             self._unqueue(stop - start)
             self.stats["rows_admitted"] += stop - start
+            self.stats["long_rows_admitted"] += (stop - start) if sub.long else 0
             if sub.admitted == sub.rows:
-                self.waiting.remove(sub)
-        self.stats["max_rows_in_flight"] = max(self.stats["max_rows_in_flight"], len(self.pool.live))
-        return True
+                self._left_queue(sub)
 
-    def _decode(self) -> None:
+    def _decode(self, pool: ServingPool | None = None) -> None:
+        """One decode run of `pool` (the pool by default): each row's new tokens to its request, ended rows out."""
+        pool = pool or self.pool
         try:
-            deliveries = self.pool.run()
+            deliveries = pool.run()
         except BaseException as err:  # noqa: BLE001 - the rows in flight fail; the server goes on
-            live = dict(self.pool.live)
-            self.pool.release(list(live))
+            live = dict(pool.live)
+            pool.release(list(live))
             for sub in {self._rows[row][0] for row in live.values()}:
                 sub.finish(err)
             for row in live.values():
@@ -460,8 +426,8 @@ class Scheduler(RowQueue):
             elif sub.stops and sub.stop_window is not None and _stopped(sub, i, len(d.tokens)):
                 stopped.append(d.slot)
                 self._end_row(d.row_id)
-        self.pool.release(stopped)
-        self.pool.shrink()
+        pool.release(stopped)
+        pool.shrink()
         for sub in touched.values():
             sub.notify()
 
@@ -515,10 +481,14 @@ def row_budget(engine) -> int:
     return math.ceil((spec.max_prompt_tokens + spec.max_new_tokens) / CACHE_STEP) * CACHE_STEP
 
 
-def make_pool(engine) -> ServingPool:
+def make_pool(engine, length: int | None = None, beside: ServingPool | None = None) -> ServingPool:
     """The slot pool over `engine`'s model: its CUDA-graph sampler on CUDA (`rollout.cuda_graph`), else the same
-    step run eagerly."""
+    step run eagerly. With `length` the long lane's: `LONG_SLOTS` rows of `length` positions, taking its prompts'
+    prefills from `beside`'s (a prompt is never longer than `rollout.max_prompt_tokens` in either)."""
     from ..rollout.static import GraphSampler
 
     sampler = engine._fast_sampler() or GraphSampler(engine.model, engine.device, use_graphs=False)
-    return ServingPool(sampler, row_budget(engine), engine.spec.decode_slots, engine.tokenizer.eos_token_id)
+    eos = engine.tokenizer.eos_token_id
+    if length is None:
+        return ServingPool(sampler, row_budget(engine), engine.spec.decode_slots, eos)
+    return ServingPool(sampler, length, LONG_SLOTS, eos, floor=LONG_SLOTS, prefills=beside.prefills)

@@ -57,7 +57,7 @@ def test_completions_return_the_engines_tokens_and_logprobs(served):
     ({"prompt": "a", "best_of": 2}, "best_of"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "n": "many"}, "n"),
-    ({"prompt": "a", "max_tokens": 600}, "max_tokens"),  # past the pool's rows and the model's context
+    ({"prompt": "a", "max_tokens": 600}, "max_tokens"),  # past the model's context (512)
     ({"prompt": "a", "logprobs": True}, "logprobs"),  # chat's boolean: not a count
     ({"prompt": [True, False]}, "prompt"),  # not token ids
 ])
@@ -71,23 +71,40 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(se
     assert health["status"] == "ok" and health["sampler"] == "plain (not on CUDA)"
 
 
-def test_a_prompt_plus_max_tokens_past_the_limit_is_refused_naming_max_tokens_and_the_numbers(served):
+def test_a_prompt_plus_max_tokens_past_the_context_or_max_model_len_is_refused_naming_both_numbers(served):
+    from rlspec.errors import SpecError
     from rlspec.serve.scheduler import RowQueue
 
-    client, host, _ = served
-    limit = host.thread.row_budget  # the pool's rows: rollout.max_prompt_tokens + max_new_tokens, rounded up
-    assert limit < host.thread.context == 512
+    client, host, engine = served
+    context = host.thread.context
+    assert host.thread.row_budget < context == 512  # past the pool's rows is served (the long lane), not refused
     prompt = [5, 6, 7]
-    out = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": limit - 2})
+    out = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": context - 2})
     error = out.json()["error"]
     assert out.status_code == 400 and error["param"] == "max_tokens", out.text
-    assert f"max_tokens={limit - 2} and a prompt of 3 tokens make {limit + 1} tokens" in error["message"]
-    assert f"limit of {limit} tokens" in error["message"] and f"at most {limit - 3}" in error["message"]
-    assert error["spec_key"] == "rollout.max_new_tokens"
-    queue = RowQueue()  # where the model's context is the lower limit, it decides (and no spec key raises it)
-    queue.pool_reason, queue.row_budget, queue.context = None, 4096, 512
-    assert queue.token_limit() == (512, "the model's context of 512 positions", None)
-    queue.pool_reason, queue.context = "an engine outside this process", None
+    assert (f"max_tokens={context - 2} and a prompt of 3 tokens make {context + 1} tokens, past the model's context "
+            f"of {context} positions; max_tokens can be at most {context - 3}") in error["message"]
+    assert "spec_key" not in error  # no spec key raises a model's context
+    from fastapi.testclient import TestClient
+
+    with TestClient(build_app(EngineHost(engine, "tiny_qwen2", max_model_len=300), TOKEN)) as limited:
+        out = limited.post("/v1/completions", json={"prompt": prompt, "max_tokens": 298})
+        error = out.json()["error"]
+        assert out.status_code == 400 and error["param"] == "max_tokens", out.text
+        assert "make 301 tokens, past this server's limit of 300 tokens a row (rlspec serve --max-model-len)" in \
+            error["message"]
+    with pytest.raises(SpecError, match="--max-model-len"):
+        EngineHost(engine, "tiny_qwen2", max_model_len=context + 1)
+    from rlspec.plan import build_plan
+    from rlspec.serve.process import serve
+
+    plan, _ = build_plan("examples/tiny.yaml", [], None)
+    with pytest.raises(SpecError, match=r"must be 1 to the model's context \(512\), got 513"):
+        serve(plan, "127.0.0.1", 1, max_model_len=513)  # before the port is bound or anything is written
+    queue = RowQueue()  # neither a context nor --max-model-len known: the pool's rows are the limit
+    queue.pool_reason, queue.row_budget, queue.context, queue.max_model_len = None, 384, None, None
+    assert queue.token_limit()[0] == 384 and queue.token_limit()[2] == "rollout.max_new_tokens"
+    queue.pool_reason = "an engine outside this process"
     assert queue.token_limit()[0] is None
 
 

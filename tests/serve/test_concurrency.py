@@ -154,6 +154,121 @@ def test_a_client_that_gives_up_on_an_unstreamed_request_frees_its_rows(server):
     assert host.thread.describe()["rows_in_flight"] == 0
 
 
+def test_a_request_past_the_pools_rows_decodes_beside_the_others(server):
+    """A prompt plus max_tokens past the pool's rows (within the model's context) decodes in the long lane: a
+    4-token request sent while it runs is answered before it ends, and its tokens are the pool's for the same
+    request cut shorter."""
+    import httpx
+
+    url, host = server
+    scheduler = host.thread
+    long_tokens = scheduler.row_budget  # with the prompt's 3 tokens past the pool's rows
+    assert long_tokens + 3 <= scheduler.context
+    admitted = scheduler.stats["long_rows_admitted"]
+    body = {"prompt": [5, 6, 7], "temperature": 0, "logprobs": 0}
+
+    async def long_and_short():
+        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
+            long = asyncio.ensure_future(_send(http, "completions", {**body, "max_tokens": long_tokens}))
+            while not scheduler.describe()["long_rows_in_flight"]:
+                assert not long.done(), long.result()
+                await asyncio.sleep(0.01)
+            short = await _send(http, "completions", {**body, "max_tokens": 4})
+            assert not long.done(), "the short request waited for the long one"
+            return short, await long
+
+    short, long = asyncio.run(long_and_short())
+    assert scheduler.stats["long_rows_admitted"] == admitted + 1
+    ids = long["choices"][0]["token_ids"]
+    assert len(ids) == long_tokens and long["choices"][0]["finish_reason"] == "length"  # greedy: no end token here
+    assert ids[:4] == short["choices"][0]["token_ids"]
+    assert long["choices"][0]["logprobs"]["token_logprobs"][:4] == \
+        pytest.approx(short["choices"][0]["logprobs"]["token_logprobs"], abs=1e-5)
+
+
+def test_a_client_that_leaves_a_long_lane_stream_frees_its_row(server):
+    import httpx
+
+    url, host = server
+    scheduler = host.thread
+    cancelled = scheduler.stats["rows_cancelled"]
+    body = {"model": MODEL, "prompt": [5, 6, 7], "temperature": 0, "max_tokens": scheduler.context - 3,
+            "stream": True}
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                    break  # its row is in the long lane: the client leaves
+        deadline = time.monotonic() + 20
+        while scheduler.describe()["rows_in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = scheduler.describe()
+        assert state["rows_in_flight"] == state["rows_queued"] == 0, state
+        assert scheduler.stats["rows_cancelled"] == cancelled + 1, scheduler.stats
+
+
+def test_rows_waiting_for_the_long_lane_count_against_the_queues_bound(server):
+    from rlspec.serve.pool import RowSampling
+    from rlspec.serve.scheduler import LONG_SLOTS, QueueFull, Submission
+
+    _, host = server
+    scheduler = host.thread
+    cancelled = scheduler.stats["rows_cancelled"]
+
+    def long(rows: int) -> Submission:
+        return Submission([[5, 6, 7]] * rows, [RowSampling(i, scheduler.context - 3, greedy=True) for i in range(rows)])
+
+    scheduler.max_queued_rows = 1
+    subs = [scheduler.submit_rows(long(LONG_SLOTS))]  # nothing waits: accepted, and it fills the lane
+    try:
+        deadline = time.monotonic() + 20
+        while scheduler.describe()["long_rows_in_flight"] < LONG_SLOTS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        subs.append(scheduler.submit_rows(long(1)))  # waits for a slot of the full lane: counted
+        assert scheduler.describe()["rows_queued"] == 1
+        with pytest.raises(QueueFull, match="--max-queued-rows"):
+            scheduler.submit_rows(long(1))
+    finally:
+        scheduler.max_queued_rows = 8192
+        for sub in subs:
+            sub.cancel()
+    assert all(sub.done.wait(20) for sub in subs)
+    assert scheduler.stats["rows_cancelled"] == cancelled + LONG_SLOTS + 1
+    assert scheduler.describe()["rows_queued"] == 0
+
+
+def test_a_client_that_gives_up_on_a_request_that_runs_alone_stops_it(server):
+    """A model the slot pool cannot run samples each request alone, as an engine job: a client gone (here: its
+    timeout) stops the job at its next token, and its rows are counted as cancelled."""
+    import itertools
+
+    import httpx
+
+    from rlspec.rollout.sampling import SampleOptions
+
+    url, host = server
+    calls = itertools.count()  # the engine's plain loop asks `stop` before each next token
+    cut = host.engine.generate([[5, 6, 7]], 1, seed=0, options=SampleOptions(greedy=True),
+                               stop=lambda: next(calls) >= 2)
+    assert len(cut.completion_ids[0]) == 3 < host.engine.spec.max_new_tokens
+    scheduler = host.thread
+    cancelled = scheduler.stats["rows_cancelled"]
+    scheduler.pool_reason = "the model is one the slot pool cannot run (this test's)"
+    try:
+        body = {"model": MODEL, "prompt": [5, 6, 7], "n": 2, "max_tokens": 400, "temperature": 0}
+        with httpx.Client(base_url=url, timeout=0.5, trust_env=False) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json=body)
+        deadline = time.monotonic() + 60
+        while scheduler.stats["rows_cancelled"] < cancelled + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert scheduler.stats["rows_cancelled"] == cancelled + 2, scheduler.stats
+        assert scheduler.run(lambda: "free") == "free" and scheduler.describe()["rows_queued"] == 0
+    finally:
+        scheduler.pool_reason = None
+
+
 def flood_past_the_bound(url: str, body: dict, count: int) -> None:
     """`count` requests of `body` (4 rows each, seeds 0..count-1) at once to a server whose queue bound they pass:
     some get 429 with Retry-After naming the flag, the others every row answered in full, and nothing else."""
@@ -168,7 +283,8 @@ def flood_past_the_bound(url: str, body: dict, count: int) -> None:
     accepted = [r for r in responses if r.status_code == 200]
     assert len(refused) + len(accepted) == len(responses), {r.status_code for r in responses}
     assert refused and accepted, (len(refused), len(accepted))
-    assert all(r.headers["retry-after"] == "1" and "--max-queued-rows" in r.text for r in refused)
+    assert all(r.headers["retry-after"] == "1" and "--max-queued-rows" in r.json()["error"]["message"]
+               and r.json()["error"]["code"] == "rate_limit_exceeded" for r in refused)  # OpenAI's error object
     for r in accepted:  # nothing accepted is lost: every row answered in full
         choices = r.json()["choices"]
         assert len(choices) == 4 and all(c["token_ids"] and len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"])

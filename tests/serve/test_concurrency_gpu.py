@@ -190,3 +190,36 @@ def _stops_end_rows_in_their_run(device: str) -> None:
             assert runs <= math.ceil(len(cut["token_ids"]) / host.thread.pool.check_every) + 1, (at, stop, runs)
             tried += 1
         assert tried >= 3
+
+
+def test_the_long_lane_decodes_beside_the_pool_with_its_prefills_and_graphs():
+    """Rows past the pool's length (a 128-position pool, the model's 512 positions) decode in the scheduler's long
+    lane on CUDA: its own captured decode step, prompts from the pool's packed prefills (bf16), every loop turn
+    beside the pool's rows; the pool's rows end while the long ones still run, and each long row's first tokens
+    are the pool's for the same prompt (greedy; a bf16 near tie between the two pools' kernels aside)."""
+    from rlspec.models.factory import load_model, load_tokenizer
+    from rlspec.rollout.hf import HFEngine
+    from rlspec.serve.app import EngineHost
+    from rlspec.serve.pool import RowSampling
+    from rlspec.serve.rows import Submission
+    from rlspec.spec import ModelSpec, RolloutSpec
+
+    spec = ModelSpec(dtype="bfloat16")
+    tokenizer = load_tokenizer(spec)
+    engine = HFEngine(load_model(spec, 0).to("cuda").eval().requires_grad_(False), tokenizer,
+                      RolloutSpec(max_prompt_tokens=64, max_new_tokens=64), "cuda")
+    scheduler = EngineHost(engine, "tiny", owns_weights=True).thread
+    assert scheduler.row_budget == 128 and scheduler.row_limit == 512
+    prompts = [tokenizer(f"{c}{i}=", add_special_tokens=False).input_ids for i, c in enumerate("abcd")]
+    long = [scheduler.submit_rows(Submission([p], [RowSampling(i, 480, greedy=True)])) for i, p in enumerate(prompts)]
+    short = [scheduler.submit_rows(Submission([p], [RowSampling(i, 24, greedy=True)])) for i, p in enumerate(prompts)]
+    assert all(sub.done.wait(300) and sub.error is None for sub in short)
+    running = sum(not sub.done.is_set() for sub in long)
+    assert all(sub.done.wait(600) and sub.error is None for sub in long)
+    assert scheduler.stats["long_rows_admitted"] == 4
+    assert running or max(len(sub.ids[0]) for sub in long) < 100, "the pool's rows waited for the long lane's"
+    same = sum(a.ids[0][:len(b.ids[0])] == b.ids[0] for a, b in zip(long, short))
+    assert same >= 3, [(a.ids[0][:24], b.ids[0]) for a, b in zip(long, short)]
+    lane = scheduler.long_pool
+    assert lane.prefills is scheduler.pool.prefills and lane.prefills.packed
+    assert any(slots.graphs for slots in lane._pools.values()), "the long lane decoded without CUDA graphs"

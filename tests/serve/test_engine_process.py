@@ -87,6 +87,29 @@ def test_a_gone_client_frees_its_rows_and_past_the_bound_requests_get_429(server
     assert host.thread.queued_rows == 0
 
 
+def test_an_aborted_request_that_runs_alone_stops_in_the_engine_process(servers):
+    """A request sampled alone (a model the slot pool cannot run) whose client went away: the abort crosses the
+    pipe and the engine's plain loop stops at its next token (greedy, this prompt runs 400 tokens uncut)."""
+    from rlspec.rollout.sampling import SampleOptions
+    from rlspec.serve.rows import Abort
+
+    _, host, _, _ = servers
+    before = host.state()["scheduler"]["rows_cancelled"]
+
+    async def started_then_aborted():
+        abort = Abort()
+        job = asyncio.ensure_future(host.generate_alone(
+            [[5, 6, 7]], 1, 0, {"max_new_tokens": 400, "temperature": 1.0, "top_p": 1.0},
+            SampleOptions(greedy=True), 0, abort=abort))
+        await asyncio.sleep(0.5)
+        abort.set()
+        return await asyncio.wait_for(job, 60)
+
+    _, rollout = asyncio.run(started_then_aborted())
+    assert rollout is None or len(rollout.completion_ids[0]) < 400  # not started, or stopped mid-way
+    assert host.state()["scheduler"]["rows_cancelled"] == before + 1
+
+
 def test_bridge_operations_and_labels_run_in_the_engine_process(servers):
     import httpx
     import torch

@@ -245,7 +245,7 @@ CHAT_REFUSED = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"stop": [""]}, "stop"),
     ({"model": "another"}, "model"),
-    ({"max_tokens": 600}, "max_tokens"),  # past the pool's rows and the model's context
+    ({"max_tokens": 600}, "max_tokens"),  # past the model's context (512)
     ({"messages": [{"role": "user", "content": "a" * 300}]}, "messages"),  # past rollout.max_prompt_tokens
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
