@@ -1,5 +1,6 @@
 """Minimal OpenAI completions calls for agents: `complete` (stdlib only: a command agent need not import httpx)
-and, for async agents, `complete_async` / `completion_async` over one shared HTTP client (`http_client`)."""
+and, for async agents, `complete_async` / `completion_async` over one shared HTTP client (`http_client`); their HTTP
+errors carry what the server said."""
 
 from __future__ import annotations
 
@@ -41,8 +42,17 @@ async def completion_async(base_url: str, body: dict, timeout_s: float = 120.0) 
     """The first choice of ``POST {base_url}/completions`` with JSON `body` (it has `token_ids` and
     `prompt_token_ids`: an agent may send the next turn as token ids); raises on an HTTP error."""
     response = await http_client().post(f"{base_url}/completions", json=body, timeout=timeout_s)
-    response.raise_for_status()
+    raise_for_status(response)
     return response.json()["choices"][0]
+
+
+def raise_for_status(response) -> None:
+    """httpx's `raise_for_status`, with what the server said (a 400 names the field and the limit it broke)."""
+    if response.is_error:
+        import httpx
+
+        raise httpx.HTTPStatusError(f"{response.status_code} from {response.url}: {response.text[:500]}",
+                                    request=response.request, response=response)
 
 
 async def complete_async(base_url: str, prompt: str | list[int], max_tokens: int, timeout_s: float = 120.0) -> str:

@@ -81,12 +81,15 @@ class _EngineView:
     sampling settings (`with_spec`, as `HFEngine` has); here `model` is the wrapped engine, which samples
     with `spec` when it has one (a served engine)."""
 
-    def __init__(self, engine, tokenizer, spec, device="cpu", micro_batch_size: int = 1) -> None:
+    def __init__(self, engine, tokenizer, spec, device="cpu", micro_batch_size: int = 1,
+                 vocab_size: int | None = None) -> None:
         self.model, self.tokenizer, self.spec = engine, tokenizer, spec
         self.device, self.micro_batch_size = device, micro_batch_size
+        self.vocab_size = vocab_size
+        """The ids the model embeds (`scheduler.model_vocab`): a turn sent back as ids may hold any it sampled."""
 
     def with_spec(self, spec) -> "_EngineView":
-        return _EngineView(self.model, self.tokenizer, spec, self.device, self.micro_batch_size)
+        return _EngineView(self.model, self.tokenizer, spec, self.device, self.micro_batch_size, self.vocab_size)
 
     def generate(self, prompts: list[str] | list[list[int]], n: int, seed: int, options=None,
                  first_sample: int = 0) -> Rollout:
@@ -98,6 +101,25 @@ class _EngineView:
             engine.spec = self.spec
         # Only engines that number samples take `first_sample` (the Ray engines do not): passed when asked for.
         return engine.generate(prompts, n, seed, **({"first_sample": first_sample} if first_sample else {}))
+
+
+def _model_vocab(plan: RunPlan) -> int | None:
+    """The token ids the plan's model embeds, read without loading it (a preset's shape, a directory's config.json),
+    None if unknown."""
+    import json
+    from pathlib import Path
+
+    from ..models.presets import PRESETS
+
+    model = plan.spec.model
+    if model.path is None:
+        return PRESETS.get(model.preset, {}).get("vocab_size")
+    try:
+        config = json.loads((Path(model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return vocab if isinstance(vocab, int) else None
 
 
 def _enough_files(wanted: int) -> None:
@@ -176,7 +198,8 @@ class AgentGateway:
         self.plan = plan
         self.spec = plan.spec.rollout.agent
         self.agent = load_agent(self.spec)
-        hosted = engine if isinstance(engine, HFEngine) else _EngineView(engine, engine.tokenizer, plan.spec.rollout)
+        hosted = engine if isinstance(engine, HFEngine) else _EngineView(engine, engine.tokenizer, plan.spec.rollout,
+                                                                         vocab_size=_model_vocab(plan))
         model_name = plan.spec.model.path or plan.spec.model.preset
         # The trainer writes the weights between steps only: `rollout` says so with a job at each step's start, and
         # the pool keeps its derived copies and ended rows' K/V (prefix reuse across turns) until then.

@@ -266,7 +266,7 @@ def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str,
         host = EngineHost(engine, model_name, max_queued_rows=sys.maxsize, owns_weights=True)
         sampler = getattr(engine, "sampler_kind", None)
         info = {"pool_reason": host.thread.pool_reason, "row_budget": host.thread.row_budget,
-                "context": host.thread.context,
+                "context": host.thread.context, "vocab": host.thread.vocab,
                 "sampler": sampler() if sampler else None, "pid": os.getpid(),
                 "warmed": host.thread.warm_pool() if warm_pool else None}
     except BaseException as err:  # noqa: BLE001 - the HTTP process raises it (a SpecError stays exit 2)
@@ -301,6 +301,7 @@ class RemoteScheduler(RowQueue):
         self.pool_reason = info["pool_reason"]
         self.row_budget = info["row_budget"]
         self.context = info["context"]
+        self.vocab = info["vocab"]
         self.max_queued_rows = max_queued_rows
         self.queued_rows = 0
         self.stats = {"refused": 0}

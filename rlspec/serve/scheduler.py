@@ -168,7 +168,7 @@ class RowQueue:
     """What the routes ask of a scheduler before rows go to it, kept where the requests arrive: whether rows join
     the decode batch, and the count of rows waiting for a slot against `max_queued_rows` (`Scheduler` here,
     `engine_process.RemoteScheduler` in the HTTP process of an engine of its own). Subclasses set `pool_reason`,
-    `row_budget`, `context`, `max_queued_rows`, `queued_rows`, `stats` (with "refused") and `_count_lock`."""
+    `row_budget`, `context`, `vocab`, `max_queued_rows`, `queued_rows`, `stats` (with "refused") and `_count_lock`."""
 
     def takes(self, prompt_ids: list[list[int]], max_tokens: int) -> bool:
         """Whether rows of these prompts join the decode batch (else the request runs as a job)."""
@@ -227,6 +227,8 @@ class Scheduler(RowQueue):
         """Prompt plus max tokens a row of the pool may reach (its cache length)."""
         self.context = model_context(engine)
         """The model's positions (None where unknown: an engine outside this process)."""
+        self.vocab = model_vocab(engine)
+        """The token ids the model embeds (None where unknown): a prompt's ids may be any of them."""
         self.pool: ServingPool | None = None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: deque = deque()
@@ -498,6 +500,16 @@ def pool_unsupported(engine) -> str | None:
     if not isinstance(engine, HFEngine):
         return f"the engine ({type(engine).__name__}) samples outside this process"
     return unsupported_reason(engine.model)
+
+
+def model_vocab(engine) -> int | None:
+    """The token ids `engine`'s model embeds (its config's `vocab_size`, or the engine's own `vocab_size`), None if
+    unknown. A random-init preset's (152k for the 0.5B shape) exceeds its byte tokenizer's 260 ids, and the model
+    samples ids past the tokenizer's: an agent that sends a turn back as ids sends those too."""
+    vocab = getattr(engine, "vocab_size", None)
+    if vocab is None:
+        vocab = getattr(getattr(getattr(engine, "model", None), "config", None), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
 
 
 def model_context(engine) -> int | None:
