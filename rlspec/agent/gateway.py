@@ -26,9 +26,10 @@ beyond `rollout.agent.max_turns`, or for a trajectory that timed out, are refuse
 
 Agents run `rollout.agent.concurrency` at a time as tasks on one agent event loop (`agent_loop`; a plain function
 agent in a thread of its own), the next starting as soon as one ends, and the gateway's routes wait for the engine
-without holding a thread: their requests join one decode batch (the scheduler of `rlspec.serve`, in front of the
-in-process engine here or in the rollout server), and a turn extending an earlier one prefills only its new tokens
-(`rlspec.serve.prefill.PrefixCache`).
+without holding a thread (an agent on the agent loop using `client.http_client` reaches them in process, without
+the socket: `client.serve_in_process`): their requests join one decode batch (the scheduler of `rlspec.serve`, in
+front of the in-process engine here or in the rollout server), and a turn extending an earlier one prefills only its
+new tokens (`rlspec.serve.prefill.PrefixCache`).
 
 A GRPO group is `group_size` trajectories of one prompt. A failed trajectory (see `runner`) is counted
 and dropped, never scored; a group left with fewer than two trajectories is dropped too (GRPO compares
@@ -42,6 +43,7 @@ import asyncio
 import copy
 import secrets
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -53,8 +55,10 @@ from ..errors import RunError
 from ..rollout.base import Rollout
 from ..serve.app import EngineHost, build_app
 from ..serve.openai_api import ChatRequest, CompletionRequest, Reply
+from ..serve.process import SWITCH_INTERVAL_S
 from ..spec import RunPlan
 from ..tasks import Prompt
+from .client import serve_in_process
 from .runner import AgentFailure, load_agent
 from .trajectory import Call, ContextMismatch, assemble
 
@@ -318,12 +322,15 @@ class AgentGateway:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RunError(f"the agent gateway did not start on 127.0.0.1:{port}")
             time.sleep(0.01)
+        # an agent on this process's agent loop that uses `client.http_client` skips the network (`serve_in_process`)
+        serve_in_process("127.0.0.1", port, self.app)
         return server, thread, f"http://127.0.0.1:{port}"
 
     def base_url(self, trajectory: str) -> str:
         return f"{self.url}/gateway/{trajectory}/v1"
 
     def close(self) -> None:
+        serve_in_process("127.0.0.1", int(self.url.rsplit(":", 1)[1]), None)
         self._server.should_exit = True
         self._thread.join(timeout=5.0)
 
@@ -354,12 +361,19 @@ class AgentGateway:
         """Every job as a task on the agent event loop (`agent_loop`), at most `concurrency` at once: a job that ends
         starts the next one at once, whatever its group. A job past its timeout is cancelled (an async function, a
         command's wait) or abandoned (a plain function's thread); either way its trajectory is closed."""
+        # The engine thread makes hundreds of short torch calls an admission, each giving the interpreter lock up and
+        # taking it back; with the agents' and the routes' Python busy on other threads, each take-back can wait
+        # Python's switch interval (5 ms by default): the server's shorter one while agents run (`rlspec serve`'s).
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
         running = asyncio.run_coroutine_threadsafe(self._run_all(jobs), agent_loop())
         try:
             running.result()
         except BaseException:  # e.g. a stop signal while the step samples: its agents are cancelled, not left running
             running.cancel()
             raise
+        finally:
+            sys.setswitchinterval(interval)
 
     async def _run_all(self, jobs: list[_Job]) -> None:
         slots = asyncio.Semaphore(self.spec.concurrency)

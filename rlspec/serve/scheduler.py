@@ -140,7 +140,8 @@ class Submission:
 
     async def wait_async(self, receive: Callable[[], Any] | None = None) -> None:
         """Until every row has ended. `receive` (the ASGI receive of the request, its body already read) is
-        listened to meanwhile: a client that goes away cancels the request (its rows leave at the next step)."""
+        listened to meanwhile: a client that goes away cancels the request (its rows leave at the next step), as
+        does cancelling the task that waits."""
         async def listen_for_disconnect() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
@@ -152,6 +153,9 @@ class Submission:
             while not self.done.is_set():  # a cancelled request's rows end too (nobody reads its reply)
                 await event.wait()
                 event.clear()
+        except asyncio.CancelledError:  # the waiting task was cancelled (an in-process agent timed out): rows leave
+            self.cancel()
+            raise
         finally:
             if watcher is not None:
                 watcher.cancel()

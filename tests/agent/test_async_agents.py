@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import pytest
 
@@ -47,7 +48,8 @@ def test_a_slow_tool_holds_only_its_own_agent_and_finished_agents_free_their_slo
 
 def test_an_async_agent_past_its_timeout_is_cancelled_and_counted(engine, monkeypatch):  # noqa: F811
     agents.reset()
-    gateway, task = gateway_for(engine, monkeypatch, AGENT + "hangs_async", "rollout.agent.timeout_s=0.2",
+    # (all 8 at once: the step takes the timeout, which leaves their first call time on a busy machine)
+    gateway, task = gateway_for(engine, monkeypatch, AGENT + "hangs_async", "rollout.agent.timeout_s=1.5",
                                 "rollout.agent.max_failure_rate=1.0")
     try:
         with pytest.raises(RunError, match=r"no group kept two valid agent trajectories \(\{'error': 0, 'timeout': 8"):
@@ -96,3 +98,25 @@ def test_the_multiturn_token_agent_runs_a_step_through_the_gateway_with_ids_past
     assert turns - 8 <= prefix["hits"] <= turns - 4 and prefix["new_tokens"] <= 30 * prefix["hits"], prefix
     for ids, mask in zip(out.rollout.completion_ids, out.rollout.completion_mask):
         assert len(ids) == len(mask) and sum(mask) >= 3 * 4
+
+
+def test_an_in_process_call_cancelled_while_it_waits_on_the_engine_frees_its_rows(engine, monkeypatch):  # noqa: F811
+    """An agent on the agent loop reaches the gateway in process (no socket, so no disconnect to see): a call it
+    cancels (or a timeout cancels) while its rows decode takes them out of the decode batch then, not at their end."""
+    agents.reset()
+    gateway, task = gateway_for(engine, monkeypatch, AGENT + "cancels_its_completion_once_all_rows_decode",
+                                "rollout.max_new_tokens=300", "rollout.agent.concurrency=8",
+                                "rollout.agent.max_failure_rate=1.0")
+    scheduler = agents.STATE["scheduler"] = gateway.host.thread
+    agents.STATE["rows"] = 8
+    try:
+        with pytest.raises(RunError, match=r"'invalid': 8"):  # answered, but no call of theirs was recorded
+            gateway.rollout(task.sample(0, 2), 0)
+        for _ in range(100):  # the engine thread drops them at its next step
+            if not scheduler.pool.live:
+                break
+            time.sleep(0.01)
+    finally:
+        gateway.close()
+    # gone within a second, where 300 tokens take longer; cancelled, but for any that sampled the end token first
+    assert not scheduler.pool.live and scheduler.stats["rows_cancelled"] >= 4, scheduler.stats
