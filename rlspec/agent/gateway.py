@@ -63,6 +63,10 @@ from .runner import AgentFailure, load_agent
 from .trajectory import Call, ContextMismatch, assemble
 
 START_TIMEOUT_S = 30.0
+ADMIT_WAIT_S = 0.03
+"""How long an agent's turn may wait, while other rows decode, for more turns to start with it (a quarter of the rows
+in flight): each admission holds the decode of every row for its host time (tens of ms for the 0.5B shape on an
+H200), so a step of 64 agents x 4 turns admitted one turn at a time spends seconds there; at most 30 ms a turn."""
 
 _agent_loop: asyncio.AbstractEventLoop | None = None
 _agent_loop_lock = threading.Lock()
@@ -208,6 +212,8 @@ class AgentGateway:
         # The trainer writes the weights between steps only: `rollout` says so with a job at each step's start, and
         # the pool keeps its derived copies and ended rows' K/V (prefix reuse across turns) until then.
         self.host = EngineHost(hosted, model_name, owns_weights=True)
+        # Turns arrive one by one while other agents' rows decode: they start in batches (`Scheduler.admit_wait_s`).
+        self.host.thread.admit_wait_s = ADMIT_WAIT_S
         # The bridge endpoints of the app are never used here; a token nobody knows keeps them shut.
         self.app = build_app(self.host, secrets.token_hex(16))
         self.openai = self.app.state.openai

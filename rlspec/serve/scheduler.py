@@ -46,6 +46,9 @@ BESIDE_THREADS = 256
 """Requests in flight at once to an engine outside this process (`Scheduler.run_async(beside=True)`)."""
 
 
+ADMIT_SHARE = 0.25
+"""With `Scheduler.admit_wait_s` set and rows in flight, queued rows start once they are this share of them."""
+
 SLOW_DECODE_S = 0.1
 """A decode run longer than this counts in `slow_decodes` (a run is up to 8 steps: a few ms when nothing stalls it)."""
 
@@ -99,6 +102,8 @@ class Submission:
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: threading.Event = field(default_factory=threading.Event)
     on_cancel: Callable[[], None] | None = None
+    arrived_s: float = field(default_factory=time.monotonic)
+    """When it was made (the request's arrival): how long its rows have waited (`Scheduler.admit_wait_s`)."""
     _listeners: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -250,6 +255,11 @@ class Scheduler(RowQueue):
         `describe` adds `gc_s` (this process's seconds in Python's garbage collector since the scheduler started, any
         thread) and the pool's `captures` and `capture_s` (decode steps and packed prefills captured as CUDA graphs,
         within the decode runs' and admissions' time)."""
+        self.admit_wait_s = 0.0
+        """With rows in flight, queued rows start together: once they are `ADMIT_SHARE` of the rows in flight (or
+        fill the free slots), or the oldest has waited this long; 0 starts them at the next step, whatever their
+        number. An admission's host time (a prefill forward, the copies into slots) holds every row's decode, and it
+        is about the same for one row as for many: agents' turns arrive one by one (the agent gateway sets it)."""
         self._gc_at_start = _gc_clock()
         self.on_iteration: Callable[[], None] | None = None
         """Called on the engine thread before each turn of its loop (and so before it waits for work): the engine
@@ -401,7 +411,7 @@ class Scheduler(RowQueue):
         if self.pool is None or not (self.waiting and isinstance(self.waiting[0], Submission)):
             return False
         free = self.pool.free()
-        if not free:
+        if not free or not self._batch_ready(free):
             return False
         if not self.pool.live and (self._job_ran or not self.owns_weights):
             # Weights may have changed while the pool was idle: a job (a push), or a colocated trainer's step
@@ -439,6 +449,20 @@ class Scheduler(RowQueue):
                 self.waiting.remove(sub)
         self.stats["max_rows_in_flight"] = max(self.stats["max_rows_in_flight"], len(self.pool.live))
         return True
+
+    def _batch_ready(self, free: int) -> bool:
+        """Whether the queued rows start now (`admit_wait_s`): no rows in flight, enough rows queued, or the oldest
+        queued long enough."""
+        if not self.admit_wait_s or not self.pool.live:
+            return True
+        queued, oldest = 0, math.inf
+        for sub in self.waiting:
+            if not isinstance(sub, Submission):
+                break
+            queued += sub.rows - sub.admitted
+            oldest = min(oldest, sub.arrived_s)
+        return (queued >= min(free, max(1, math.ceil(len(self.pool.live) * ADMIT_SHARE)))
+                or time.monotonic() - oldest >= self.admit_wait_s)
 
     def _decode(self) -> None:
         try:
