@@ -26,9 +26,10 @@ beyond `rollout.agent.max_turns`, or for a trajectory that timed out, are refuse
 
 Agents run `rollout.agent.concurrency` at a time as tasks on one agent event loop (`agent_loop`; a plain function
 agent in a thread of its own), the next starting as soon as one ends, and the gateway's routes wait for the engine
-without holding a thread: their requests join one decode batch (the scheduler of `rlspec.serve`, in front of the
-in-process engine here or in the rollout server), and a turn extending an earlier one prefills only its new tokens
-(`rlspec.serve.prefill.PrefixCache`).
+without holding a thread (an agent on the agent loop using `client.http_client` reaches them in process, without
+the socket: `client.serve_in_process`): their requests join one decode batch (the scheduler of `rlspec.serve`, in
+front of the in-process engine here or in the rollout server), and a turn extending an earlier one prefills only its
+new tokens (`rlspec.serve.prefill.PrefixCache`).
 
 A GRPO group is `group_size` trajectories of one prompt. A failed trajectory (see `runner`) is counted
 and dropped, never scored; a group left with fewer than two trajectories is dropped too (GRPO compares
@@ -42,6 +43,7 @@ import asyncio
 import copy
 import secrets
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -53,12 +55,18 @@ from ..errors import RunError
 from ..rollout.base import Rollout
 from ..serve.app import EngineHost, build_app
 from ..serve.openai_api import ChatRequest, CompletionRequest, Reply
+from ..serve.process import SWITCH_INTERVAL_S
 from ..spec import RunPlan
 from ..tasks import Prompt
+from .client import serve_in_process
 from .runner import AgentFailure, load_agent
 from .trajectory import Call, ContextMismatch, assemble
 
 START_TIMEOUT_S = 30.0
+ADMIT_WAIT_S = 0.03
+"""How long an agent's turn may wait, while other rows decode, for more turns to start with it (a quarter of the rows
+in flight): each admission holds the decode of every row for its host time (tens of ms for the 0.5B shape on an
+H200), so a step of 64 agents x 4 turns admitted one turn at a time spends seconds there; at most 30 ms a turn."""
 
 _agent_loop: asyncio.AbstractEventLoop | None = None
 _agent_loop_lock = threading.Lock()
@@ -81,12 +89,15 @@ class _EngineView:
     sampling settings (`with_spec`, as `HFEngine` has); here `model` is the wrapped engine, which samples
     with `spec` when it has one (a served engine)."""
 
-    def __init__(self, engine, tokenizer, spec, device="cpu", micro_batch_size: int = 1) -> None:
+    def __init__(self, engine, tokenizer, spec, device="cpu", micro_batch_size: int = 1,
+                 vocab_size: int | None = None) -> None:
         self.model, self.tokenizer, self.spec = engine, tokenizer, spec
         self.device, self.micro_batch_size = device, micro_batch_size
+        self.vocab_size = vocab_size
+        """The ids the model embeds (`scheduler.model_vocab`): a turn sent back as ids may hold any it sampled."""
 
     def with_spec(self, spec) -> "_EngineView":
-        return _EngineView(self.model, self.tokenizer, spec, self.device, self.micro_batch_size)
+        return _EngineView(self.model, self.tokenizer, spec, self.device, self.micro_batch_size, self.vocab_size)
 
     def generate(self, prompts: list[str] | list[list[int]], n: int, seed: int, options=None,
                  first_sample: int = 0) -> Rollout:
@@ -98,6 +109,25 @@ class _EngineView:
             engine.spec = self.spec
         # Only engines that number samples take `first_sample` (the Ray engines do not): passed when asked for.
         return engine.generate(prompts, n, seed, **({"first_sample": first_sample} if first_sample else {}))
+
+
+def _model_vocab(plan: RunPlan) -> int | None:
+    """The token ids the plan's model embeds, read without loading it (a preset's shape, a directory's config.json),
+    None if unknown."""
+    import json
+    from pathlib import Path
+
+    from ..models.presets import PRESETS
+
+    model = plan.spec.model
+    if model.path is None:
+        return PRESETS.get(model.preset, {}).get("vocab_size")
+    try:
+        config = json.loads((Path(model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return vocab if isinstance(vocab, int) else None
 
 
 def _enough_files(wanted: int) -> None:
@@ -176,11 +206,14 @@ class AgentGateway:
         self.plan = plan
         self.spec = plan.spec.rollout.agent
         self.agent = load_agent(self.spec)
-        hosted = engine if isinstance(engine, HFEngine) else _EngineView(engine, engine.tokenizer, plan.spec.rollout)
+        hosted = engine if isinstance(engine, HFEngine) else _EngineView(engine, engine.tokenizer, plan.spec.rollout,
+                                                                         vocab_size=_model_vocab(plan))
         model_name = plan.spec.model.path or plan.spec.model.preset
         # The trainer writes the weights between steps only: `rollout` says so with a job at each step's start, and
         # the pool keeps its derived copies and ended rows' K/V (prefix reuse across turns) until then.
         self.host = EngineHost(hosted, model_name, owns_weights=True)
+        # Turns arrive one by one while other agents' rows decode: they start in batches (`Scheduler.admit_wait_s`).
+        self.host.thread.admit_wait_s = ADMIT_WAIT_S
         # The bridge endpoints of the app are never used here; a token nobody knows keeps them shut.
         self.app = build_app(self.host, secrets.token_hex(16))
         self.openai = self.app.state.openai
@@ -295,12 +328,15 @@ class AgentGateway:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RunError(f"the agent gateway did not start on 127.0.0.1:{port}")
             time.sleep(0.01)
+        # an agent on this process's agent loop that uses `client.http_client` skips the network (`serve_in_process`)
+        serve_in_process("127.0.0.1", port, self.app)
         return server, thread, f"http://127.0.0.1:{port}"
 
     def base_url(self, trajectory: str) -> str:
         return f"{self.url}/gateway/{trajectory}/v1"
 
     def close(self) -> None:
+        serve_in_process("127.0.0.1", int(self.url.rsplit(":", 1)[1]), None)
         self._server.should_exit = True
         self._thread.join(timeout=5.0)
 
@@ -331,12 +367,19 @@ class AgentGateway:
         """Every job as a task on the agent event loop (`agent_loop`), at most `concurrency` at once: a job that ends
         starts the next one at once, whatever its group. A job past its timeout is cancelled (an async function, a
         command's wait) or abandoned (a plain function's thread); either way its trajectory is closed."""
+        # The engine thread makes hundreds of short torch calls an admission, each giving the interpreter lock up and
+        # taking it back; with the agents' and the routes' Python busy on other threads, each take-back can wait
+        # Python's switch interval (5 ms by default): the server's shorter one while agents run (`rlspec serve`'s).
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
         running = asyncio.run_coroutine_threadsafe(self._run_all(jobs), agent_loop())
         try:
             running.result()
         except BaseException:  # e.g. a stop signal while the step samples: its agents are cancelled, not left running
             running.cancel()
             raise
+        finally:
+            sys.setswitchinterval(interval)
 
     async def _run_all(self, jobs: list[_Job]) -> None:
         slots = asyncio.Semaphore(self.spec.concurrency)

@@ -152,8 +152,10 @@ class GraphSampler:
         # `compile_ends`: the step's own element-wise work around the decoder (recording the sample, the counters)
         # compiled with it, as the decoder's work before its first layer and after its last: about 40 small
         # kernels a step otherwise, ten with them compiled.
+        # (Only where the blocks are compiled, which alone uses them: `torch.compile` imports Inductor, 6-14 s of a
+        # CPU process's start on a busy 2-core machine, for nothing.)
         self._bookkeeping = ((torch.compile(_record, dynamic=False), torch.compile(_advance, dynamic=False))
-                             if compile_ends else (_record, _advance))
+                             if compile_ends and self.compiled else (_record, _advance))
         self.check_every = check_every
         self.share_prefill = share_prefill  # False: one prefill per row (the equivalence tests' reference)
         self.shrink_tail = shrink_tail

@@ -282,7 +282,7 @@ def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str,
                           max_model_len=max_model_len)
         sampler = getattr(engine, "sampler_kind", None)
         info = {"pool_reason": host.thread.pool_reason, "row_budget": host.thread.row_budget,
-                "context": host.thread.context, "max_model_len": max_model_len,
+                "context": host.thread.context, "max_model_len": max_model_len, "vocab": host.thread.vocab,
                 "sampler": sampler() if sampler else None, "pid": os.getpid(),
                 "warmed": host.thread.warm_pool() if warm_pool else None}
     except BaseException as err:  # noqa: BLE001 - the HTTP process raises it (a SpecError stays exit 2)
@@ -318,6 +318,7 @@ class RemoteScheduler(RowQueue):
         self.row_budget = info["row_budget"]
         self.context = info["context"]
         self.max_model_len = info["max_model_len"]
+        self.vocab = info["vocab"]
         self.max_queued_rows = max_queued_rows
         self.queued_rows = 0
         self.stats = {"refused": 0}

@@ -487,7 +487,8 @@ class OpenAIRoutes:
             raise bad("prompt", f"give 1 to {MAX_PROMPTS} prompts, got {len(prompts)}")
         if any(not p for p in prompts):
             raise bad("prompt", "empty prompt")
-        vocab = len(self.tokenizer)
+        # the model's ids, not only the tokenizer's: a turn sent back as ids holds what the model sampled
+        vocab = max(len(self.tokenizer), self.host.thread.vocab or 0)
         if any(not isinstance(p, str) and not all(0 <= t < vocab for t in p) for p in prompts):
             raise bad("prompt", f"token ids must be in [0, {vocab})")
         return prompts

@@ -126,10 +126,13 @@ class Prefills:
                 rest.append(p)
             else:
                 rows.append((p, entry, reused))
-        if self.sampler.use_graphs and sum(m for _, _, m in rows) < GRAPH_MIN_REUSED:
+        if self.packed and sum(m for _, _, m in rows) < GRAPH_MIN_REUSED:
             self.prefix.stats["declined"] += len(rows)  # the captured packed prefill is cheaper here
             return rest + [p for p, _, _ in rows]
-        for part in extension_batches(rows, separate=not self.sampler.use_graphs and not self.packed):
+        d = self.decoder
+        token_bytes = 2 * d.num_layers * d.num_kv_heads * d.head_dim * d.dtype.itemsize
+        for part in extension_batches(rows, separate=not self.sampler.use_graphs and not self.packed,
+                                      cells=EXTEND_BYTES // token_bytes):
             stack, hidden, starts, widths = extend(self.decoder, part, self.eos, self.device)
             self._keep([p for p, _, _ in part], Prefill(stack, hidden, starts, widths))
         return rest
@@ -274,13 +277,17 @@ MIN_SHARE = 0.5
 """A match reused only when it covers at least this share of the prompt: a short shared head (a system prompt, a
 group's task prompt) is left to the ordinary prefill, which on CUDA replays a captured packed forward, where the
 extension forward is eager."""
-GRAPH_MIN_REUSED = 16384
-"""Where the pool's prefills replay captured graphs (CUDA), an admission extends its matching prompts only when they
-reuse this many tokens together; else they take the captured packed prefill. The extension forward is eager: ~40 ms
-of host time for the 0.5B shape (`docs/serving_concurrency.md`), about what a captured prefill of ~13k tokens costs
-that model's GPU (an estimate, not measured: `tests/gpu/probe_prefix.py` measures both at 1, 8 and 64 rows)."""
-EXTEND_CELLS = 1 << 16
-"""Rows x (their longest kept prefix + new tokens) that one extension forward takes at most (its K/V buffer)."""
+GRAPH_MIN_REUSED = PREFILL_GRAPH_TOKENS
+"""Where the pool's prefills replay captured packed graphs (CUDA, 16-bit, varlen attention), an admission extends its
+matching prompts only when they reuse this many tokens together (more than one captured packed prefill takes); else
+they take the captured packed prefill. (Elsewhere the full prefill is eager too: every match is reused.) The
+extension forward is eager, host-bound: on one H200, 0.5B shape, ~2.1k-token contexts + 50 new tokens
+(`tests/gpu/probe_prefix.py`), 26 ms for 1 row against 19 ms for the captured full prefill, 29 against 75 ms for 8
+rows (17k tokens: eager packed forwards past 8,192), 144 against 490 ms for 64 rows."""
+EXTEND_BYTES = 2 << 30
+"""The K/V buffer of one extension forward at most (rows x (their longest kept prefix + new tokens) x a token's K/V
+of every layer): each forward is ~1,100 torch calls of host time whatever its size, so as few as fit. 2 GiB: 64 rows
+of 2.2k tokens of the 0.5B shape (12 KiB a token) in one forward, where a bound of 64k cells took three."""
 
 
 @dataclass
@@ -430,15 +437,15 @@ def extend(decoder, rows: list[tuple[tuple[int, ...], _Entry, int]], eos: int, d
     return stack, hidden, [i * width for i in range(count)], [len(p) for p, _, _ in rows]
 
 
-def extension_batches(rows: list, separate: bool) -> list[list]:
+def extension_batches(rows: list, separate: bool, cells: int) -> list[list]:
     """`rows` (prompt, entry, reused) split into extension forwards: each alone when `separate` (CPU: a prompt's K/V
-    then do not depend on the others'), else by similar widths up to `EXTEND_CELLS` cells a forward."""
+    then do not depend on the others'), else by similar widths up to `cells` rows x width a forward (`EXTEND_BYTES`)."""
     if separate:
         return [[row] for row in rows]
     batches, part = [], []
     for row in sorted(rows, key=lambda r: len(r[0])):
         widest = max([r[2] for r in part + [row]]) + max(len(r[0]) - r[2] for r in part + [row])
-        if part and (len(part) + 1) * widest > EXTEND_CELLS:
+        if part and (len(part) + 1) * widest > cells:
             batches.append(part)
             part = []
         part.append(row)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -43,6 +44,8 @@ class Submission:
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: threading.Event = field(default_factory=threading.Event)
     on_cancel: Callable[[], None] | None = None
+    arrived_s: float = field(default_factory=time.monotonic)
+    """When it was made (the request's arrival): how long its rows have waited (`Scheduler.admit_wait_s`)."""
     long: bool = False
     """Set by the scheduler: a row is longer than the pool's rows (it decodes in the long lane)."""
     _listeners: list = field(default_factory=list)
@@ -86,7 +89,8 @@ class Submission:
 
     async def wait_async(self, receive: Callable[[], Any] | None = None) -> None:
         """Until every row has ended. `receive` (the ASGI receive of the request, its body already read) is
-        listened to meanwhile: a client that goes away cancels the request (its rows leave at the next step)."""
+        listened to meanwhile: a client that goes away cancels the request (its rows leave at the next step), as
+        does cancelling the task that waits."""
         async def listen_for_disconnect() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
@@ -98,6 +102,9 @@ class Submission:
             while not self.done.is_set():  # a cancelled request's rows end too (nobody reads its reply)
                 await event.wait()
                 event.clear()
+        except asyncio.CancelledError:  # the waiting task was cancelled (an in-process agent timed out): rows leave
+            self.cancel()
+            raise
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -127,7 +134,7 @@ class RowQueue:
     """What the routes ask of a scheduler before rows go to it, kept where the requests arrive: whether rows join
     the decode batch, and the count of rows waiting for a slot against `max_queued_rows` (`Scheduler` here,
     `engine_process.RemoteScheduler` in the HTTP process of an engine of its own). Subclasses set `pool_reason`,
-    `row_budget`, `context`, `max_model_len`, `max_queued_rows`, `queued_rows`, `stats` (with "refused") and
+    `row_budget`, `context`, `vocab`, `max_model_len`, `max_queued_rows`, `queued_rows`, `stats` (with "refused") and
     `_count_lock`."""
 
     def takes(self, prompt_ids: list[list[int]], max_tokens: int) -> bool:

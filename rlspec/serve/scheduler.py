@@ -55,6 +55,9 @@ BESIDE_THREADS = 256
 LONG_SLOTS = 4
 """Rows the long lane decodes at once (its cache: this many rows of the model's context, or `--max-model-len`)."""
 
+ADMIT_SHARE = 0.25
+"""With `Scheduler.admit_wait_s` set and rows in flight, queued rows start once they are this share of them."""
+
 SLOW_DECODE_S = 0.1
 """A decode run longer than this counts in `slow_decodes` (a run is up to 8 steps: a few ms when nothing stalls it)."""
 
@@ -113,6 +116,8 @@ class Scheduler(RowQueue):
         """Prompt plus max tokens a row of the pool may reach (its cache length)."""
         self.context = model_context(engine)
         """The model's positions (None where unknown: an engine outside this process)."""
+        self.vocab = model_vocab(engine)
+        """The token ids the model embeds (None where unknown): a prompt's ids may be any of them."""
         if max_model_len is not None and self.context is not None and max_model_len > self.context:
             raise SpecError("--max-model-len", f"{max_model_len} is past the model's context of {self.context} "
                                                "positions", f"give at most --max-model-len {self.context}, or leave "
@@ -142,6 +147,11 @@ class Scheduler(RowQueue):
         `describe` adds `gc_s` (this process's seconds in Python's garbage collector since the scheduler started, any
         thread) and the pool's `captures` and `capture_s` (decode steps and packed prefills captured as CUDA graphs,
         within the decode runs' and admissions' time)."""
+        self.admit_wait_s = 0.0
+        """With rows in flight, queued rows start together: once they are `ADMIT_SHARE` of the rows in flight (or
+        fill the free slots), or the oldest has waited this long; 0 starts them at the next step, whatever their
+        number. An admission's host time (a prefill forward, the copies into slots) holds every row's decode, and it
+        is about the same for one row as for many: agents' turns arrive one by one (the agent gateway sets it)."""
         self._gc_at_start = _gc_clock()
         self.on_iteration: Callable[[], None] | None = None
         """Called on the engine thread before each turn of its loop (and so before it waits for work): the engine
@@ -332,6 +342,8 @@ class Scheduler(RowQueue):
             self._job_ran = False
         lanes: dict[int, tuple[ServingPool, list, list]] = {}  # id(pool) -> (pool, rows, taken)
         free = {id(pool): pool.free() for pool in self._pools()}
+        if not self._batch_ready(free[id(self.pool)]):
+            free[id(self.pool)] = 0  # the pool's queued rows wait to start together (the long lane's need not)
         for sub in list(self.waiting):
             if not isinstance(sub, Submission):
                 break
@@ -358,6 +370,20 @@ class Scheduler(RowQueue):
             self._admit_rows(pool, rows, taken)
         self.stats["max_rows_in_flight"] = max(self.stats["max_rows_in_flight"], self._live())
         return bool(lanes)
+
+    def _batch_ready(self, free: int) -> bool:
+        """Whether the pool's queued rows start now (`admit_wait_s`): no rows in flight, enough rows queued, or the
+        oldest queued long enough."""
+        if not free or not self.admit_wait_s or not self.pool.live:
+            return True
+        queued, oldest = 0, math.inf
+        for sub in self.waiting:
+            if not isinstance(sub, Submission):
+                break
+            queued += sub.rows - sub.admitted
+            oldest = min(oldest, sub.arrived_s)
+        return (queued >= min(free, max(1, math.ceil(len(self.pool.live) * ADMIT_SHARE)))
+                or time.monotonic() - oldest >= self.admit_wait_s)
 
     def _lane(self, sub: Submission) -> ServingPool | None:
         """The pool `sub`'s rows decode in: the long lane's made at its first row (None: it could not be; `sub`
@@ -464,6 +490,16 @@ def pool_unsupported(engine) -> str | None:
     if not isinstance(engine, HFEngine):
         return f"the engine ({type(engine).__name__}) samples outside this process"
     return unsupported_reason(engine.model)
+
+
+def model_vocab(engine) -> int | None:
+    """The token ids `engine`'s model embeds (its config's `vocab_size`, or the engine's own `vocab_size`), None if
+    unknown. A random-init preset's (152k for the 0.5B shape) exceeds its byte tokenizer's 260 ids, and the model
+    samples ids past the tokenizer's: an agent that sends a turn back as ids sends those too."""
+    vocab = getattr(engine, "vocab_size", None)
+    if vocab is None:
+        vocab = getattr(getattr(getattr(engine, "model", None), "config", None), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
 
 
 def model_context(engine) -> int | None:

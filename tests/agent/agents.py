@@ -102,3 +102,16 @@ async def hangs_async(prompt: str, base_url: str) -> str:
         STATE["cancelled"] += 1
         raise
     return "never"
+
+
+async def cancels_its_completion_once_all_rows_decode(prompt: str, base_url: str) -> str:
+    """Asks for a long completion (the gateway's client: in process, on this loop) and cancels it once every agent's
+    row has started decoding (`STATE["scheduler"]`, set by the test)."""
+    call = asyncio.ensure_future(complete_async(base_url, prompt, 300))
+    scheduler = STATE["scheduler"]
+    for _ in range(1000):
+        if scheduler.stats["rows_admitted"] == STATE["rows"]:
+            break
+        await asyncio.sleep(0.005)
+    call.cancel()
+    return "cancelled"

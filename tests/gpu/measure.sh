@@ -372,6 +372,7 @@ print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen']
       #   beside the engine's plain batched rollout of as many trajectories at 640 tokens (the agent's mean: 4 x 160);
       #   generated (model) tokens/s of each and the ratio, medians of the steps after the first
       # chat: the chat agent example (two turns of 4 tokens, a tool call between) at 64 and 256 agents: trajectories/s
+      #   (agents on the process's agent loop reach the gateway in process), and at 64 over the gateway's socket
       # calc: the calculator agent on the gsm8k sample prompts at 64 and 256 agents (tiny model: mostly one turn)
       # prefix: a turn's admission with prefix reuse against a full prefill of the same ~2k-token context, 1/8/64 rows
       AM_PY="timeout ${AM_TIMEOUT:-300} python3"
@@ -382,7 +383,9 @@ a=[r for r in rows if 'step' in r][1:]; p=[r for r in rows if 'plain_step' in r]
 m=lambda rs,k: round(s.median(r.get(k,0) for r in rs),1) if rs else None
 out={'agent_traj_per_s':m(a,'trajectories_per_s'),'agent_tok_per_s':m(a,'model_tokens_per_s'),'failed':sum(r['failed'] for r in a),
  'turns':m(a,'turns_mean'),'tokens_per_traj':m(a,'model_tokens_mean'),'engine_busy':m(a,'engine_busy_share'),
- 'prefix_hits':m(a,'prefix_hits'),'prefix_new_tokens':m(a,'prefix_new_tokens'),'prefix_reused_tokens':m(a,'prefix_reused_tokens')}
+ 'prefix_hits':m(a,'prefix_hits'),'prefix_new_tokens':m(a,'prefix_new_tokens'),'prefix_reused_tokens':m(a,'prefix_reused_tokens'),
+ 'admits':m(a,'admits'),'admit_ms_each':m(a,'admit_ms_each'),'cpu_s_engine':m(a,'cpu_s_engine'),'cpu_s_agents':m(a,'cpu_s_agents'),
+ 'cpu_s_http':m(a,'cpu_s_http')}
 if p: out.update(plain_tok_per_s=m(p,'model_tokens_per_s'),ratio=round(m(a,'model_tokens_per_s')/m(p,'model_tokens_per_s'),3) if a else None)
 print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
       }
@@ -399,9 +402,10 @@ print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
               cat $OUT/agents_plain_$n.log $OUT/agents_multiturn_$n.log > $OUT/agents_both_$n.log
               am_summary $OUT/agents_both_$n.log "multiturn $n agents"; cp $OUT/results.txt $FINAL/
             done ;;
-          chat) for n in 64 256; do
+          chat) for n in 64 256 64-http; do  # 64-http: the agents over the gateway's socket, not in process
               CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $ROOT/examples/agent_chat_tool.yaml hardware=gpu1 \
-                rollout.agent.function=$ROOT/examples/agents/chat_tool.py:solve --agents $n --steps 5 > $OUT/agents_chat_$n.log 2>&1
+                rollout.agent.function=$ROOT/examples/agents/chat_tool.py:solve --agents ${n%-http} --steps 5 \
+                $([ $n = 64-http ] && echo --http) > $OUT/agents_chat_$n.log 2>&1
               echo "agents_multiturn chat $n exit $?" >> $OUT/results.txt; am_summary $OUT/agents_chat_$n.log "chat $n agents"
               cp $OUT/results.txt $FINAL/
             done ;;

@@ -3,8 +3,10 @@ trajectories (the spec's agent, all at once), no training. Per step (the first o
 line: the step's wall, the engine thread's seconds admitting (prefill) and decoding (the scheduler's counters), the
 seconds calls spent waiting for the engine (queue + admission + decode, summed over calls and divided by the
 agents, i.e. per agent) against each agent's wall, the turns, the model tokens, and the prefix cache's counters.
+`--http`: the agents reach the gateway over its socket (else in process, as an agent on the process's agent loop
+does). Per step also the CPU seconds of the engine thread, the agents' loop, the HTTP server's thread and the rest.
 `--plain-tokens N` then times the engine's plain batched rollout of as many trajectories, N new tokens each.
-    python tests/gpu/probe_agents.py SPEC [override ...] [--agents 64] [--steps 4] [--plain-tokens N]
+    python tests/gpu/probe_agents.py SPEC [override ...] [--agents 64] [--steps 4] [--plain-tokens N] [--http]
 e.g. python tests/gpu/probe_agents.py examples/agent_chat_tool.yaml --agents 64 (docs/agents.md)."""
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def main() -> None:
     parser.add_argument("--plain-tokens", type=int, default=0,
                         help="then time the engine's plain batched rollout of the same prompts, this many new tokens")
     parser.add_argument("--plain-steps", type=int, default=3, help="plain rollouts timed (after a warm-up one)")
+    parser.add_argument("--http", action="store_true",
+                        help="agents reach the gateway over its socket, not in process (`client.serve_in_process`)")
     args = parser.parse_args()
 
     from rlspec.agent.gateway import AgentGateway
@@ -42,6 +46,10 @@ def main() -> None:
         torch.set_num_threads(plan.spec.hardware.num_threads)
     engine = build_engine(plan)
     gateway = AgentGateway(plan, engine)
+    if args.http:
+        from rlspec.agent.client import serve_in_process
+
+        serve_in_process("127.0.0.1", int(gateway.url.rsplit(":", 1)[1]), None)
     waited = [0.0]
     for name in ("completion_async", "chat_async"):  # the seconds each call awaited the engine (its queue included)
         original = getattr(gateway.openai, name)
@@ -59,10 +67,12 @@ def main() -> None:
         for step in range(args.steps):
             before, waited[0] = dict(scheduler.stats), 0.0
             prefix_before = _prefix(scheduler)
+            cpu_before = _thread_cpu()
             began = time.perf_counter()
             out = gateway.rollout(task.sample(step, prompts), step)
             wall = time.perf_counter() - began
             stats = {k: scheduler.stats[k] - before[k] for k in ("admits", "admit_s", "steps", "decode_s")}
+            cpu = {name: round(s - cpu_before.get(name, 0.0), 3) for name, s in _thread_cpu().items()}
             model_tokens = sum(sum(m) for m in out.rollout.completion_mask)
             n = out.metrics["agent/trajectories"]
             print(json.dumps({
@@ -72,6 +82,8 @@ def main() -> None:
                 "engine_admit_s": round(stats["admit_s"], 4), "engine_decode_s": round(stats["decode_s"], 4),
                 "engine_busy_share": round((stats["admit_s"] + stats["decode_s"]) / wall, 3),
                 "admits": stats["admits"], "decode_runs": stats["steps"],
+                "admit_ms_each": round(1000 * stats["admit_s"] / max(stats["admits"], 1), 2),
+                **{f"cpu_s_{name}": v for name, v in cpu.items()},
                 "call_wait_s_per_agent": round(waited[0] / max(n, 1), 4),
                 "call_wait_share": round(waited[0] / max(n, 1) / wall, 3),
                 **{f"prefix_{k}": v - prefix_before.get(k, 0) for k, v in _prefix(scheduler).items()}}), flush=True)
@@ -102,6 +114,30 @@ def plain(engine, task, prompts: int, group: int, tokens: int, steps: int) -> No
                           "tokens_mean": round(generated / len(out.completion_ids), 1),
                           "trajectories_per_s": round(len(out.completion_ids) / wall, 1),
                           "model_tokens_per_s": round(generated / wall, 1)}), flush=True)
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of the engine thread, the agent loop's, the gateway's HTTP server's and the rest of the
+    process's threads together (Linux: /proc; empty elsewhere)."""
+    import os
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), "")
+        key = {"rlspec-engine": "engine", "rlspec-agents": "agents", "rlspec-agent-gateway": "http"}.get(name, "other")
+        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _prefix(scheduler) -> dict:

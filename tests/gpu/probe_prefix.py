@@ -3,7 +3,8 @@ the spec's model in a serving pool; `--rows` rows of `--context`-token prompts a
 each (turn 1), then their next turn (prompt + sampled tokens + a `--tool`-token result) admitted twice: into the
 pool that kept turn 1's K/V (prefix reuse), and into the same pool with its prefix cache emptied (a full prefill of
 the whole context), every match reused (`prefill.GRAPH_MIN_REUSED` set to 0). The admission's seconds (the engine's
-clock after a device sync; the median of `--repeats`, after a warm-up), one JSON line per row count.
+clock after a device sync; the median of `--repeats`, after a warm-up), one JSON line per row count; `served_vs_full`:
+the path the pool takes as it serves (reuse only past `GRAPH_MIN_REUSED` reused tokens where prefills are captured).
     python tests/gpu/probe_prefix.py examples/bench_qwen0p5b.yaml --context 2048 --rows 1,8,64"""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
 
     from rlspec.serve import prefill
 
+    served_min = prefill.GRAPH_MIN_REUSED  # what the pool serves with: reuse only past this many reused tokens
     prefill.GRAPH_MIN_REUSED = 0  # every match reused, whatever an admission saves: the cost of reuse itself
     need = args.context + args.tokens + args.tool + 64
     plan, _ = build_plan(args.spec, [*args.overrides, f"rollout.max_prompt_tokens={need}",
@@ -70,9 +72,10 @@ def main() -> None:
             sampled = finish()
             tool = torch.randint(32, 127, (args.tool,), generator=gen).tolist()
             turn = [first[i] + sampled[i] + tool for i in range(rows)]
-            before = pool.prefills.prefix.stats["hits"]
+            before = dict(pool.prefills.prefix.stats)
             took_reuse = admit(turn)
-            hits = pool.prefills.prefix.stats["hits"] - before
+            hits = pool.prefills.prefix.stats["hits"] - before["hits"]
+            reused = pool.prefills.prefix.stats["reused_tokens"] - before["reused_tokens"]
             finish()
             pool.prefills.prefix.clear()
             pool.prefills.cache.clear()
@@ -83,8 +86,11 @@ def main() -> None:
                 reuse.append(took_reuse)
                 full.append(took_full)
         r, f = statistics.median(reuse), statistics.median(full)
+        # as served: the pool reuses only where an admission reuses `GRAPH_MIN_REUSED` tokens or more (on CUDA)
+        served = r if reused >= served_min or not pool.prefills.packed else f
         print(json.dumps({"rows": rows, "context": len(turn[0]), "new_tokens": args.tool, "prefix_hits": hits,
                           "admit_reuse_s": round(r, 5), "admit_full_s": round(f, 5), "reuse_vs_full": round(r / f, 3),
+                          "served_vs_full": round(served / f, 3), "served_reuses": served is r,
                           "reuse_all_s": [round(x, 5) for x in reuse], "full_all_s": [round(x, 5) for x in full]}),
               flush=True)
 

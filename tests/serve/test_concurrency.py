@@ -435,3 +435,32 @@ def test_a_warmed_pool_holds_every_pool_size_before_any_request(server):
     assert host.thread.warm_pool() == (0, 0.0)
     pool = host.thread.pool
     assert sorted(pool._pools) == [b for b in BATCH_BUCKETS if pool.floor <= b <= pool.max_slots]
+
+
+def test_with_admit_wait_rows_queued_behind_rows_in_flight_start_together():
+    """`Scheduler.admit_wait_s` (the agent gateway's): with rows in flight, queued rows wait for a quarter of their
+    number (or the free slots), or for the oldest to have waited that long; an idle pool starts them at once."""
+    from types import SimpleNamespace
+
+    from rlspec.serve.pool import RowSampling
+    from rlspec.serve.scheduler import Scheduler, Submission
+
+    def sub(rows: int, age_s: float = 0.0) -> Submission:
+        out = Submission(prompt_ids=[[5]] * rows, samplings=[RowSampling(key=0, max_tokens=4)] * rows)
+        out.arrived_s -= age_s
+        return out
+
+    def ready(waiting, live: int, free: int = 64, wait_s: float = 0.03) -> bool:
+        state = SimpleNamespace(admit_wait_s=wait_s, pool=SimpleNamespace(live=dict.fromkeys(range(live))),
+                                waiting=waiting)
+        return Scheduler._batch_ready(state, free)
+
+    assert ready([sub(1)], live=0)  # idle: at once
+    assert ready([sub(1)], live=16, wait_s=0.0)  # no wait set: at once
+    assert not ready([sub(1), sub(2)], live=16)  # 3 of the 4 a quarter of 16 rows asks
+    assert ready([sub(1), sub(3)], live=16)
+    assert ready([sub(2)], live=16, free=2)  # they fill the free slots
+    assert ready([sub(1, age_s=0.05)], live=16)  # the oldest waited long enough
+    waiting = [sub(1)]
+    time.sleep(0.04)
+    assert ready(waiting, live=16)
