@@ -92,6 +92,16 @@ class Sharding:
 
 
 @dataclass(frozen=True)
+class Dispatch:
+    """How a step's prompts reach several rollout engines (`rlspec.rollout.dispatch`)."""
+
+    method: str
+    """queue (chunks taken by whichever engine is free) | split (one fixed run per engine)."""
+    why: str
+    """The reason, in words."""
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """The frozen, fully resolved run: what `rlspec plan` prints and `Backend.setup` receives."""
 
@@ -107,6 +117,8 @@ class RunPlan:
     (`rlspec.models.presets.generation_path`), read from the preset or the model directory's config.json."""
     sharding: Sharding
     """How the trainer ranks hold the model (`_sharding`)."""
+    dispatch: Dispatch
+    """How a step's prompts reach the rollout engines (`_dispatch`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -134,7 +146,26 @@ def compile_plan(spec: Spec, backends: Mapping[str, BackendCaps]) -> RunPlan:
     spec.freeze()
     return RunPlan(backend=spec.backend, spec=spec, batch=batch, placement=placement,
                    sync_method=sync_method, needs_reference_model=spec.algorithm.kl_coef > 0,
-                   generation_path=_generation_path(spec, placement, sync_method), sharding=_sharding(spec))
+                   generation_path=_generation_path(spec, placement, sync_method), sharding=_sharding(spec),
+                   dispatch=_dispatch(spec))
+
+
+def _dispatch(spec: Spec) -> Dispatch:
+    """`rollout.dispatch` resolved: queue where several engines can each take any chunk of a step; split for one
+    engine, and for environments (`model.kind=vla`: each engine keeps the environments of its own groups)."""
+    rollout, engines = spec.rollout, spec.hardware.num_rollout_engines
+    vla = spec.model.kind == "vla"
+    require(not (vla and rollout.dispatch == "queue"), "rollout.dispatch",
+            "model.kind=vla keeps each engine's environments for its own groups, so its groups cannot move between "
+            "engines", "set rollout.dispatch=auto or split")
+    if engines == 1:
+        return Dispatch("split", "one rollout engine takes the whole step")
+    if rollout.dispatch != "auto":
+        return Dispatch(rollout.dispatch, "rollout.dispatch as set")
+    if vla:
+        return Dispatch("split", "model.kind=vla: each engine keeps the environments of its own groups")
+    return Dispatch("queue", f"{engines} engines: {rollout.dispatch_chunks} chunks per engine "
+                             "(rollout.dispatch_chunks), each engine taking the next when it finishes one")
 
 
 def _sharding(spec: Spec) -> Sharding:

@@ -2,8 +2,9 @@
 
 `EngineWorker` holds one `HFEngine` in its own process; `RemoteEngines` fans calls out to one or more
 workers through the watchdog (`rlspec.cluster.ray_utils.wait_all`), so a dead engine stops the run with its
-traceback. With several engines, `generate` splits the prompts evenly, each part numbered from
-its first sample of the step, so the samples do not depend on the number of engines;
+traceback. With several engines, `generate` hands the prompts out by work or in fixed parts (`rlspec.rollout.dispatch`),
+each part numbered from its first sample of the step, so the samples depend neither on the number of engines nor
+on which engine took which part;
 `receive` runs a transport's engine half in every engine, where each carries `engine_index`.
 """
 
@@ -19,6 +20,7 @@ from ..models.factory import load_model, load_tokenizer
 from ..runtime.stall import StackReporter
 from ..spec import RunPlan
 from .base import Rollout
+from .dispatch import chunk_groups, dispatch, split_groups
 
 
 class EngineWorker(StackReporter):
@@ -92,8 +94,12 @@ class EngineWorker(StackReporter):
 class RemoteEngines:
     """Driver-side `RolloutEngine` over engine actors."""
 
-    def __init__(self, actors: Sequence[Any], tokenizer) -> None:
+    def __init__(self, actors: Sequence[Any], tokenizer, dispatch: str = "queue", chunks_per_engine: int = 4) -> None:
         self.actors = list(actors)
+        self.dispatch = dispatch
+        """`queue` or `split` (`rlspec.rollout.dispatch`; the plan's `dispatch.method`)."""
+        self.chunks_per_engine = chunks_per_engine
+        self.last_dispatch: list[int] = [0] * len(self.actors)
         self.labels = [f"rollout engine {i}" for i in range(len(self.actors))]
         self.tokenizer = tokenizer
         self.num_engines = len(self.actors)
@@ -109,18 +115,33 @@ class RemoteEngines:
         return wait_all([getattr(self.actors[0], method).remote(*args)], self.labels[:1])[0]
 
     def generate(self, prompts: list[str], n: int, seed: int, options=None) -> Rollout:
-        """`options` (`SampleOptions`, e.g. an eval's greedy decoding) go to every engine."""
+        """`options` (`SampleOptions`, e.g. an eval's greedy decoding) go to every engine. The prompts go out as the
+        plan's dispatch says (`rlspec.rollout.dispatch`); `last_dispatch` keeps how many each engine took."""
         from ..cluster.ray_utils import wait_all
 
-        share = -(-len(prompts) // self.num_engines)
-        parts = [(i, prompts[i * share:(i + 1) * share]) for i in range(self.num_engines)]
-        parts = [(i, p) for i, p in parts if p]
-        # Engine i's part starts at sample i * share * n of the step: each sample draws the noise it would on one engine.
+        queue = self.dispatch == "queue"
+        chunks = (chunk_groups(len(prompts), self.num_engines, self.chunks_per_engine) if queue
+                  else split_groups(len(prompts), self.num_engines))
         extra = () if options is None else (options,)  # an eval's; a step's rollout passes none
-        outs = wait_all([self.actors[i].generate.remote(p, n, seed, i * share * n, *extra) for i, p in parts],
-                        [self.labels[i] for i, _ in parts])
+
+        def run(i: int, part: range) -> Rollout:
+            # A part starts at sample part.start * n of the step: each sample draws the noise it would on one engine.
+            ref = self.actors[i].generate.remote(prompts[part.start:part.stop], n, seed, part.start * n, *extra)
+            return wait_all([ref], self.labels[i:i + 1])[0]
+
+        outs, workers = dispatch([c for c in chunks if c] if queue else chunks, self.num_engines, run, queue)
+        self.last_dispatch = [0] * self.num_engines
+        for part, worker in zip([c for c in chunks if c] if queue else chunks, workers):
+            self.last_dispatch[worker] += len(part)
+        outs = [o for o in outs if o is not None]
         return Rollout(*(sum((getattr(o, f) for o in outs), []) for f in
                          ("prompt_ids", "completion_ids", "completion_logprobs", "texts")))
+
+    def metrics(self) -> dict[str, float]:
+        """Per engine, the prompts it took in the last `generate` (`rollout/prompts_engine_<i>`), with several."""
+        if self.num_engines == 1:
+            return {}
+        return {f"rollout/prompts_engine_{i}": float(n) for i, n in enumerate(self.last_dispatch)}
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         return self._first("logprobs", batch)
@@ -175,4 +196,4 @@ def create_engines(plan: RunPlan, bundles: Sequence[tuple[Any, int]], num_cpus: 
     actors = [remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b))
               .remote(plan, i) for i, (pg, b) in enumerate(bundles)]
-    return RemoteEngines(actors, load_tokenizer(plan.spec.model))
+    return RemoteEngines(actors, load_tokenizer(plan.spec.model), plan.dispatch.method, plan.spec.rollout.dispatch_chunks)

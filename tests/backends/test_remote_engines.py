@@ -30,3 +30,77 @@ def test_two_engines_sample_what_one_engine_samples(ray_session):
     for count in (2, 3):
         got = RemoteEngines([_actor(engine)] * count, engine.tokenizer).generate(prompts, 2, 5)
         assert got.completion_ids == want.completion_ids, count
+
+
+class _Slow:
+    """An engine stand-in held on its first call until the other engine has finished `wait_for` calls: a slowed
+    engine, without timing."""
+
+    def __init__(self, engine: HFEngine, done: list, wait_for: int) -> None:
+        import threading
+
+        self.engine, self.done, self.wait_for, self.event = engine, done, wait_for, threading.Event()
+
+    def remote(self, *args):
+        import ray
+
+        self.event.wait(timeout=30)
+        return ray.put(self.engine.generate(*args[:3], first_sample=args[3]))
+
+
+def test_queued_chunks_sample_what_the_split_does_and_a_slowed_engine_takes_fewer(ray_session):
+    """`queue` (the plan's default for several engines) cuts the step into chunks that free engines take: the same
+    completions as the fixed split and as one engine, whichever engine took a chunk; an engine held back takes fewer
+    prompts than the free one (with a fixed split each takes half)."""
+    import ray
+
+    model = load_model(ModelSpec(eos_hazard=0.12), seed=0).eval()
+    engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=12), "cpu")
+    prompts = ["a=", "bcd=", "hello=", "xy=", "q=", "zz="]
+    want = engine.generate(prompts, 2, 5)
+    split = RemoteEngines([_actor(engine)] * 2, engine.tokenizer, dispatch="split")
+    assert split.generate(prompts, 2, 5).completion_ids == want.completion_ids
+    assert split.last_dispatch == [3, 3]
+    done: list = []
+    slow = _Slow(engine, done, 3)
+
+    def fast(*args):
+        out = ray.put(engine.generate(*args[:3], first_sample=args[3]))
+        done.append(args[3])
+        if len(done) >= slow.wait_for:
+            slow.event.set()
+        return out
+
+    queued = RemoteEngines([SimpleNamespace(generate=SimpleNamespace(remote=fast)),
+                            SimpleNamespace(generate=slow)], engine.tokenizer, dispatch="queue", chunks_per_engine=3)
+    got = queued.generate(prompts, 2, 5)
+    assert got.completion_ids == want.completion_ids and got.texts == want.texts
+    assert sum(queued.last_dispatch) == len(prompts) and queued.last_dispatch[1] < queued.last_dispatch[0]
+    assert queued.metrics() == {"rollout/prompts_engine_0": float(queued.last_dispatch[0]),
+                                "rollout/prompts_engine_1": float(queued.last_dispatch[1])}
+
+
+def test_dispatch_raises_the_first_failure_after_the_running_chunks_end():
+    from rlspec.rollout.dispatch import chunk_groups, dispatch
+
+    assert chunk_groups(5, 2, 4) == [range(i, i + 1) for i in range(5)]
+    assert chunk_groups(16, 2, 2) == [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]
+    ran = []
+
+    def run(worker, part):
+        ran.append(part.start)
+        if part.start == 1:
+            raise ValueError("engine lost")
+        return part.start
+
+    try:
+        dispatch(chunk_groups(8, 1, 8), 1, run)
+    except ValueError as err:
+        assert str(err) == "engine lost"
+    else:
+        raise AssertionError("no failure raised")
+    assert ran == [0, 1], "no chunk is taken after a failure"
+    results, workers = dispatch(chunk_groups(8, 2, 2), 2, lambda w, p: p.start)
+    assert results == [0, 2, 4, 6] and set(workers) <= {0, 1}  # in chunk order, whoever ran them
+    assert dispatch(split_parts := chunk_groups(4, 2, 1), 2, lambda w, p: (w, p.start), queue=False)[0] == \
+        [(0, 0), (1, 2)], split_parts  # split: worker i runs part i

@@ -228,3 +228,15 @@ def test_resume_allow_list_names_real_fields_and_splits_changes():
     allowed, refused = resume_changes(started, now)
     assert allowed == ["algorithm.steps", "rollout.decode_slots"]
     assert refused == ["algorithm.group_size", "model.eos_hazard"]
+
+
+def test_the_plan_dispatches_prompts_by_work_to_several_engines_and_says_so(monkeypatch):
+    monkeypatch.chdir(REPO)
+    two = ["hardware.num_rollout_engines=2", "hardware.num_trainer_ranks=2"]
+    assert build_plan("examples/tiny.yaml", two, backend="fsdp")[0].dispatch.method == "queue"
+    assert build_plan("examples/tiny.yaml", [*two, "rollout.dispatch=split"], backend="fsdp")[0].dispatch.method == "split"
+    assert build_plan("examples/tiny.yaml", backend="fsdp")[0].dispatch.method == "split"  # one engine
+    vla = ["hardware.num_rollout_engines=2", "hardware.num_trainer_ranks=2", "algorithm.micro_batch_size=4"]
+    assert build_plan("examples/vla_babyai.yaml", vla, backend="fsdp")[0].dispatch.method == "split"
+    with pytest.raises(SpecError, match="rollout.dispatch"):
+        build_plan("examples/vla_babyai.yaml", [*vla, "rollout.dispatch=queue"], backend="fsdp")
