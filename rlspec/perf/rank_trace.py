@@ -191,7 +191,19 @@ def table(folder: str | Path) -> str:
         cells = [r["phase"], str(r["rank"])] + [f"{r[k] * 1e3:.1f}" for k in ("wall_s", "busy_s", "host_gap_s",
                                                                               "exposed_comm_s")]
         lines.append(" | ".join(cells + [f"{r['kernel_s'].get(k, 0.0) * 1e3:.1f}" for k in kinds]))
-    return "milliseconds per window\n" + "\n".join(lines)
+    return "milliseconds per window\n" + "\n".join(lines) + calls_table(folder)
+
+
+def calls_table(folder: str | Path) -> str:
+    """Every window's row from `rank<R>_calls.jsonl` (wall ms and the counts that changed in it), or nothing."""
+    lines = []
+    for path in sorted(Path(folder).glob("rank*_calls.jsonl")):
+        for row in map(json.loads, path.read_text().splitlines()):
+            counts = ", ".join(f"{k} {row[k]:g}" for k in ("compiled_graphs", "device_allocs", "device_frees",
+                                                          "alloc_retries", "reserved_gb") if row.get(k))
+            lines.append(f"rank {row['rank']} {row['phase']} {row['call']}{' (profiled)' if row['profiled'] else ''}: "
+                         f"{row['wall_s'] * 1e3:.1f} ms{'; ' + counts if counts else ''}")
+    return "\nevery window (wall; what changed in it)\n" + "\n".join(lines) if lines else ""
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from rlspec.perf.rank_trace import CALL_ENV, TRACE_ENV, RankTracer
+from rlspec.perf.rank_trace import CALL_ENV, TRACE_ENV, RankTracer, table
 
 
 def test_every_call_gets_a_row_and_a_recompile_for_a_new_shape_is_counted(tmp_path, monkeypatch):
@@ -25,3 +25,5 @@ def test_every_call_gets_a_row_and_a_recompile_for_a_new_shape_is_counted(tmp_pa
     assert [c["compiled_graphs"] for c in calls] == [1, 0, 1, 0]
     assert all(c["wall_s"] > 0 and c["phase"] == "train" for c in calls)
     assert (tmp_path / "rank0_train.json").exists()  # the profiled window's summary, as before
+    printed = table(tmp_path)
+    assert "rank 0 train 2: " in printed and "compiled_graphs 1" in printed and "train 1 (profiled)" in printed
