@@ -69,8 +69,13 @@ class EngineWorker(StackReporter):
         runner = self._episode_runner()
         return runner.num_actions, runner.max_steps
 
-    def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0, options=None) -> Rollout:
-        return self.engine.generate(prompts, n, seed, options=options, first_sample=first_sample)
+    def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0, options=None,
+                 free: bool = True) -> Rollout:
+        return self.engine.generate(prompts, n, seed, options=options, first_sample=first_sample, free=free)
+
+    def free_memory(self, keep_weights: bool) -> None:
+        """What `rollout.free_during_train` gives back, after a step's last chunk (`generate` without `free`)."""
+        self.engine.free_memory(keep_weights=keep_weights)
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         return self.engine.logprobs(batch)
@@ -122,16 +127,21 @@ class RemoteEngines:
         queue = self.dispatch == "queue"
         chunks = (chunk_groups(len(prompts), self.num_engines, self.chunks_per_engine) if queue
                   else split_groups(len(prompts), self.num_engines))
-        extra = () if options is None else (options,)  # an eval's; a step's rollout passes none
 
-        def run(i: int, part: range) -> Rollout:
+        def run(i: int, part: range) -> Rollout | None:
+            if not part:  # a split with fewer prompts than engines
+                return None
             # A part starts at sample part.start * n of the step: each sample draws the noise it would on one engine.
-            ref = self.actors[i].generate.remote(prompts[part.start:part.stop], n, seed, part.start * n, *extra)
+            # Queued chunks keep the engine's memory until the last one is done (freed below, once per engine).
+            ref = self.actors[i].generate.remote(prompts[part.start:part.stop], n, seed, part.start * n, options,
+                                                 not queue)
             return wait_all([ref], self.labels[i:i + 1])[0]
 
-        outs, workers = dispatch([c for c in chunks if c] if queue else chunks, self.num_engines, run, queue)
+        outs, workers = dispatch(chunks, self.num_engines, run, queue)
+        if queue:
+            self._all("free_memory", bool(options is not None and options.keep_weights))
         self.last_dispatch = [0] * self.num_engines
-        for part, worker in zip([c for c in chunks if c] if queue else chunks, workers):
+        for part, worker in zip(chunks, workers):
             self.last_dispatch[worker] += len(part)
         outs = [o for o in outs if o is not None]
         return Rollout(*(sum((getattr(o, f) for o in outs), []) for f in

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+
 from rlspec.models.base import byte_tokenizer
 from rlspec.models.factory import load_model
 from rlspec.rollout.hf import HFEngine
@@ -17,7 +19,13 @@ def _actor(engine: HFEngine):
 
     def remote(*args):
         return ray.put(engine.generate(*args[:3], first_sample=args[3] if len(args) > 3 else 0))
-    return SimpleNamespace(generate=SimpleNamespace(remote=remote))
+    return SimpleNamespace(generate=SimpleNamespace(remote=remote), free_memory=_no_op())
+
+
+def _no_op():
+    import ray
+
+    return SimpleNamespace(remote=lambda *args: ray.put(None))
 
 
 def test_two_engines_sample_what_one_engine_samples(ray_session):
@@ -71,8 +79,9 @@ def test_queued_chunks_sample_what_the_split_does_and_a_slowed_engine_takes_fewe
             slow.event.set()
         return out
 
-    queued = RemoteEngines([SimpleNamespace(generate=SimpleNamespace(remote=fast)),
-                            SimpleNamespace(generate=slow)], engine.tokenizer, dispatch="queue", chunks_per_engine=3)
+    queued = RemoteEngines([SimpleNamespace(generate=SimpleNamespace(remote=fast), free_memory=_no_op()),
+                            SimpleNamespace(generate=slow, free_memory=_no_op())], engine.tokenizer, dispatch="queue",
+                           chunks_per_engine=3)
     got = queued.generate(prompts, 2, 5)
     assert got.completion_ids == want.completion_ids and got.texts == want.texts
     assert sum(queued.last_dispatch) == len(prompts) and queued.last_dispatch[1] < queued.last_dispatch[0]
@@ -104,3 +113,38 @@ def test_dispatch_raises_the_first_failure_after_the_running_chunks_end():
     assert results == [0, 2, 4, 6] and set(workers) <= {0, 1}  # in chunk order, whoever ran them
     assert dispatch(split_parts := chunk_groups(4, 2, 1), 2, lambda w, p: (w, p.start), queue=False)[0] == \
         [(0, 0), (1, 2)], split_parts  # split: worker i runs part i
+
+
+class _InProcess:
+    """An `EngineWorker` run in this process behind actor-like handles (`handle.method.remote(...)` calls it)."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        from rlspec.rollout.remote import EngineWorker
+
+        self.worker = EngineWorker.__new__(EngineWorker)
+        self.worker.engine = engine
+
+    def __getattr__(self, method: str):
+        import ray
+
+        return SimpleNamespace(remote=lambda *args: ray.put(getattr(self.worker, method)(*args)))
+
+
+def test_queued_chunks_keep_the_engine_until_the_last_then_free_it_once(ray_session):
+    """With `rollout.free_during_train=kv_cache_and_weights` an engine frees its weights after a rollout: a step
+    cut into chunks must not free them after its first chunk (the next chunk would find no weights)."""
+    model = load_model(ModelSpec(eos_hazard=0.12), seed=0).eval()
+    engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=8), "cpu",
+                      free_during_train="kv_cache_and_weights", own_process=True)
+    prompts = ["a=", "bcd=", "hello=", "xy="]
+    remote = RemoteEngines([_InProcess(engine)], engine.tokenizer, dispatch="queue", chunks_per_engine=4)
+    got = remote.generate(prompts, 2, 5)
+    assert len(got.completion_ids) == 8 and remote.last_dispatch == [4]
+    assert engine._freed is not None, "the step's rollout ends with the engine's memory given back"
+    engine.restore_weights()
+    with torch.no_grad():
+        for p, q in zip(engine.model.parameters(), load_model(ModelSpec(eos_hazard=0.12), seed=0).parameters()):
+            p.copy_(q)
+    want = HFEngine(load_model(ModelSpec(eos_hazard=0.12), seed=0).eval(), byte_tokenizer(),
+                    RolloutSpec(max_new_tokens=8), "cpu").generate(prompts, 2, 5)
+    assert got.completion_ids == want.completion_ids
