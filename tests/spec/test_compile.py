@@ -232,11 +232,15 @@ def test_resume_allow_list_names_real_fields_and_splits_changes():
 
 def test_the_plan_dispatches_prompts_by_work_to_several_engines_and_says_so(monkeypatch):
     monkeypatch.chdir(REPO)
-    two = ["hardware.num_rollout_engines=2", "hardware.num_trainer_ranks=2"]
-    assert build_plan("examples/tiny.yaml", two, backend="fsdp")[0].dispatch.method == "queue"
-    assert build_plan("examples/tiny.yaml", [*two, "rollout.dispatch=split"], backend="fsdp")[0].dispatch.method == "split"
-    assert build_plan("examples/tiny.yaml", backend="fsdp")[0].dispatch.method == "split"  # one engine
-    vla = ["hardware.num_rollout_engines=2", "hardware.num_trainer_ranks=2", "algorithm.micro_batch_size=4"]
-    assert build_plan("examples/vla_babyai.yaml", vla, backend="fsdp")[0].dispatch.method == "split"
+
+    def dispatch(path, *overrides):
+        return compile_plan(load_spec(path, ["hardware.num_trainer_ranks=2", "algorithm.micro_batch_size=4",
+                                             *overrides], "fsdp"), all_caps()).dispatch.method
+
+    two = "hardware.num_rollout_engines=2"
+    assert dispatch("examples/tiny.yaml", two) == "queue"
+    assert dispatch("examples/tiny.yaml", two, "rollout.dispatch=split") == "split"
+    assert dispatch("examples/tiny.yaml") == "split"  # one engine
+    assert dispatch("examples/vla_babyai.yaml", two) == "split"  # each engine keeps its groups' environments
     with pytest.raises(SpecError, match="rollout.dispatch"):
-        build_plan("examples/vla_babyai.yaml", [*vla, "rollout.dispatch=queue"], backend="fsdp")
+        dispatch("examples/vla_babyai.yaml", two, "rollout.dispatch=queue")
