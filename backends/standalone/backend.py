@@ -91,7 +91,7 @@ class StandaloneBackend:
                 server.start()
             engines = [self._started(plan, server) for server in self.servers]
         return engines[0] if len(engines) == 1 else ServedReplicas(engines, self.trainer.tokenizer, plan.dispatch.method,
-                                                                   plan.spec.rollout.dispatch_chunks)
+                                                                   plan.dispatch.chunk_prompts)
 
     def _joined(self, plan: RunPlan, url: str, key: str):
         """A server this run joins; one that never answers at its address is bad input naming `key` (exit 2)."""

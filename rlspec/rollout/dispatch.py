@@ -1,9 +1,11 @@
 """How a step's prompts reach several rollout engines: by work (a shared queue of chunks) or a fixed split.
 
 `split` gives engine i one contiguous run of the prompts (`split_groups`): the step then waits for the engine whose
-run holds the longest samples. `queue` cuts the prompts into `chunks_per_engine` x engines contiguous chunks of
-whole groups (`chunk_groups`), and every engine takes the next chunk as soon as its last one is done, so a slow
-engine (a long tail, a busier GPU) takes fewer chunks and the others take the rest.
+run holds the longest samples. `queue` cuts the prompts into contiguous chunks of whole groups (`chunk_groups`),
+and every engine takes the next chunk as soon as its last one is done, so a slow engine (a long tail, a busier GPU)
+takes fewer chunks and the others take the rest. An engine runs its chunks one after another, each to its own
+longest sample, where one call would start every sample at once (its decode slots permitting): the queue pays
+where an engine's share does not fit its slots anyway, or where engines differ in speed.
 
 Either way a chunk is sent with the index of its first sample in the step (`first_sample`), so each sample draws
 the noise it would draw on one engine (`rlspec.rollout.noise`), and the results are put back in prompt order: the
@@ -31,10 +33,9 @@ def split_groups(num_groups: int, num_parts: int) -> list[range]:
     return parts
 
 
-def chunk_groups(num_groups: int, num_engines: int, chunks_per_engine: int) -> list[range]:
-    """`queue`'s chunks: `num_engines * chunks_per_engine` contiguous runs as even as the groups allow (fewer where
-    there are fewer groups), none empty."""
-    return [part for part in split_groups(num_groups, num_engines * chunks_per_engine) if part]
+def chunk_groups(num_groups: int, chunk: int) -> list[range]:
+    """`queue`'s chunks: contiguous runs of `chunk` groups (the last one the rest), none empty."""
+    return [range(start, min(start + chunk, num_groups)) for start in range(0, num_groups, chunk)]
 
 
 def dispatch(chunks: Sequence[range], num_workers: int, run: Callable[[int, range], T],

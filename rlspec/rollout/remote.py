@@ -99,11 +99,12 @@ class EngineWorker(StackReporter):
 class RemoteEngines:
     """Driver-side `RolloutEngine` over engine actors."""
 
-    def __init__(self, actors: Sequence[Any], tokenizer, dispatch: str = "queue", chunks_per_engine: int = 4) -> None:
+    def __init__(self, actors: Sequence[Any], tokenizer, dispatch: str = "split", chunk_prompts: int = 1) -> None:
         self.actors = list(actors)
         self.dispatch = dispatch
         """`queue` or `split` (`rlspec.rollout.dispatch`; the plan's `dispatch.method`)."""
-        self.chunks_per_engine = chunks_per_engine
+        self.chunk_prompts = chunk_prompts
+        """`queue`: prompts (groups) per chunk."""
         self.last_dispatch: list[int] = [0] * len(self.actors)
         self.labels = [f"rollout engine {i}" for i in range(len(self.actors))]
         self.tokenizer = tokenizer
@@ -125,7 +126,7 @@ class RemoteEngines:
         from ..cluster.ray_utils import wait_all
 
         queue = self.dispatch == "queue"
-        chunks = (chunk_groups(len(prompts), self.num_engines, self.chunks_per_engine) if queue
+        chunks = (chunk_groups(len(prompts), self.chunk_prompts) if queue
                   else split_groups(len(prompts), self.num_engines))
 
         def run(i: int, part: range) -> Rollout | None:
@@ -206,4 +207,4 @@ def create_engines(plan: RunPlan, bundles: Sequence[tuple[Any, int]], num_cpus: 
     actors = [remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b))
               .remote(plan, i) for i, (pg, b) in enumerate(bundles)]
-    return RemoteEngines(actors, load_tokenizer(plan.spec.model), plan.dispatch.method, plan.spec.rollout.dispatch_chunks)
+    return RemoteEngines(actors, load_tokenizer(plan.spec.model), plan.dispatch.method, plan.dispatch.chunk_prompts)

@@ -10,8 +10,8 @@ Several rollout servers behind one `RolloutEngine`: `ServedReplicas`, the standa
 `hardware.num_rollout_engines` > 1 (servers it starts, one per engine device, or joins: `rollout.server_urls`).
 
 - **Sampling.** A step's prompt groups go out in contiguous runs of whole groups (`rlspec.rollout.dispatch`): by
-  work (`queue`, the default: a few chunks per server, each server taking the next as it finishes one) or one
-  run per server (`split`), one completions request per run. Each request carries `first_sample`, the index of its first sample in the step, so sample i of
+  work (`queue`: chunks, each server taking the next as it finishes one) or one run per server (`split`), one
+  completions request per run; the plan picks (`dispatch` in `rlspec plan`). Each request carries `first_sample`, the index of its first sample in the step, so sample i of
   the step draws the noise of sample i whichever server runs it: the step's samples equal one server's.
 - **Weights.** Each server has a transport of its own (`sync.replicas.PerReplica`: the configured transport
   once per server, pushed concurrently), not one broadcast group to all: a lost server then takes only its own
@@ -401,12 +401,13 @@ class ReconnectingTransport:
 class ServedReplicas:
     """`RolloutEngine` over several rollout servers (see the module docstring); `replicas[i]` is server i's."""
 
-    def __init__(self, replicas: Sequence[ServedEngine], tokenizer, dispatch: str = "queue",
-                 chunks_per_engine: int = 4) -> None:
+    def __init__(self, replicas: Sequence[ServedEngine], tokenizer, dispatch: str = "split",
+                 chunk_prompts: int = 1) -> None:
         self.replicas = list(replicas)
         self.dispatch = dispatch
         """`queue` or `split` (`rlspec.rollout.dispatch`; the plan's `dispatch.method`)."""
-        self.chunks_per_engine = chunks_per_engine
+        self.chunk_prompts = chunk_prompts
+        """`queue`: prompts (groups) per chunk."""
         self.tokenizer = tokenizer
         self.starts_in_sync = all(r.starts_in_sync for r in self.replicas)
         self.pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="rlspec-replica")
@@ -426,7 +427,7 @@ class ServedReplicas:
 
     def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0, options=None) -> Rollout:
         queue = self.dispatch == "queue"
-        parts = (chunk_groups(len(prompts), len(self.replicas), self.chunks_per_engine) if queue
+        parts = (chunk_groups(len(prompts), self.chunk_prompts) if queue
                  else split_groups(len(prompts), len(self.replicas)))
         extra = () if options is None else (options,)  # an eval's; a step's rollout passes none
 

@@ -57,7 +57,7 @@ class _Slow:
 
 
 def test_queued_chunks_sample_what_the_split_does_and_a_slowed_engine_takes_fewer(ray_session):
-    """`queue` (the plan's default for several engines) cuts the step into chunks that free engines take: the same
+    """`queue` cuts the step into chunks that free engines take: the same
     completions as the fixed split and as one engine, whichever engine took a chunk; an engine held back takes fewer
     prompts than the free one (with a fixed split each takes half)."""
     import ray
@@ -81,7 +81,7 @@ def test_queued_chunks_sample_what_the_split_does_and_a_slowed_engine_takes_fewe
 
     queued = RemoteEngines([SimpleNamespace(generate=SimpleNamespace(remote=fast), free_memory=_no_op()),
                             SimpleNamespace(generate=slow, free_memory=_no_op())], engine.tokenizer, dispatch="queue",
-                           chunks_per_engine=3)
+                           chunk_prompts=1)
     got = queued.generate(prompts, 2, 5)
     assert got.completion_ids == want.completion_ids and got.texts == want.texts
     assert sum(queued.last_dispatch) == len(prompts) and queued.last_dispatch[1] < queued.last_dispatch[0]
@@ -92,8 +92,8 @@ def test_queued_chunks_sample_what_the_split_does_and_a_slowed_engine_takes_fewe
 def test_dispatch_raises_the_first_failure_after_the_running_chunks_end():
     from rlspec.rollout.dispatch import chunk_groups, dispatch
 
-    assert chunk_groups(5, 2, 4) == [range(i, i + 1) for i in range(5)]
-    assert chunk_groups(16, 2, 2) == [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]
+    assert chunk_groups(5, 1) == [range(i, i + 1) for i in range(5)]
+    assert chunk_groups(14, 4) == [range(0, 4), range(4, 8), range(8, 12), range(12, 14)]
     ran = []
 
     def run(worker, part):
@@ -103,16 +103,16 @@ def test_dispatch_raises_the_first_failure_after_the_running_chunks_end():
         return part.start
 
     try:
-        dispatch(chunk_groups(8, 1, 8), 1, run)
+        dispatch(chunk_groups(8, 1), 1, run)
     except ValueError as err:
         assert str(err) == "engine lost"
     else:
         raise AssertionError("no failure raised")
     assert ran == [0, 1], "no chunk is taken after a failure"
-    results, workers = dispatch(chunk_groups(8, 2, 2), 2, lambda w, p: p.start)
+    results, workers = dispatch(chunk_groups(8, 2), 2, lambda w, p: p.start)
     assert results == [0, 2, 4, 6] and set(workers) <= {0, 1}  # in chunk order, whoever ran them
-    assert dispatch(split_parts := chunk_groups(4, 2, 1), 2, lambda w, p: (w, p.start), queue=False)[0] == \
-        [(0, 0), (1, 2)], split_parts  # split: worker i runs part i
+    assert dispatch(chunk_groups(4, 2), 2, lambda w, p: (w, p.start), queue=False)[0] == \
+        [(0, 0), (1, 2)]  # split: worker i runs part i
 
 
 class _InProcess:
@@ -137,7 +137,7 @@ def test_queued_chunks_keep_the_engine_until_the_last_then_free_it_once(ray_sess
     engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=8), "cpu",
                       free_during_train="kv_cache_and_weights", own_process=True)
     prompts = ["a=", "bcd=", "hello=", "xy="]
-    remote = RemoteEngines([_InProcess(engine)], engine.tokenizer, dispatch="queue", chunks_per_engine=4)
+    remote = RemoteEngines([_InProcess(engine)], engine.tokenizer, dispatch="queue", chunk_prompts=1)
     got = remote.generate(prompts, 2, 5)
     assert len(got.completion_ids) == 8 and remote.last_dispatch == [4]
     assert engine._freed is not None, "the step's rollout ends with the engine's memory given back"

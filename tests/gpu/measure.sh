@@ -506,8 +506,8 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
         mg_bench ${be}_split_4gpu 4 240 $be $BENCH hardware=gpu4_split rollout.prompts_per_step=64 algorithm.steps=4
       done ;;
     multigpu_e)  # issue 44: weak scaling, the 1.5B shape on the long-tailed lengths, 8 prompts x 8 per GPU, fsdp colocated
-      # on 1, 2 and 4 GPUs. DISPATCH="auto" (default: the plan's, a queue of chunks for several engines) or e.g.
-      # DISPATCH="split queue": one row per rollout.dispatch on several GPUs (rows weak_<n>gpu_<dispatch>); the
+      # on 1, 2 and 4 GPUs. DISPATCH="auto" (default: the plan's; here split, 64 samples an engine fit its slots) or
+      # e.g. DISPATCH="split queue": one row per rollout.dispatch on several GPUs (rows weak_<n>gpu_<dispatch>); the
       # per-engine prompts of each step are in the rows' rollout/prompts_engine_<i>
       for n in ${MG_GPUS:-1 2 4}; do
         hw=$([ $n = 1 ] && echo "hardware=gpu1" || echo "hardware=gpu${n}_colocated")

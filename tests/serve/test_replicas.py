@@ -229,14 +229,16 @@ def test_two_joined_servers_learn_as_one_server_and_both_get_every_push(one_serv
     servers = [_serve(port, tmp_path / f"server{i}.log") for i, port in enumerate(ports)]
     try:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
+        # by work (rollout.dispatch=queue, one prompt a chunk): the servers take chunks as they free, and the run
+        # learns what one server's does
         done = _run(tmp_path / "out", "sync.method=nccl", "hardware.num_rollout_engines=2",
-                    f"rollout.server_urls=[{','.join(urls)}]", env={TOKEN_ENV: TOKEN})
+                    f"rollout.server_urls=[{','.join(urls)}]", "rollout.dispatch=queue",
+                    "rollout.dispatch_chunk_prompts=1", env={TOKEN_ENV: TOKEN})
         assert done.returncode == 0, done.stderr
         rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
         _same_rows(rows, one_server)
         assert [httpx.get(f"{url}/health").json()["weight_version"] for url in urls] == [3, 3]
         for row in rows:
-            # rollout.dispatch=queue (the plan's pick): each server takes chunks as it frees, the samples unchanged
             assert row["rollout/samples_replica_0"] > 0 and row["rollout/samples_replica_1"] > 0
             assert row["rollout/samples_replica_0"] + row["rollout/samples_replica_1"] == 8 * 8  # the tiny spec's
             assert 0 < row["timing_s/sync_replica_0"] <= row["timing_s/sync"]

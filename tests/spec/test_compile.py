@@ -238,8 +238,9 @@ def test_the_plan_dispatches_prompts_by_work_to_several_engines_and_says_so(monk
                                              *overrides], "fsdp"), all_caps()).dispatch.method
 
     two = "hardware.num_rollout_engines=2"
-    assert dispatch("examples/tiny.yaml", two) == "queue"
-    assert dispatch("examples/tiny.yaml", two, "rollout.dispatch=split") == "split"
+    assert dispatch("examples/tiny.yaml", two) == "split"  # 4 x 8 samples an engine fit its 256 slots
+    assert dispatch("examples/tiny.yaml", two, "rollout.decode_slots=16") == "queue"  # 32 do not fit 16
+    assert dispatch("examples/tiny.yaml", two, "rollout.dispatch=queue") == "queue"
     assert dispatch("examples/tiny.yaml") == "split"  # one engine
     assert dispatch("examples/vla_babyai.yaml", two) == "split"  # each engine keeps its groups' environments
     with pytest.raises(SpecError, match="rollout.dispatch"):
