@@ -92,6 +92,18 @@ class Sharding:
 
 
 @dataclass(frozen=True)
+class Dispatch:
+    """How a step's prompts reach several rollout engines (`rlspec.rollout.dispatch`)."""
+
+    method: str
+    """queue (chunks taken by whichever engine is free) | split (one fixed run per engine)."""
+    chunk_prompts: int
+    """queue: prompts (groups) per chunk (`rollout.dispatch_chunk_prompts`, or decode_slots // group_size)."""
+    why: str
+    """The reason, in words."""
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """The frozen, fully resolved run: what `rlspec plan` prints and `Backend.setup` receives."""
 
@@ -107,6 +119,8 @@ class RunPlan:
     (`rlspec.models.presets.generation_path`), read from the preset or the model directory's config.json."""
     sharding: Sharding
     """How the trainer ranks hold the model (`_sharding`)."""
+    dispatch: Dispatch
+    """How a step's prompts reach the rollout engines (`_dispatch`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -134,7 +148,33 @@ def compile_plan(spec: Spec, backends: Mapping[str, BackendCaps]) -> RunPlan:
     spec.freeze()
     return RunPlan(backend=spec.backend, spec=spec, batch=batch, placement=placement,
                    sync_method=sync_method, needs_reference_model=spec.algorithm.kl_coef > 0,
-                   generation_path=_generation_path(spec, placement, sync_method), sharding=_sharding(spec))
+                   generation_path=_generation_path(spec, placement, sync_method), sharding=_sharding(spec),
+                   dispatch=_dispatch(spec))
+
+
+def _dispatch(spec: Spec) -> Dispatch:
+    """`rollout.dispatch` resolved: queue where several engines can each take any chunk of a step; split for one
+    engine, and for environments (`model.kind=vla`: each engine keeps the environments of its own groups)."""
+    rollout, engines, group = spec.rollout, spec.hardware.num_rollout_engines, spec.algorithm.group_size
+    vla = spec.model.kind == "vla"
+    require(not (vla and rollout.dispatch == "queue"), "rollout.dispatch",
+            "model.kind=vla keeps each engine's environments for its own groups, so its groups cannot move between "
+            "engines", "set rollout.dispatch=auto or split")
+    chunk = rollout.dispatch_chunk_prompts or max(1, rollout.decode_slots // group)
+    if engines == 1:
+        return Dispatch("split", chunk, "one rollout engine takes the whole step")
+    if rollout.dispatch != "auto":
+        return Dispatch(rollout.dispatch, chunk, "rollout.dispatch as set")
+    if vla:
+        return Dispatch("split", chunk, "model.kind=vla: each engine keeps the environments of its own groups")
+    share = -(-rollout.prompts_per_step // engines) * group
+    if share <= rollout.decode_slots:
+        return Dispatch("split", chunk, f"each engine's {share} samples fit its rollout.decode_slots "
+                                        f"{rollout.decode_slots}: all start at once (a queue would run its chunks' "
+                                        "tails one after another)")
+    return Dispatch("queue", chunk, f"each engine's {share} samples exceed its rollout.decode_slots "
+                                    f"{rollout.decode_slots}: chunks of {chunk} prompts, each engine taking the next "
+                                    "when it finishes one")
 
 
 def _sharding(spec: Spec) -> Sharding:

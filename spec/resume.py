@@ -26,7 +26,7 @@ RESUMABLE_CHANGES = (
     # batch's, whatever the split), compiled layers, the engine's slot pool (a sample's tokens are keyed by seed,
     # sample and position, not by its slot), DeepSpeed's ZeRO stage and buckets, FSDP2's resharding
     "algorithm.micro_batch_size", "algorithm.micro_batch_tokens", "model.compile_layers",
-    "rollout.continuous_batching", "rollout.decode_slots",
+    "rollout.continuous_batching", "rollout.decode_slots", "rollout.dispatch", "rollout.dispatch_chunk_prompts",
     "hardware.deepspeed.zero_stage", "hardware.deepspeed.overlap_comm", "hardware.deepspeed.contiguous_gradients",
     "hardware.deepspeed.reduce_bucket_numel", "hardware.deepspeed.prefetch_bucket_numel",
     "hardware.deepspeed.param_persistence_numel", "hardware.deepspeed.max_live_numel",

@@ -24,6 +24,7 @@ MODEL_KINDS = ("causal_lm", "vla")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("hf", "vllm")
 ROLLOUT_MODES = ("sync", "async")
+DISPATCHES = ("auto", "queue", "split")
 FREE_DURING_TRAIN = ("none", "kv_cache", "kv_cache_and_weights")
 SYNC_METHODS = ("auto", "shared", "nccl", "ray", "cuda_ipc", "checkpoint", "lora")
 DEVICES = ("cpu", "cuda")
@@ -254,9 +255,19 @@ class RolloutSpec(Section):
     (one the run started) to be healthy, push the current weights and re-run the interrupted requests; 0 fails at once."""
     agent: AgentSpec = field(default_factory=AgentSpec)
     """Multi-turn black-box agent (unset: plain single-turn sampling)."""
+    dispatch: str = "auto"
+    """Several engines: how a step's prompts reach them. queue: in chunks of whole groups, each engine taking the next
+    chunk when it finishes one (a slow engine takes fewer, but each chunk runs to its own longest sample) | split:
+    one fixed run per engine (all its samples at once) | auto: the plan picks (`dispatch` in `rlspec plan`): queue
+    where an engine's share of a step does not fit its decode_slots, else split. The samples are the same either way."""
+    dispatch_chunk_prompts: int = 0
+    """dispatch=queue: prompts (groups) per chunk; 0: the plan picks decode_slots // algorithm.group_size (a chunk
+    fills an engine's slots)."""
 
     def __post_init__(self) -> None:
         p = "rollout"
+        one_of(self.dispatch, DISPATCHES, f"{p}.dispatch")
+        non_negative(self.dispatch_chunk_prompts, f"{p}.dispatch_chunk_prompts")
         one_of(self.engine, ENGINES, f"{p}.engine")
         positive(self.prompts_per_step, f"{p}.prompts_per_step")
         positive(self.max_new_tokens, f"{p}.max_new_tokens")

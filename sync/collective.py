@@ -23,9 +23,10 @@ A push runs the two halves concurrently, and most of what they need is kept per 
 
 That cached-layout path is for an in-process source (`LocalWeights`: the standalone trainer), whose export
 is the model's own tensors. A sharded trainer's export gathers a group at a time, and holding all of it to
-lay it out would put the whole model on rank 0: there each bucket is sent as it fills, with its description
-in the store (one store round trip per bucket), the engine copies it in by name, and the name mapping and
-byte checksums are checked at the end (`send_streamed` / `receive_streamed`).
+lay it out would put the whole model on rank 0: there each bucket is sent as it fills, after a one-word code in
+band that says whether it is laid out as the previous push's bucket (no store round trip) or has a new description
+in the store; the sender packs the next bucket while this one is on the wire, the engine copies the previous one
+in by name meanwhile, and the name mapping and byte checksums are checked at the end (`sync.streamed`).
 
 In a rollout server the engine half does not wait for the trainer's bridge call (HTTP, then a hand-off to the
 engine thread: about 1.3 ms on an H200 host) to start: a listener thread reads each push's header from the
@@ -51,9 +52,8 @@ from datetime import timedelta
 
 import torch
 
-from . import register
-from .base import (Bucket, LocalWeights, SyncError, as_source, buckets, check_mapping, checksums, compare_checksums,
-                   engine_thread_submit)
+from . import register, streamed
+from .base import LocalWeights, SyncError, as_source, engine_thread_submit
 from .staging import Phases, Receiver, Staging, flat_buffers, layout_key, push_report
 
 SLOTS = 2
@@ -86,6 +86,12 @@ class _Channel:
     """Engine ranks in a rollout server: push version -> (ok, result or error) of an engine half the listener
     ran, until the trainer's bridge call collects it."""
     closed: bool = False
+    stream_metas: list = field(default_factory=list)
+    """Both sides of a streamed push (`sync.streamed`): the last push's bucket descriptions."""
+    stream_codes: object = None
+    """Sender of a streamed push: its code words on the device."""
+    stream_side: object = None
+    """Engine of a streamed push on CUDA: the side stream and pinned word its codes are read through."""
 
     def run_listened(self, version: int, work) -> None:
         """The listener's job: run push `version`'s engine half unless the bridge call already has, and keep its
@@ -438,61 +444,13 @@ class CollectiveTransport:
 
     @staticmethod
     def send_streamed(named, payload) -> dict:
-        """Sender half for a sharded trainer, whose export gathers a group at a time: each bucket is sent as it
-        fills, with its description in the store, so rank 0 never holds more than one bucket of the model."""
-        channel = _CHANNELS[(payload["id"], 0)]
-        phases = Phases()
-        sums: dict[str, torch.Tensor] = {}
-        order: list[str] = []
-        total, i = 0, 0
-        for i, bucket in enumerate(buckets(_checksummed(named, sums if payload["verify"] else None),
-                                           payload["bucket_mb"])):
-            phases.mark("export")
-            channel.store.set(f"{payload['version']}/{i}", json.dumps(bucket.meta()))
-            phases.mark("header")
-            flat = bucket.flat.to(channel.device)
-            channel.broadcast(flat)
-            phases.mark("broadcast")
-            order += [name for name, *_ in bucket.entries]
-            total += bucket.nbytes
-            i += 1
-        # the sender's checksums, from its tensors before bucketing, in the order the buckets carried them
-        expected = torch.stack([sums[name] for name in order]).tolist() if payload["verify"] and order else None
-        phases.mark("checksum")  # the host sync for them (they were enqueued as each tensor passed: in "export")
-        channel.store.set(f"{payload['version']}/{i}", json.dumps({"end": True, "expected": expected}))
-        phases.mark("header")
-        return {"bytes": total, "times": phases.times}
+        """Sender half for a sharded trainer, whose export gathers a group at a time (`sync.streamed`)."""
+        return streamed.send(_CHANNELS[(payload["id"], 0)], named, payload)
 
     @staticmethod
     def receive_streamed(engine, payload) -> dict:
-        """Engine half of `send_streamed`: bucket after bucket, copied in by name; the name mapping and (with
-        `sync.verify`) the byte checksums are checked at the end."""
-        channel = _CHANNELS[(payload["id"], 1 + getattr(engine, "engine_index", 0))]
-        phases = Phases()
-        own = list(engine.named_weights())
-        lookup = dict(own)
-        i, written = 0, []
-        while True:
-            meta = json.loads(_get(channel, f"{payload['version']}/{i}", f"bucket {i}"))
-            phases.mark("wait_sender")
-            if meta.get("end"):
-                break
-            bucket = Bucket.empty_like_meta(meta, channel.device)
-            channel.broadcast(bucket.flat)
-            phases.mark("broadcast")
-            pairs = [(lookup[name], t) for name, t in bucket.unpack() if name in lookup]
-            if pairs:
-                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
-            written += [name for name, *_ in bucket.entries]
-            phases.mark("copy")
-            i += 1
-        channel.finish([])  # the weights are in place when the push returns
-        check_mapping(own, written)
-        if meta["expected"] is not None:
-            compare_checksums(written, torch.tensor(meta["expected"], dtype=torch.int32),
-                              checksums([lookup[name] for name in written]))
-        phases.mark("verify")
-        return {"times": phases.times}
+        """Engine half of `send_streamed` (`sync.streamed`)."""
+        return streamed.receive(_CHANNELS[(payload["id"], 1 + getattr(engine, "engine_index", 0))], engine, payload)
 
     @staticmethod
     def raw_send(_named, payload) -> list[float]:
@@ -542,10 +500,3 @@ class CollectiveTransport:
         except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
             pass
 
-
-def _checksummed(named, sums: dict | None):
-    """`named` unchanged; with `sums`, each tensor's byte checksum (`checksums`) kept by name as it passes."""
-    for name, tensor in named:
-        if sums is not None:
-            sums[name] = checksums([tensor])[0]
-        yield name, tensor

@@ -41,3 +41,26 @@ def test_kept_views_follow_in_place_writes_moves_and_replaced_parameters():
     model.model.norm.register_buffer("extra", torch.ones(2))  # a new persistent buffer
     assert "model.norm.extra" in dict(state_items(model))
     _same_as_state_dict(model)
+
+
+def test_a_sharded_trainers_export_detaches_each_tensor_once(monkeypatch):
+    """`merged_weights` (what an fsdp rank gathers at every push) detaches each tensor once: `state_dict()` then
+    `detach` did it twice, and on FSDP2's DTensors each is a dispatch (about half of the export's host walk)."""
+    from rlspec.core.trainer import merged_weights
+    from rlspec.models.factory import load_model
+    from rlspec.spec import ModelSpec
+
+    model = load_model(ModelSpec(), 0)
+    detach = torch.Tensor.detach
+    calls = []
+
+    def counted(self):
+        calls.append(1)
+        return detach(self)
+
+    monkeypatch.setattr(torch.Tensor, "detach", counted)
+    named = list(merged_weights(model))
+    monkeypatch.setattr(torch.Tensor, "detach", detach)
+    assert len(calls) == len(named) == len(model.state_dict())
+    assert all(not t.requires_grad for _, t in named)
+    assert all(torch.equal(t, model.state_dict()[n]) for n, t in named)

@@ -74,6 +74,8 @@ class FSDPWorker(RankWorker):
         self.units: list = []
         """The FSDP2 units of the policy (each block, then the root; the root alone on one rank by default)."""
         self.trained = False
+        self.aliases: frozenset[str] | None = None
+        """`tied_aliases` of the policy, taken at its first push."""
 
     def setup(self, master: tuple[str, int]) -> None:
         import torch.distributed as dist
@@ -193,7 +195,9 @@ class FSDPWorker(RankWorker):
         rank yields them (a colocated rank feeds the engine beside it from its own copy); `keep` changes nothing.
         """
         self._sharded()
-        for group in gather_groups(untied(merged_weights(self.model), tied_aliases(self.model)),
+        if self.aliases is None:  # the model's ties do not change: walked once, not at every push
+            self.aliases = tied_aliases(self.model)
+        for group in gather_groups(untied(merged_weights(self.model), self.aliases),
                                    (self.plan.spec.sync.bucket_mb << 20) // 3,
                                    lambda t: t.numel() * self.dtype.itemsize):
             yield from self._gather(group)

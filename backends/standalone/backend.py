@@ -90,7 +90,8 @@ class StandaloneBackend:
             for server in self.servers:  # they load their models side by side
                 server.start()
             engines = [self._started(plan, server) for server in self.servers]
-        return engines[0] if len(engines) == 1 else ServedReplicas(engines, self.trainer.tokenizer)
+        return engines[0] if len(engines) == 1 else ServedReplicas(engines, self.trainer.tokenizer, plan.dispatch.method,
+                                                                   plan.dispatch.chunk_prompts)
 
     def _joined(self, plan: RunPlan, url: str, key: str):
         """A server this run joins; one that never answers at its address is bad input naming `key` (exit 2)."""

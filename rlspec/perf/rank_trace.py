@@ -13,6 +13,9 @@ Each window is written as `DIR/rank<R>_<phase>.json`:
 - `kernel_s`: summed kernel time by kind (`gemm`, `attention`, `all_gather`, `reduce_scatter`, `all_reduce`,
   `broadcast`, `optimizer`, `copy`, `other`), and `exposed_comm_s`: collective time not overlapped by compute.
 
+Every window, profiled or not, also appends a row to `DIR/rank<R>_calls.jsonl`: its wall time and what changed
+in it (`counters`: graphs Dynamo compiled, the CUDA allocator's device allocations, frees and retries), which says
+whether an early step is slow for a recompile or a growing memory pool.
 `python -m rlspec.perf.rank_trace DIR` prints them as one table (a row per rank and phase). With
 `RLSPEC_RANK_TRACE_CHROME=1` rank 0 also writes its windows' Chrome traces (`rank0_<phase>.trace.json.gz`).
 """
@@ -39,6 +42,28 @@ KINDS = (("all_gather", ("allgather", "all_gather")), ("reduce_scatter", ("reduc
          ("optimizer", ("adam", "multi_tensor", "foreach")),
          ("copy", ("copy", "memcpy", "memset", "cat", "split", "chunk", "to_copy", "fill")))
 COMM = {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}
+
+
+def counters() -> dict[str, float]:
+    """Process-wide counts that explain a slow call: graphs Dynamo compiled (`compiled_graphs`: a recompile for a
+    new shape or guard) and, on CUDA, the caching allocator's device allocations, frees and retries (a pool still
+    growing, or freeing its cache to fit) and reserved GB."""
+    import torch
+
+    out: dict[str, float] = {}
+    try:
+        from torch._dynamo.utils import counters as dynamo
+
+        out["compiled_graphs"] = float(dynamo["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - no Dynamo here: the other counts still help
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats = torch.cuda.memory_stats()
+        for key, name in (("num_device_alloc", "device_allocs"), ("num_device_free", "device_frees"),
+                          ("num_alloc_retries", "alloc_retries")):
+            out[name] = float(stats.get(key, 0))
+        out["reserved_gb"] = stats.get("reserved_bytes.all.current", 0) / 2**30
+    return out
 
 
 def trace_env() -> dict[str, str]:
@@ -89,27 +114,48 @@ class RankTracer:
         self.chrome = bool(os.environ.get(CHROME_ENV)) and rank == 0
         self.calls: dict[str, int] = {}
         self.open: tuple[str, object, float] | None = None
+        self.counted: tuple[str, int, dict, float] | None = None
 
     def begin(self, phase: str) -> None:
         if not self.folder or self.open is not None:
             return
+        import torch
+
         count = self.calls.get(phase, 0)
         self.calls[phase] = count + 1
-        if count != self.call:
-            return
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         if cuda:
             torch.cuda.synchronize()
+        self.counted = (phase, count, counters(), time.perf_counter())
+        if count != self.call:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         prof = profile(activities=activities)
         prof.start()
         self.open = (phase, prof, time.perf_counter())
 
+    def _count(self, phase: str) -> None:
+        """Append this window's row to `DIR/rank<R>_calls.jsonl` (every call, profiled or not)."""
+        if self.counted is None or self.counted[0] != phase:
+            return
+        import torch
+
+        _, call, before, start = self.counted
+        self.counted = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        row = {"rank": self.rank, "phase": phase, "call": call, "wall_s": time.perf_counter() - start,
+               "profiled": call == self.call} | {k: v - before.get(k, 0) for k, v in counters().items()}
+        folder = Path(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"rank{self.rank}_calls.jsonl", "a") as out:
+            out.write(json.dumps(row) + "\n")
+
     def end(self, phase: str) -> None:
         if self.open is None or self.open[0] != phase:
+            self._count(phase)
             return
         import torch
 
@@ -131,6 +177,7 @@ class RankTracer:
             with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
             raw.unlink()
+        self._count(phase)
 
 
 def table(folder: str | Path) -> str:
@@ -144,7 +191,19 @@ def table(folder: str | Path) -> str:
         cells = [r["phase"], str(r["rank"])] + [f"{r[k] * 1e3:.1f}" for k in ("wall_s", "busy_s", "host_gap_s",
                                                                               "exposed_comm_s")]
         lines.append(" | ".join(cells + [f"{r['kernel_s'].get(k, 0.0) * 1e3:.1f}" for k in kinds]))
-    return "milliseconds per window\n" + "\n".join(lines)
+    return "milliseconds per window\n" + "\n".join(lines) + calls_table(folder)
+
+
+def calls_table(folder: str | Path) -> str:
+    """Every window's row from `rank<R>_calls.jsonl` (wall ms and the counts that changed in it), or nothing."""
+    lines = []
+    for path in sorted(Path(folder).glob("rank*_calls.jsonl")):
+        for row in map(json.loads, path.read_text().splitlines()):
+            counts = ", ".join(f"{k} {row[k]:g}" for k in ("compiled_graphs", "device_allocs", "device_frees",
+                                                          "alloc_retries", "reserved_gb") if row.get(k))
+            lines.append(f"rank {row['rank']} {row['phase']} {row['call']}{' (profiled)' if row['profiled'] else ''}: "
+                         f"{row['wall_s'] * 1e3:.1f} ms{'; ' + counts if counts else ''}")
+    return "\nevery window (wall; what changed in it)\n" + "\n".join(lines) if lines else ""
 
 
 if __name__ == "__main__":

@@ -84,9 +84,11 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[str] | list[list[int]], n: int, seed: int,
                  options: SampleOptions | None = None, first_sample: int = 0,
-                 stop: Callable[[], bool] | None = None) -> Rollout:
+                 stop: Callable[[], bool] | None = None, free: bool = True) -> Rollout:
         """`n` completions per prompt; `options` (greedy, top log-probs) take the plain loop. `stop`: asked before
         each token of the plain loop; true ends the rollout there (a server's request whose client went away).
+        Without `free` the engine keeps what `free_during_train` gives back after a rollout (a step's rollout in
+        several calls, the queue of `rlspec.rollout.dispatch`, calls `free_memory` once after the last).
 
         Sample i of this call draws its noise as sample `first_sample + i` of `seed` (`rlspec.rollout.noise`): a
         step split over several engines sends each part with the index of its first sample, so every sample is
@@ -109,7 +111,8 @@ class HFEngine:
                                                slots=slots, first_sample=first_sample)
         finally:
             self.model.train(was_training)
-            self.free_memory(keep_weights=options.keep_weights)
+            if free:
+                self.free_memory(keep_weights=options.keep_weights)
         completions, completion_logprobs, texts, tops = [], [], [], []
         vocab, eos = len(self.tokenizer), self.tokenizer.eos_token_id
         for i, (row, row_logp) in enumerate(zip(tokens.tolist(), logps.tolist())):

@@ -2,8 +2,9 @@
 
 `EngineWorker` holds one `HFEngine` in its own process; `RemoteEngines` fans calls out to one or more
 workers through the watchdog (`rlspec.cluster.ray_utils.wait_all`), so a dead engine stops the run with its
-traceback. With several engines, `generate` splits the prompts evenly, each part numbered from
-its first sample of the step, so the samples do not depend on the number of engines;
+traceback. With several engines, `generate` hands the prompts out by work or in fixed parts (`rlspec.rollout.dispatch`),
+each part numbered from its first sample of the step, so the samples depend neither on the number of engines nor
+on which engine took which part;
 `receive` runs a transport's engine half in every engine, where each carries `engine_index`.
 """
 
@@ -19,6 +20,7 @@ from ..models.factory import load_model, load_tokenizer
 from ..runtime.stall import StackReporter
 from ..spec import RunPlan
 from .base import Rollout
+from .dispatch import chunk_groups, dispatch, split_groups
 
 
 class EngineWorker(StackReporter):
@@ -67,8 +69,13 @@ class EngineWorker(StackReporter):
         runner = self._episode_runner()
         return runner.num_actions, runner.max_steps
 
-    def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0, options=None) -> Rollout:
-        return self.engine.generate(prompts, n, seed, options=options, first_sample=first_sample)
+    def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0, options=None,
+                 free: bool = True) -> Rollout:
+        return self.engine.generate(prompts, n, seed, options=options, first_sample=first_sample, free=free)
+
+    def free_memory(self, keep_weights: bool) -> None:
+        """What `rollout.free_during_train` gives back, after a step's last chunk (`generate` without `free`)."""
+        self.engine.free_memory(keep_weights=keep_weights)
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         return self.engine.logprobs(batch)
@@ -92,8 +99,13 @@ class EngineWorker(StackReporter):
 class RemoteEngines:
     """Driver-side `RolloutEngine` over engine actors."""
 
-    def __init__(self, actors: Sequence[Any], tokenizer) -> None:
+    def __init__(self, actors: Sequence[Any], tokenizer, dispatch: str = "split", chunk_prompts: int = 1) -> None:
         self.actors = list(actors)
+        self.dispatch = dispatch
+        """`queue` or `split` (`rlspec.rollout.dispatch`; the plan's `dispatch.method`)."""
+        self.chunk_prompts = chunk_prompts
+        """`queue`: prompts (groups) per chunk."""
+        self.last_dispatch: list[int] = [0] * len(self.actors)
         self.labels = [f"rollout engine {i}" for i in range(len(self.actors))]
         self.tokenizer = tokenizer
         self.num_engines = len(self.actors)
@@ -109,18 +121,38 @@ class RemoteEngines:
         return wait_all([getattr(self.actors[0], method).remote(*args)], self.labels[:1])[0]
 
     def generate(self, prompts: list[str], n: int, seed: int, options=None) -> Rollout:
-        """`options` (`SampleOptions`, e.g. an eval's greedy decoding) go to every engine."""
+        """`options` (`SampleOptions`, e.g. an eval's greedy decoding) go to every engine. The prompts go out as the
+        plan's dispatch says (`rlspec.rollout.dispatch`); `last_dispatch` keeps how many each engine took."""
         from ..cluster.ray_utils import wait_all
 
-        share = -(-len(prompts) // self.num_engines)
-        parts = [(i, prompts[i * share:(i + 1) * share]) for i in range(self.num_engines)]
-        parts = [(i, p) for i, p in parts if p]
-        # Engine i's part starts at sample i * share * n of the step: each sample draws the noise it would on one engine.
-        extra = () if options is None else (options,)  # an eval's; a step's rollout passes none
-        outs = wait_all([self.actors[i].generate.remote(p, n, seed, i * share * n, *extra) for i, p in parts],
-                        [self.labels[i] for i, _ in parts])
+        queue = self.dispatch == "queue"
+        chunks = (chunk_groups(len(prompts), self.chunk_prompts) if queue
+                  else split_groups(len(prompts), self.num_engines))
+
+        def run(i: int, part: range) -> Rollout | None:
+            if not part:  # a split with fewer prompts than engines
+                return None
+            # A part starts at sample part.start * n of the step: each sample draws the noise it would on one engine.
+            # Queued chunks keep the engine's memory until the last one is done (freed below, once per engine).
+            ref = self.actors[i].generate.remote(prompts[part.start:part.stop], n, seed, part.start * n, options,
+                                                 not queue)
+            return wait_all([ref], self.labels[i:i + 1])[0]
+
+        outs, workers = dispatch(chunks, self.num_engines, run, queue)
+        if queue:
+            self._all("free_memory", bool(options is not None and options.keep_weights))
+        self.last_dispatch = [0] * self.num_engines
+        for part, worker in zip(chunks, workers):
+            self.last_dispatch[worker] += len(part)
+        outs = [o for o in outs if o is not None]
         return Rollout(*(sum((getattr(o, f) for o in outs), []) for f in
                          ("prompt_ids", "completion_ids", "completion_logprobs", "texts")))
+
+    def metrics(self) -> dict[str, float]:
+        """Per engine, the prompts it took in the last `generate` (`rollout/prompts_engine_<i>`), with several."""
+        if self.num_engines == 1:
+            return {}
+        return {f"rollout/prompts_engine_{i}": float(n) for i, n in enumerate(self.last_dispatch)}
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         return self._first("logprobs", batch)
@@ -175,4 +207,4 @@ def create_engines(plan: RunPlan, bundles: Sequence[tuple[Any, int]], num_cpus: 
     actors = [remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b))
               .remote(plan, i) for i, (pg, b) in enumerate(bundles)]
-    return RemoteEngines(actors, load_tokenizer(plan.spec.model))
+    return RemoteEngines(actors, load_tokenizer(plan.spec.model), plan.dispatch.method, plan.dispatch.chunk_prompts)

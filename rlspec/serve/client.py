@@ -9,9 +9,9 @@ names in the failure when the run joined it.
 Several rollout servers behind one `RolloutEngine`: `ServedReplicas`, the standalone backend's engine when
 `hardware.num_rollout_engines` > 1 (servers it starts, one per engine device, or joins: `rollout.server_urls`).
 
-- **Sampling.** A step's prompt groups are split into contiguous runs of whole groups, as even as they go
-  (sizes differ by at most one group); every server gets its run in one completions request, all requests in
-  flight at once. Each request carries `first_sample`, the index of its first sample in the step, so sample i of
+- **Sampling.** A step's prompt groups go out in contiguous runs of whole groups (`rlspec.rollout.dispatch`): by
+  work (`queue`: chunks, each server taking the next as it finishes one) or one run per server (`split`), one
+  completions request per run; the plan picks (`dispatch` in `rlspec plan`). Each request carries `first_sample`, the index of its first sample in the step, so sample i of
   the step draws the noise of sample i whichever server runs it: the step's samples equal one server's.
 - **Weights.** Each server has a transport of its own (`sync.replicas.PerReplica`: the configured transport
   once per server, pushed concurrently), not one broadcast group to all: a lost server then takes only its own
@@ -37,6 +37,7 @@ from torch import Tensor
 from ..core.batch import TrainBatch
 from ..errors import RunError, SpecError
 from ..rollout.base import Rollout
+from ..rollout.dispatch import chunk_groups, dispatch, split_groups
 from . import TOKEN_ENV, TOKEN_FILE_ENV, ops
 
 
@@ -397,23 +398,16 @@ class ReconnectingTransport:
         return self.client.health()["weight_version"]
 
 
-def split_groups(num_groups: int, num_parts: int) -> list[range]:
-    """Contiguous runs of whole groups, one per part, sizes differing by at most one (the first parts the larger);
-    a part with no group gets an empty range."""
-    share, extra = divmod(num_groups, num_parts)
-    parts, start = [], 0
-    for i in range(num_parts):
-        size = share + (i < extra)
-        parts.append(range(start, start + size))
-        start += size
-    return parts
-
-
 class ServedReplicas:
     """`RolloutEngine` over several rollout servers (see the module docstring); `replicas[i]` is server i's."""
 
-    def __init__(self, replicas: Sequence[ServedEngine], tokenizer) -> None:
+    def __init__(self, replicas: Sequence[ServedEngine], tokenizer, dispatch: str = "split",
+                 chunk_prompts: int = 1) -> None:
         self.replicas = list(replicas)
+        self.dispatch = dispatch
+        """`queue` or `split` (`rlspec.rollout.dispatch`; the plan's `dispatch.method`)."""
+        self.chunk_prompts = chunk_prompts
+        """`queue`: prompts (groups) per chunk."""
         self.tokenizer = tokenizer
         self.starts_in_sync = all(r.starts_in_sync for r in self.replicas)
         self.pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="rlspec-replica")
@@ -432,21 +426,27 @@ class ServedReplicas:
         return [f.result() for f in futures]
 
     def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0, options=None) -> Rollout:
-        parts = split_groups(len(prompts), len(self.replicas))
+        queue = self.dispatch == "queue"
+        parts = (chunk_groups(len(prompts), self.chunk_prompts) if queue
+                 else split_groups(len(prompts), len(self.replicas)))
+        extra = () if options is None else (options,)  # an eval's; a step's rollout passes none
 
-        def run(replica: ServedEngine, part: range) -> tuple[Rollout | None, float]:
+        def run(i: int, part: range) -> tuple[Rollout | None, float]:
             if not part:
                 return None, 0.0
             start = time.perf_counter()
-            extra = () if options is None else (options,)  # an eval's; a step's rollout passes none
-            out = replica.generate(prompts[part.start:part.stop], n, seed, first_sample + part.start * n, *extra)
+            out = self.replicas[i].generate(prompts[part.start:part.stop], n, seed, first_sample + part.start * n,
+                                            *extra)
             return out, time.perf_counter() - start
 
-        outs = self._on_all([lambda r=r, p=p: run(r, p) for r, p in zip(self.replicas, parts)])
+        outs, workers = dispatch(parts, len(self.replicas), run, queue)
         self.last_generate = {}
-        for i, (part, (_, seconds)) in enumerate(zip(parts, outs)):
-            self.last_generate[f"timing_s/gen_replica_{i}"] = seconds
-            self.last_generate[f"rollout/samples_replica_{i}"] = float(len(part) * n)
+        for i in range(len(self.replicas)):
+            self.last_generate[f"timing_s/gen_replica_{i}"] = 0.0
+            self.last_generate[f"rollout/samples_replica_{i}"] = 0.0
+        for part, worker, (_, seconds) in zip(parts, workers, outs):
+            self.last_generate[f"timing_s/gen_replica_{worker}"] += seconds
+            self.last_generate[f"rollout/samples_replica_{worker}"] += float(len(part) * n)
         done = [out for out, _ in outs if out is not None]
         versions = [o.weight_version for o in done]
         return Rollout(*(sum((getattr(o, f) for o in done), []) for f in

@@ -510,11 +510,15 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
         mg_bench ${be}_split_4gpu 4 240 $be $BENCH hardware=gpu4_split rollout.prompts_per_step=64 algorithm.steps=4
       done ;;
     multigpu_e)  # issue 44: weak scaling, the 1.5B shape on the long-tailed lengths, 8 prompts x 8 per GPU, fsdp colocated
-      # on 1, 2 and 4 GPUs
+      # on 1, 2 and 4 GPUs. DISPATCH="auto" (default: the plan's; here split, 64 samples an engine fit its slots) or
+      # e.g. DISPATCH="split queue": one row per rollout.dispatch on several GPUs (rows weak_<n>gpu_<dispatch>); the
+      # per-engine prompts of each step are in the rows' rollout/prompts_engine_<i>
       for n in ${MG_GPUS:-1 2 4}; do
         hw=$([ $n = 1 ] && echo "hardware=gpu1" || echo "hardware=gpu${n}_colocated")
-        mg_bench weak_${n}gpu $n $(mg_limit $n) fsdp $ROOT/examples/bench_longtail.yaml model=qwen2_1p5b_shape $hw \
-          rollout.prompts_per_step=$((8 * n)) algorithm.steps=4
+        for d in $([ $n = 1 ] && echo auto || echo ${DISPATCH:-auto}); do
+          mg_bench weak_${n}gpu$([ $d = auto ] || echo _$d) $n $(mg_limit $n) fsdp $ROOT/examples/bench_longtail.yaml \
+            model=qwen2_1p5b_shape $hw rollout.prompts_per_step=$((8 * n)) algorithm.steps=4 rollout.dispatch=$d
+        done
       done ;;
     multigpu_f)  # issue 44: the 7B shape's push as a run makes it (fsdp ranks and Ray engines, rlspec.perf.bench_sync
       # --backend fsdp), split: one rank broadcasting to 1 and 3 engines beside a raw broadcast of the same bytes

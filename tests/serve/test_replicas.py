@@ -19,7 +19,8 @@ from rlspec.errors import SpecError
 from rlspec.rollout.base import Rollout
 from rlspec.runtime.metrics import read_metrics
 from rlspec.serve.client import ServedEngine, ServerLost
-from rlspec.serve.client import ServedReplicas, split_groups
+from rlspec.rollout.dispatch import split_groups
+from rlspec.serve.client import ServedReplicas
 from rlspec.spec import RolloutSpec
 from rlspec.sync.replicas import PerReplica
 from tests.conftest import REPO, rlspec_cmd
@@ -59,7 +60,7 @@ class _Replica:
 def test_each_server_gets_its_groups_numbered_from_its_first_sample_all_at_once():
     meet = threading.Barrier(2)
     replicas = [_Replica(0, meet), _Replica(1, meet)]
-    engine = ServedReplicas(replicas, tokenizer=None)
+    engine = ServedReplicas(replicas, tokenizer=None, dispatch="split")
     try:
         out = engine.generate(["a", "b", "c"], n=2, seed=9)
     finally:
@@ -102,7 +103,7 @@ def test_a_lost_server_recovers_alone_and_reruns_only_its_part():
                                restart=lambda i=i: restarted.append(i))
         replica.resync = lambda i=i: resynced.append(i)
         replicas.append(replica)
-    engine = ServedReplicas(replicas, tokenizer=None)
+    engine = ServedReplicas(replicas, tokenizer=None, dispatch="split")
     try:
         out = engine.generate(["p", "q", "r", "s"], n=2, seed=1)
     finally:
@@ -228,14 +229,18 @@ def test_two_joined_servers_learn_as_one_server_and_both_get_every_push(one_serv
     servers = [_serve(port, tmp_path / f"server{i}.log") for i, port in enumerate(ports)]
     try:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
+        # by work (rollout.dispatch=queue, one prompt a chunk): the servers take chunks as they free, and the run
+        # learns what one server's does
         done = _run(tmp_path / "out", "sync.method=nccl", "hardware.num_rollout_engines=2",
-                    f"rollout.server_urls=[{','.join(urls)}]", env={TOKEN_ENV: TOKEN})
+                    f"rollout.server_urls=[{','.join(urls)}]", "rollout.dispatch=queue",
+                    "rollout.dispatch_chunk_prompts=1", env={TOKEN_ENV: TOKEN})
         assert done.returncode == 0, done.stderr
         rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
         _same_rows(rows, one_server)
         assert [httpx.get(f"{url}/health").json()["weight_version"] for url in urls] == [3, 3]
         for row in rows:
-            assert row["rollout/samples_replica_0"] == row["rollout/samples_replica_1"] > 0
+            assert row["rollout/samples_replica_0"] > 0 and row["rollout/samples_replica_1"] > 0
+            assert row["rollout/samples_replica_0"] + row["rollout/samples_replica_1"] == 8 * 8  # the tiny spec's
             assert 0 < row["timing_s/sync_replica_0"] <= row["timing_s/sync"]
             assert 0 < row["timing_s/sync_replica_1"] <= row["timing_s/sync"]
     finally:

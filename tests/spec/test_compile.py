@@ -228,3 +228,20 @@ def test_resume_allow_list_names_real_fields_and_splits_changes():
     allowed, refused = resume_changes(started, now)
     assert allowed == ["algorithm.steps", "rollout.decode_slots"]
     assert refused == ["algorithm.group_size", "model.eos_hazard"]
+
+
+def test_the_plan_dispatches_prompts_by_work_to_several_engines_and_says_so(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+    def dispatch(path, *overrides):
+        return compile_plan(load_spec(path, ["hardware.num_trainer_ranks=2", "algorithm.micro_batch_size=4",
+                                             *overrides], "fsdp"), all_caps()).dispatch.method
+
+    two = "hardware.num_rollout_engines=2"
+    assert dispatch("examples/tiny.yaml", two) == "split"  # 4 x 8 samples an engine fit its 256 slots
+    assert dispatch("examples/tiny.yaml", two, "rollout.decode_slots=16") == "queue"  # 32 do not fit 16
+    assert dispatch("examples/tiny.yaml", two, "rollout.dispatch=queue") == "queue"
+    assert dispatch("examples/tiny.yaml") == "split"  # one engine
+    assert dispatch("examples/vla_babyai.yaml", two) == "split"  # each engine keeps its groups' environments
+    with pytest.raises(SpecError, match="rollout.dispatch"):
+        dispatch("examples/vla_babyai.yaml", two, "rollout.dispatch=queue")

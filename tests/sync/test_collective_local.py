@@ -202,3 +202,61 @@ def test_a_servers_listener_runs_the_push_before_the_bridge_call_arrives():
     while any(t.name == "rlspec-sync-listener" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(t.name == "rlspec-sync-listener" for t in threading.enumerate()), "close left the listener running"
+
+
+class _CountingStore:
+    """A store that counts the keys set and read (the push's round trips)."""
+
+    def __init__(self, store, calls: list) -> None:
+        self.store, self.calls = store, calls
+
+    def set(self, key, value):
+        self.calls.append(("set", key))
+        return self.store.set(key, value)
+
+    def get(self, key):
+        self.calls.append(("get", key))
+        return self.store.get(key)
+
+
+def test_a_streamed_push_of_a_known_layout_makes_no_store_round_trip_and_still_verifies(monkeypatch):
+    """The split layout's push from a sharded trainer (`sync.streamed`): the first push describes its buckets in the
+    store, the next ones (same layout) send them in band only; the weights arrive exact, and verification still
+    names a weight whose bytes went astray in the engine's copy."""
+    from rlspec.sync import collective, streamed
+
+    trainer = load_model(ModelSpec(), 0)
+    engine = _engine(1)
+    transport = build_transport("nccl", SyncSpec(method="nccl", bucket_mb=1, timeout_s=20))
+    source = _Streamed(lambda: trainer.state_dict().items())
+    calls: list = []
+    try:
+        transport.connect(engine, source)
+        for (key, rank), channel in list(collective._CHANNELS.items()):
+            if key == transport.channel_id:
+                channel.store = _CountingStore(channel.store, calls)
+        transport.push(source, engine)
+        first = len(calls)
+        assert first >= 2, calls  # each new bucket's description: set by the sender, read by the engine
+        with torch.no_grad():
+            trainer.model.norm.weight.add_(0.5)
+        transport.push(source, engine)
+        _same(engine, trainer)
+        assert len(calls) == first, calls[first:]
+        copy_in = streamed._copy_in
+
+        def astray(channel, lookup, bucket, work):
+            names = copy_in(channel, lookup, bucket, work)
+            if "model.norm.weight" in names:
+                with torch.no_grad():
+                    engine.model.model.norm.weight[3] += 1.0
+            return names
+
+        monkeypatch.setattr(streamed, "_copy_in", astray)
+        with pytest.raises(SyncError, match=r"differ after sync: model\.norm\.weight"):
+            transport.push(source, engine)
+        monkeypatch.setattr(streamed, "_copy_in", copy_in)
+        transport.push(source, engine)  # the group is still in step
+        _same(engine, trainer)
+    finally:
+        transport.close()
