@@ -114,7 +114,7 @@ def test_cli_surface_is_frozen():
                   "--parent-pid", "--port", "--shutdown-timeout-s", "--warm-pool"],
         "bench": ["--backends", "--multirun", "--out", "--reference", "--warmup-steps", "-m"],
         "conformance": ["--backends", "--dump", "--json"],
-        "eval": ["--backend", "--checkpoint", "--checkpoints", "--model", "--out"],
+        "eval": ["--backend", "--checkpoint", "--checkpoints", "--model", "--multirun", "--out", "-m"],
     }
 
 
