@@ -40,8 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("spec")
     ev.add_argument("--checkpoint", action="append", default=[], help="a checkpoint directory (OUT/checkpoints/step_N); "
                     "repeat for several")
-    ev.add_argument("--checkpoints", help="every completed checkpoint of the run (or of every job of the sweep) in this "
-                    "--out directory")
+    ev.add_argument("--checkpoints", help="every completed checkpoint of the run (or of every job of the sweep) in "
+                    "this --out directory")
     ev.add_argument("--model", help="a local Hugging Face model directory (instead of the spec's model.path)")
     ev.add_argument("--backend")
     ev.add_argument("--out", help="output directory (default outputs/eval/<spec>/<time>)")

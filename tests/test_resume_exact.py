@@ -230,9 +230,9 @@ def test_a_resume_while_the_engine_lags_equals_the_uninterrupted_run(mode, tmp_p
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 @pytest.mark.parametrize("mode", ["sync_every_2", "async_staleness_1"])
 def test_a_distributed_resume_while_the_engine_lags_equals_the_uninterrupted_run(backend, mode, tmp_path):
-    """The same on 2 ranks, the engines in Ray actors (the uninterrupted run evaluating on them). sync_every_2: the interrupted run ends at step 2, a push
-    behind, and the resume extends it; async_staleness_1: SIGTERM stops it on whichever step, with the next
-    batch already in the pool."""
+    """The same on 2 ranks, the engines in Ray actors (the uninterrupted run evaluating on them). sync_every_2: the
+    interrupted run ends at step 2, a push behind, and the resume extends it; async_staleness_1: SIGTERM stops it on
+    whichever step, with the next batch already in the pool."""
     import signal
 
     pytest.importorskip("ray")

@@ -1,6 +1,7 @@
-"""`rlspec eval SPEC --checkpoint DIR | --checkpoints OUT | --model DIR`: the spec's eval set scored on a checkpoint
-(of any backend: every one writes the HF model), every checkpoint of a run, or any local HF model, with the spec's
-engine (`rollout`) on the spec's device. Prints the table; writes OUT/eval.json and each one's samples beside it.
+"""`rlspec eval SPEC [-m] --checkpoint DIR | --checkpoints OUT | --model DIR`: the spec's eval set scored on a
+checkpoint (of any backend: every one writes the HF model), every checkpoint of a run or of a sweep's jobs, or any
+local HF model, with the spec's engine (`rollout`) on the spec's device; `-m` scores each with every combination of
+the swept overrides (`rlspec.sweep.expand`). Prints one table; writes OUT/eval.json and each one's samples beside it.
 
 The engine is the spec's model (its preset or `model.path`) with the checkpoint's weights copied in, sampled as a
 run's eval samples (`rlspec.evaluation.runner`): a run's eval of step N and this command on its step_N agree.
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 from ..spec import SpecError
@@ -77,7 +78,9 @@ class Job:
     overrides: list[str]
     swept: list[str]
     targets: list[Target]
-    plan: object = None
+    plan: object
+    combination: int
+    """Its index among the sweep's combinations (its samples go to OUT/<combination>/ when there are several)."""
 
 
 def evaluate(spec_path: str, overrides: Sequence[str] = (), backend: str | None = None,
@@ -92,7 +95,7 @@ def evaluate(spec_path: str, overrides: Sequence[str] = (), backend: str | None 
     chosen = targets(checkpoints, run, model, sweep)
     combos, swept_keys = expand(overrides) if sweep else ([list(overrides)], [])
     jobs = []
-    for combo in combos:  # every spec and every target's job overrides compiles, or nothing is scored
+    for index, combo in enumerate(combos):  # every spec and every target's job overrides compiles, or nothing is scored
         swept = [o for o in combo if o.split("=", 1)[0] in swept_keys]
         by_overrides: dict[tuple[str, ...], list[Target]] = {}
         for target in chosen:
@@ -105,15 +108,15 @@ def evaluate(spec_path: str, overrides: Sequence[str] = (), backend: str | None 
             except SpecError as err:
                 named = " ".join([*job_overrides, *swept])
                 raise SpecError(err.where, f"{err.problem} (with {named})" if named else err.problem, err.fix) from None
-            jobs.append(Job(full, swept, group, plan))
+            jobs.append(Job(full, swept, group, plan, index))
     out_dir = Path(out) if out is not None else default_out_dir(spec_path, root="outputs/eval")
     if (out_dir / "eval.json").exists():
         raise SpecError("--out", f"{out_dir} already holds an eval (eval.json)", "choose a new --out directory")
     results: list[dict] = []
     history: list[tuple[str, dict]] = []
-    for index, job in enumerate(jobs):
+    for job in jobs:
         spec = job.plan.spec
-        prefix = f"{index}/" if len(combos) > 1 else ""  # a swept spec: each combination's samples in OUT/<n>/
+        prefix = f"{job.combination}/" if len(combos) > 1 else ""  # a swept spec: each combination's samples apart
         evaluator = Evaluator(build_eval_set(spec, spec.model), spec.rollout.max_new_tokens, out_dir / prefix)
         engine = _engine(job.plan)
         for target in job.targets:
@@ -133,7 +136,8 @@ def evaluate(spec_path: str, overrides: Sequence[str] = (), backend: str | None 
 def _write(out_dir: Path, spec_path: str, overrides: Sequence[str], results: list[dict]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = out_dir / "eval.json.tmp"
-    staging.write_text(json.dumps({"spec": spec_path, "overrides": list(overrides), "results": results}, indent=2) + "\n")
+    report = {"spec": spec_path, "overrides": list(overrides), "results": results}
+    staging.write_text(json.dumps(report, indent=2) + "\n")
     staging.replace(out_dir / "eval.json")
 
 
