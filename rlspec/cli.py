@@ -35,15 +35,19 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--backend")
 
     ev = sub.add_parser("eval", help="score checkpoints or a HF model on the spec's eval set; prints a table, writes "
-                        "eval.json", usage="rlspec eval SPEC [key=value ...] (--checkpoint DIR ... | --checkpoints OUT | "
-                                           "--model DIR) [--backend B] [--out DIR]")
+                        "eval.json", usage="rlspec eval SPEC [key=value ...] [-m key=a,b ...] (--checkpoint DIR ... | "
+                                           "--checkpoints OUT | --model DIR) [--backend B] [--out DIR]")
     ev.add_argument("spec")
     ev.add_argument("--checkpoint", action="append", default=[], help="a checkpoint directory (OUT/checkpoints/step_N); "
                     "repeat for several")
-    ev.add_argument("--checkpoints", help="every completed checkpoint of the run in this --out directory")
+    ev.add_argument("--checkpoints", help="every completed checkpoint of the run (or of every job of the sweep) in "
+                    "this --out directory")
     ev.add_argument("--model", help="a local Hugging Face model directory (instead of the spec's model.path)")
     ev.add_argument("--backend")
     ev.add_argument("--out", help="output directory (default outputs/eval/<spec>/<time>)")
+    ev.add_argument("-m", "--multirun", action="store_true",
+                    help="sweep: every target scored with each combination of the overrides' values (key=a,b); "
+                         "--checkpoint takes a,b too; one table and eval.json")
 
     serve = sub.add_parser("serve", help="run the spec's rollout engine as an HTTP server (OpenAI-compatible completions)",
                            usage="rlspec serve SPEC [key=value ...] [--host H [--allow-remote]] [--port P] [--backend B] "
@@ -131,7 +135,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         plan, _ = build_plan(args.spec, args.overrides, args.backend, full=False)
         print(plan.to_json())
         return EXIT_OK
-    if getattr(args, "multirun", False):
+    if getattr(args, "multirun", False) and args.command != "eval":
         return _sweep(args)
     if args.command == "run":
         from .run import run
@@ -143,7 +147,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "eval":
         from .evaluation.command import evaluate
 
-        evaluate(args.spec, args.overrides, args.backend, args.checkpoint, args.checkpoints, args.model, args.out)
+        evaluate(args.spec, args.overrides, args.backend, args.checkpoint, args.checkpoints, args.model, args.out,
+                 sweep=args.multirun)
         return EXIT_OK
     if args.command == "serve":
         from .plan import build_plan

@@ -193,3 +193,31 @@ def test_a_failing_trainer_ends_the_run_with_exit_1_and_stops_the_rollout_loop(t
     assert "RuntimeError: injected trainer failure" in err and "step_then_fail" in err and "async_steps" in err
     assert "rollout loop failed" not in err
     assert not _threads_named("rlspec-rollout")  # the pool was closed and the rollout loop ended
+
+
+def test_an_eval_follows_its_push_with_no_generation_between(tmp_path, monkeypatch):
+    """The trainer evaluates under the hold of the engine it pushed with: the rollout loop, woken by the push, cannot
+    generate first, so the trainer waits for the eval's own generation only (here the trainer also works for 0.1 s
+    between the push and the eval, time in which the rollout loop would otherwise take the engine)."""
+    from rlspec.core import async_loop
+    from rlspec.rollout.hf import HFEngine
+
+    monkeypatch.chdir(REPO)
+    calls = []
+    generate, push, row = HFEngine.generate, LockedEngine.push, async_loop.metrics_row
+
+    def recorded_generate(self, prompts, n, seed, options=None):
+        calls.append("eval" if options is not None else "rollout")
+        return generate(self, prompts, n, seed, options=options)
+
+    def recorded_push(self, *args):
+        calls.append("push")
+        return push(self, *args)
+
+    monkeypatch.setattr(HFEngine, "generate", recorded_generate)
+    monkeypatch.setattr(LockedEngine, "push", recorded_push)
+    monkeypatch.setattr(async_loop, "metrics_row", lambda *a: (time.sleep(0.1), row(*a))[1])
+    rows = _run(tmp_path, "o", "sync.method=checkpoint", "rollout.mode=async", "rollout.max_staleness=1",
+                "eval.every_n_steps=1")
+    assert all("eval/mean@1" in r for r in rows)
+    assert calls.count("push") == 4 and all(calls[i + 1] == "eval" for i, c in enumerate(calls) if c == "push"), calls

@@ -114,7 +114,7 @@ def test_cli_surface_is_frozen():
                   "--max-queued-rows", "--parent-pid", "--port", "--shutdown-timeout-s", "--warm-pool"],
         "bench": ["--backends", "--multirun", "--out", "--reference", "--warmup-steps", "-m"],
         "conformance": ["--backends", "--dump", "--json"],
-        "eval": ["--backend", "--checkpoint", "--checkpoints", "--model", "--out"],
+        "eval": ["--backend", "--checkpoint", "--checkpoints", "--model", "--multirun", "--out", "-m"],
     }
 
 
@@ -131,6 +131,10 @@ def test_tiny_example_learns(tmp_path):
     # the spec's eval (greedy, every letter once, every 25 steps): 0.5, 0.53, then 1.0 from step 74 on when measured
     evals = [(r["step"], r["eval/mean@1"]) for r in read_metrics(out / "metrics.jsonl") if "eval/mean@1" in r]
     assert [s for s, _ in evals] == [24, 49, 74, 99, 124, 149] and evals[-1][1] >= 0.75, evals
+    table = proc.stderr.split("rlspec: eval (", 1)[1].splitlines()[1:8]  # the run ends with a table of its evals
+    assert table[0].split() == ["eval", "mean@1", "best@1", "response_len/mean", "truncated_frac"], table
+    assert [(line.split()[0], float(line.split()[1])) for line in table[1:]] == \
+        [(f"step_{s:06d}", pytest.approx(v, abs=5e-5)) for s, v in evals]
 
 
 def test_bench_writes_table_json_and_plot(tmp_path):

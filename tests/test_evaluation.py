@@ -109,6 +109,44 @@ def test_run_with_eval_trains_bit_identically_and_rlspec_eval_reproduces_it(tmp_
     ran = [json.loads(line)["completion"]
            for line in (tmp_path / "eval" / "eval" / "step_000003.jsonl").read_text().splitlines()]
     assert completions == ran
+    _check_sweeps(tmp_path, final, tmp_path / "plain" / "checkpoints" / "step_000003", evaluated[-1])
+
+
+def _check_sweeps(tmp_path, final, plain, last_row):
+    """`rlspec eval -m`: each checkpoint (`--checkpoint a,b`, a sweep axis) with each swept spec value, in one table
+    and one eval.json; `--checkpoints` of a sweep's OUT scores each job's checkpoints with that job's overrides; a bad
+    value in any combination exits 2 with nothing written."""
+    import shutil
+
+    from rlspec.cli import main
+
+    logged = {k: v for k, v in last_row.items() if k.startswith("eval/")}
+    assert main(["eval", TINY, "-m", "eval.max_prompts=4,2", "--checkpoint", f"{plain},{final}",
+                 "--out", str(tmp_path / "m")]) == 0
+    results = json.loads((tmp_path / "m" / "eval.json").read_text())["results"]
+    assert [(r["swept"], r["target"]) for r in results] == [
+        (["eval.max_prompts=4"], str(plain)), (["eval.max_prompts=4"], str(final)),
+        (["eval.max_prompts=2"], str(plain)), (["eval.max_prompts=2"], str(final))]
+    for r in results[:2]:  # the plain run's weights are the evaluated run's: the same scores
+        assert {k: v for k, v in r["metrics"].items() if k.startswith("eval/")} == logged
+    assert [r["metrics"]["eval/num_prompts"] for r in results] == [4, 4, 2, 2]
+    assert (tmp_path / "m" / "1" / "eval_step_000003.jsonl").is_file()
+
+    sweep = tmp_path / "sweep"  # what `rlspec run -m` leaves: OUT/sweep.json, OUT/<n>/overrides.json and checkpoints
+    for job, overrides in enumerate([["algorithm.lr=1e-3"], ["eval.max_prompts=1"]]):
+        shutil.copytree(final, sweep / str(job) / "checkpoints" / final.name)
+        (sweep / str(job) / "overrides.json").write_text(json.dumps(overrides))
+    (sweep / "sweep.json").write_text("{}")
+    assert main(["eval", TINY, "--checkpoints", str(sweep), "--out", str(tmp_path / "s")]) == 0
+    results = json.loads((tmp_path / "s" / "eval.json").read_text())["results"]
+    assert [r["overrides"] for r in results] == [["algorithm.lr=1e-3"], ["eval.max_prompts=1"]]
+    assert [r["metrics"]["eval/num_prompts"] for r in results] == [4, 1]
+
+    for bad, key in [(["-m", "eval.max_prompts=2,-1", "--checkpoint", str(final)], "eval.max_prompts"),
+                     (["-m", "--checkpoint", f"{final},no/such/step_000001"], "--checkpoint"),
+                     (["-m", "eval.max_prompts=range(", "--checkpoint", str(final)], "-m")]:
+        assert main(["eval", TINY, *bad, "--out", str(tmp_path / "bad")]) == 2, bad
+        assert not (tmp_path / "bad").exists()
 
 
 @pytest.mark.parametrize("args,key", [([], "--checkpoint"), (["--checkpoint", "no/such/step_000001"], "--checkpoint"),

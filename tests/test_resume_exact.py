@@ -156,13 +156,18 @@ VOLATILE = ("timing_s/", "perf/", "mem/", "sync/gb_per_s", "async/pool_size")
 """Metrics that measure the machine, not the run (how full the pool is when a step starts: how fast sampling was)."""
 
 
+EVALUATED = ["eval.before_train=true", "eval.every_n_steps=2"]
+"""The uninterrupted run also evaluates (the resumed one does not): an eval must not move a training number either."""
+
+
 def assert_same_run(one: Path, other: Path) -> None:
-    """Every metric of every step equal, to the bit (wall-clock figures aside)."""
-    want, got = read_metrics(one / "metrics.jsonl"), read_metrics(other / "metrics.jsonl")
+    """Every metric of every step equal, to the bit (wall-clock figures aside; `one`'s eval rows and keys aside)."""
+    want = [r for r in read_metrics(one / "metrics.jsonl") if r["step"] >= 0]
+    got = read_metrics(other / "metrics.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for a, b in zip(want, got):
         for key in a:
-            if not key.startswith(VOLATILE):
+            if not key.startswith((*VOLATILE, "eval/")):
                 assert b[key] == a[key], (a["step"], key, a[key], b[key])
 
 
@@ -206,8 +211,11 @@ def _crash_at_step_3(monkeypatch) -> None:
 @pytest.mark.parametrize("mode", ["sync_every_2", "async_staleness_1",
                                   pytest.param("async_staleness_1_every_2", marks=pytest.mark.slow)])
 def test_a_resume_while_the_engine_lags_equals_the_uninterrupted_run(mode, tmp_path, capsys, monkeypatch):
+    """The interrupted and resumed run equals the uninterrupted one, which evaluates between steps (sync) or beside
+    the rollout loop (async) while the other does not."""
     args = [*LAGGING[mode], *CADENCE]
-    assert cli(capsys, tmp_path / "one", *args)[0] == 0
+    assert cli(capsys, tmp_path / "one", *args, *EVALUATED)[0] == 0
+    assert sum("eval/mean@1" in r for r in read_metrics(tmp_path / "one" / "metrics.jsonl")) == 3
     with monkeypatch.context() as patch:
         _crash_at_step_3(patch)
         assert cli(capsys, tmp_path / "resumed", *args)[0] == 1
@@ -222,15 +230,15 @@ def test_a_resume_while_the_engine_lags_equals_the_uninterrupted_run(mode, tmp_p
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 @pytest.mark.parametrize("mode", ["sync_every_2", "async_staleness_1"])
 def test_a_distributed_resume_while_the_engine_lags_equals_the_uninterrupted_run(backend, mode, tmp_path):
-    """The same on 2 ranks, the engines in Ray actors. sync_every_2: the interrupted run ends at step 2, a push
-    behind, and the resume extends it; async_staleness_1: SIGTERM stops it on whichever step, with the next
-    batch already in the pool."""
+    """The same on 2 ranks, the engines in Ray actors (the uninterrupted run evaluating on them). sync_every_2: the
+    interrupted run ends at step 2, a push behind, and the resume extends it; async_staleness_1: SIGTERM stops it on
+    whichever step, with the next batch already in the pool."""
     import signal
 
     pytest.importorskip("ray")
     args = [*LAGGING[mode], "checkpoint.every_n_steps=0", "algorithm.micro_batch_size=8", "--backend", backend,
             "hardware.num_trainer_ranks=2"]
-    cli_process(tmp_path / "one", *args, "algorithm.steps=6")
+    cli_process(tmp_path / "one", *args, "algorithm.steps=6", *EVALUATED)
     out = tmp_path / "resumed"
     if mode == "sync_every_2":
         cli_process(out, *args, "algorithm.steps=3")

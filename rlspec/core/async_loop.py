@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import threading
 import traceback
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -134,7 +134,7 @@ class LockedEngine:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the trainer pushes inside its own `exclusive` hold (an eval follows)
         self.version = 0
         """Policy version of the engine's weights (written only under the lock)."""
         self.sampled_version = 0
@@ -182,7 +182,9 @@ def async_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, 
                 start_step: int, evaluator=None, state: EngineState | None = None,
                 pending: list[Pending] = ()) -> Iterator[dict]:
     """One metrics row per step, trained from the pool while the rollout loop generates ahead. An eval
-    (`evaluator`) after a step's push holds the engine between two of the rollout loop's generations. A resumed
+    (`evaluator`) follows a step's push under the same hold of the engine: no generation of the rollout loop comes
+    between (the trainer waits for the eval's own generation only, and the rollout loop samples the batches it
+    would have sampled without it). A resumed
     run starts from the engine's version in `state` and the batches that were `pending` in the pool
     (`rlspec.runtime.engine_state`), and keeps `state` current for the next checkpoint."""
     spec = plan.spec
@@ -200,28 +202,31 @@ def async_steps(plan: RunPlan, backend: Backend, engine, task: Task, transport, 
     prepare = getattr(backend, "prepare_update", None)  # optional (`rlspec.core.backend.Backend`)
     try:
         for step in range(start_step, spec.algorithm.steps):
-            timer = PhaseTimer()
-            with timer("step"):
-                waiting = len(pool)
-                if prepare is not None:  # beside the wait for the batch
-                    prepare()
-                with timer("wait"):
-                    item = pool.get()
-                assert item.step == step, (item.step, step)
-                with timer("train"):
-                    result = update(plan, backend, item.batch)
-                sync_bytes = 0
-                if (step + 1) % spec.sync.every_n_steps == 0:
-                    with timer("sync"):
-                        sync_bytes = locked.push(transport, weights, step + 1)
-                    pool.set_version(step + 1)
-                    state.version = step + 1
-            timer.update({k: v for k, v in item.timer.items() if k != "step"})
-            row = metrics_row(plan, step, result, timer, sync_bytes, item.counters)
-            row.update({"async/staleness_mean": float(step - item.policy_version), "async/pool_size": waiting,
-                        "timing_s/wait": timer["wait"]})
-            if evaluator is not None and eval_due(spec.eval, step, spec.algorithm.steps):
-                with locked.exclusive() as held:
+            evaluating = evaluator is not None and eval_due(spec.eval, step, spec.algorithm.steps)
+            with ExitStack() as holding:
+                timer = PhaseTimer()
+                with timer("step"):
+                    waiting = len(pool)
+                    if prepare is not None:  # beside the wait for the batch
+                        prepare()
+                    with timer("wait"):
+                        item = pool.get()
+                    assert item.step == step, (item.step, step)
+                    with timer("train"):
+                        result = update(plan, backend, item.batch)
+                    sync_bytes = 0
+                    if (step + 1) % spec.sync.every_n_steps == 0:
+                        with timer("sync"):
+                            if evaluating:  # the engine kept from the push to the eval's end
+                                held = holding.enter_context(locked.exclusive())
+                            sync_bytes = locked.push(transport, weights, step + 1)
+                        pool.set_version(step + 1)
+                        state.version = step + 1
+                timer.update({k: v for k, v in item.timer.items() if k != "step"})
+                row = metrics_row(plan, step, result, timer, sync_bytes, item.counters)
+                row.update({"async/staleness_mean": float(step - item.policy_version), "async/pool_size": waiting,
+                            "timing_s/wait": timer["wait"]})
+                if evaluating:  # an eval falls on a step that syncs (`check_eval_cadence`)
                     row.update(evaluator.run(held, step))
             yield row
     finally:

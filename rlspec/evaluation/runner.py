@@ -101,8 +101,8 @@ def table(history: list[tuple[str, dict[str, float]]]) -> str:
     if not history:
         return ""
     keys = []
-    for _, metrics in history:
-        for prefix in TABLE_METRICS:
+    for prefix in TABLE_METRICS:  # a sweep over eval.samples_per_prompt: mean@1 beside mean@4
+        for _, metrics in history:
             keys += [k for k in metrics if k.startswith(f"eval/{prefix}") and k.count("/") == 1 + prefix.count("/")
                      and k not in keys]
     header = ["eval", *(k[len("eval/"):] for k in keys)]

@@ -8,6 +8,7 @@ step to metrics.jsonl; a logger that raises there is stopped with a warning and 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import time
@@ -128,6 +129,12 @@ class WandbLogger:
         self.run.finish(exit_code=1 if failed else 0)
 
 
+def mlflow_name(key: str) -> str:
+    """`key` as MLflow takes a metric name (alphanumerics and _ - . : / and spaces): `eval/pass@4` is
+    `eval/pass_at_4`, any other character an underscore."""
+    return re.sub(r"[^\w\-.:/ ]", "_", key.replace("@", "_at_"), flags=re.ASCII)
+
+
 class MLflowLogger:
     name = "logging.mlflow"
 
@@ -160,7 +167,8 @@ class MLflowLogger:
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now_ms, step) for key, value in metrics.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_name(key), value, now_ms, step)
+                                                    for key, value in metrics.items()])
 
     def close(self, failed: bool) -> None:
         self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")

@@ -183,6 +183,18 @@ def preempt_whole_tree(backend: str, out: Path, signum: int) -> None:
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(last + 3))
 
 
+def assert_same_training(row: dict, resumed: Path) -> None:
+    """The last step of the run resumed in `resumed` (which did not evaluate) trained exactly as `row`, the same
+    step of the run that evaluated between its steps: every training number equal to the bit."""
+    import json
+
+    last = json.loads((resumed / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == row["step"]
+    volatile = ("eval/", "timing_s/", "perf/", "mem/", "sync/gb_per_s")
+    assert {k: v for k, v in last.items() if not k.startswith(volatile)} == \
+        {k: v for k, v in row.items() if not k.startswith(volatile)}
+
+
 def assert_rlspec_eval_reproduces(row: dict, checkpoint: Path, out: Path) -> None:
     """`rlspec eval` (in this process, on the CPU) on the run's checkpoint scores what the run's own eval of that step
     logged in `row`, to the bit: whichever backend trained and evaluated, a checkpoint is the same HF model."""

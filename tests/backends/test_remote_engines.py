@@ -13,12 +13,15 @@ from rlspec.rollout.remote import RemoteEngines
 from rlspec.spec import ModelSpec, RolloutSpec
 
 
-def _actor(engine: HFEngine):
-    """An in-process stand-in for an `EngineWorker` actor: `generate.remote` puts the local result in Ray's store."""
+def _actor(engine: HFEngine, calls: list | None = None):
+    """An in-process stand-in for an `EngineWorker` actor: `generate.remote` puts the local result in Ray's store
+    (and appends its prompts and options to `calls`)."""
     import ray
 
-    def remote(*args):
-        return ray.put(engine.generate(*args[:3], first_sample=args[3] if len(args) > 3 else 0))
+    def remote(prompts, n, seed, first_sample=0, options=None, free=True):
+        if calls is not None:
+            calls.append((prompts, options))
+        return ray.put(engine.generate(prompts, n, seed, first_sample=first_sample, options=options))
     return SimpleNamespace(generate=SimpleNamespace(remote=remote), free_memory=_no_op())
 
 
@@ -148,3 +151,18 @@ def test_queued_chunks_keep_the_engine_until_the_last_then_free_it_once(ray_sess
     want = HFEngine(load_model(ModelSpec(eos_hazard=0.12), seed=0).eval(), byte_tokenizer(),
                     RolloutSpec(max_new_tokens=8), "cpu").generate(prompts, 2, 5)
     assert got.completion_ids == want.completion_ids
+
+
+def test_an_eval_is_sampled_by_every_engine_each_a_share(ray_session):
+    """An eval's `SampleOptions` (greedy, weights kept) reach every engine, each sampling its share of the eval's
+    prompts: the completions are one engine's."""
+    from rlspec.evaluation.runner import generate
+
+    model = load_model(ModelSpec(eos_hazard=0.12), seed=0).eval()
+    engine = HFEngine(model, byte_tokenizer(), RolloutSpec(max_new_tokens=12), "cpu")
+    prompts = ["a=", "bcd=", "hello=", "xy=", "q="]
+    calls: list = []
+    got = generate(RemoteEngines([_actor(engine, calls)] * 2, engine.tokenizer), prompts, 2, 7, greedy=True)
+    assert got.completion_ids == generate(engine, prompts, 2, 7, greedy=True).completion_ids
+    assert [c[0] for c in calls] == [prompts[:3], prompts[3:]]
+    assert all(options.greedy and options.keep_weights for _, options in calls)

@@ -547,10 +547,14 @@ g=[512/r['timing_s/gen'] for r in rows]; print(sys.argv[2], 'gen samples/s media
       # EVAL_PROMPTS held-out prompts (default 512) x K samples (default 4, sampled at the rollout's temperature)
       # before training and every EVERY steps (default 10) of STEPS (default 20). Prints the rollout's samples/s (the
       # training rows' P x 8 / timing_s/gen, the steps after the first), the eval's (EVAL_PROMPTS x K /
-      # timing_s/eval, the evals after the first) and their ratio, and the evals' share of the run's time
-      # (sum timing_s/eval / (sum timing_s/step + sum timing_s/eval)), and the steady state's share (the median eval after
-      # the first against EVERY median steps; K=1 is the spec's default: greedy, one sample). The eval data: EVAL_PROMPTS copy_char prompts in
-      # a file (eval.data_path, columns prompt and letter), scored by copy_char's reward as training is.
+      # timing_s/eval, the evals after the first) and their ratio, and the share of the run's time that the evals
+      # during training take (sum timing_s/eval / (sum timing_s/step + sum timing_s/eval) over the steps; the eval
+      # before training, which also captures the sampler's graphs, left out). The eval data: EVAL_PROMPTS copy_char
+      # prompts in a file (eval.data_path, columns prompt and letter), scored by copy_char's reward as training is.
+      # At about the rollout's samples/s, an eval of EVAL_PROMPTS x K samples every EVERY steps of P x 8 costs
+      # EVAL_PROMPTS x K / (EVERY x P x 8 / gen share + EVAL_PROMPTS x K) of the time: 512 x 4 every 10 steps of 64 x 8
+      # (generation about half a step) about 17%; EVAL_PROMPTS=128 about 5%. Then the steady state: the median eval
+      # after the first against EVERY median steps.
       P=${P:-64}; EP=${EVAL_PROMPTS:-512}; K=${K:-4}
       python3 -c "import json, random; r = random.Random(0)
 open('$SCRATCH/eval_letters.jsonl', 'w').writelines(json.dumps({'prompt': c + '=', 'letter': c}) + '\n' for c in (r.choice('abcd') for _ in range($EP)))"
@@ -561,9 +565,9 @@ open('$SCRATCH/eval_letters.jsonl', 'w').writelines(json.dumps({'prompt': c + '=
       python3 -c "import json; rows = [json.loads(l) for l in open('$OUT/eval_metrics.jsonl')]
 train = [r for r in rows if r['step'] >= 1 and 'timing_s/gen' in r]; evals = [r for r in rows if 'timing_s/eval' in r]
 gen = $P * 8 * len(train) / sum(r['timing_s/gen'] for r in train); ev = $EP * $K * (len(evals) - 1) / sum(r['timing_s/eval'] for r in evals[1:])
-step = sum(r['timing_s/step'] for r in rows if 'timing_s/step' in r); spent = sum(r['timing_s/eval'] for r in evals)
+step = sum(r['timing_s/step'] for r in rows if 'timing_s/step' in r); spent = sum(r['timing_s/eval'] for r in evals if r['step'] >= 0)
+print(f'rollout {gen:.0f} samples/s, eval {ev:.0f} samples/s, ratio {ev / gen:.2f}; evals during training {spent:.1f} s of {step + spent:.1f} s = {spent / (step + spent):.1%}')
 import statistics as st; one = st.median(r['timing_s/eval'] for r in evals[1:]); med = st.median(r['timing_s/step'] for r in train)
-print(f'rollout {gen:.0f} samples/s, eval {ev:.0f} samples/s, ratio {ev / gen:.2f}; evals {spent:.1f} s of {step + spent:.1f} s = {spent / (step + spent):.1%} (the first eval, before training, includes its batch shape\'s graph captures: {evals[0][\"timing_s/eval\"]:.1f} s)')
 print(f'steady state: an eval {one:.2f} s every ${EVERY:-10} steps of {med:.3f} s (median) = {one / (one + ${EVERY:-10} * med):.1%} of the wall time')
 print('eval/mean@$K by step:', [(r['step'], round(r['eval/mean@$K'], 4)) for r in evals])" >> $OUT/results.txt 2>&1
       tail -6 $OUT/eval.log >> $OUT/results.txt ;;

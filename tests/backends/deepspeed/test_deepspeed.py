@@ -14,8 +14,9 @@ from rlspec.conformance.tolerances import TOLERANCES, weights_tolerance
 from rlspec.core.backend import all_caps, create_backend
 from rlspec.spec import compile_plan, load_spec
 from rlspec.sync import build_transport
-from tests.backends.ranks import (TINY, assert_rlspec_eval_reproduces, check_uneven_updates, kill_a_rank_mid_run,
-                                  fixed_batch, max_weight_diff, reference_trainer, rlspec_run, run_steps)
+from tests.backends.ranks import (TINY, assert_rlspec_eval_reproduces, assert_same_training, check_uneven_updates,
+                                  fixed_batch, kill_a_rank_mid_run, max_weight_diff, reference_trainer, rlspec_run,
+                                  run_steps)
 
 pytestmark = pytest.mark.distributed
 
@@ -175,12 +176,14 @@ def test_cli_run_smoke_and_resume(tmp_path):
     from transformers import AutoModelForCausalLM
 
     args = ("algorithm.steps=3", "checkpoint.every_n_steps=2", "checkpoint.keep_last=0",
-            "rollout.free_during_train=kv_cache_and_weights", "eval.every_n_steps=1")
-    proc = rlspec_run("deepspeed", tmp_path / "run", *args)
+            "rollout.free_during_train=kv_cache_and_weights")
+    evaluated = ("eval.before_train=true", "eval.every_n_steps=1")
+    proc = rlspec_run("deepspeed", tmp_path / "run", *args, *evaluated)
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [-1, 0, 1, 2] and all("eval/mean@1" in r for r in rows)
+    rows = rows[1:]
     assert all(r["sync/bytes"] > 0 for r in rows)
     final = tmp_path / "run" / "checkpoints" / "step_000002"
     AutoModelForCausalLM.from_pretrained(final)  # save() wrote a loadable HF directory
@@ -189,9 +192,10 @@ def test_cli_run_smoke_and_resume(tmp_path):
 
     shutil.copytree(tmp_path / "run", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000002")
-    proc = rlspec_run("deepspeed", tmp_path / "resumed", *args, "--resume")
+    proc = rlspec_run("deepspeed", tmp_path / "resumed", *args, "--resume")  # without the evals
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-4000:]
+    assert_same_training(rows[-1], tmp_path / "resumed")
     want = load_file(final / "model.safetensors")
     have = load_file(tmp_path / "resumed" / "checkpoints" / "step_000002" / "model.safetensors")
     diff = max(float((have[n] - want[n]).abs().max()) for n in want)
