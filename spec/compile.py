@@ -93,7 +93,7 @@ class Sharding:
 
 @dataclass(frozen=True)
 class Dispatch:
-    """How a step's prompts reach several rollout engines (`rlspec.rollout.dispatch`)."""
+    """How a step's prompts reach several rollout engines (`rlspec.cluster.dispatch`)."""
 
     method: str
     """queue (chunks taken by whichever engine is free) | split (one fixed run per engine)."""

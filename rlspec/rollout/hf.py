@@ -88,7 +88,7 @@ class HFEngine:
         """`n` completions per prompt; `options` (greedy, top log-probs) take the plain loop. `stop`: asked before
         each token of the plain loop; true ends the rollout there (a server's request whose client went away).
         Without `free` the engine keeps what `free_during_train` gives back after a rollout (a step's rollout in
-        several calls, the queue of `rlspec.rollout.dispatch`, calls `free_memory` once after the last).
+        several calls, the queue of `rlspec.cluster.dispatch`, calls `free_memory` once after the last).
 
         Sample i of this call draws its noise as sample `first_sample + i` of `seed` (`rlspec.rollout.noise`): a
         step split over several engines sends each part with the index of its first sample, so every sample is

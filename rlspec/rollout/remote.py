@@ -2,7 +2,7 @@
 
 `EngineWorker` holds one `HFEngine` in its own process; `RemoteEngines` fans calls out to one or more
 workers through the watchdog (`rlspec.cluster.ray_utils.wait_all`), so a dead engine stops the run with its
-traceback. With several engines, `generate` hands the prompts out by work or in fixed parts (`rlspec.rollout.dispatch`),
+traceback. With several engines, `generate` hands the prompts out by work or in fixed parts (`rlspec.cluster.dispatch`),
 each part numbered from its first sample of the step, so the samples depend neither on the number of engines nor
 on which engine took which part;
 `receive` runs a transport's engine half in every engine, where each carries `engine_index`.
@@ -15,12 +15,12 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import Tensor
 
+from ..cluster.dispatch import chunk_groups, dispatch, split_groups
 from ..core.batch import TrainBatch
 from ..models.factory import load_model, load_tokenizer
 from ..runtime.stall import StackReporter
 from ..spec import RunPlan
 from .base import Rollout
-from .dispatch import chunk_groups, dispatch, split_groups
 
 
 class EngineWorker(StackReporter):
@@ -102,7 +102,7 @@ class RemoteEngines:
     def __init__(self, actors: Sequence[Any], tokenizer, dispatch: str = "split", chunk_prompts: int = 1) -> None:
         self.actors = list(actors)
         self.dispatch = dispatch
-        """`queue` or `split` (`rlspec.rollout.dispatch`; the plan's `dispatch.method`)."""
+        """`queue` or `split` (`rlspec.cluster.dispatch`; the plan's `dispatch.method`)."""
         self.chunk_prompts = chunk_prompts
         """`queue`: prompts (groups) per chunk."""
         self.last_dispatch: list[int] = [0] * len(self.actors)
@@ -122,7 +122,7 @@ class RemoteEngines:
 
     def generate(self, prompts: list[str], n: int, seed: int, options=None) -> Rollout:
         """`options` (`SampleOptions`, e.g. an eval's greedy decoding) go to every engine. The prompts go out as the
-        plan's dispatch says (`rlspec.rollout.dispatch`); `last_dispatch` keeps how many each engine took."""
+        plan's dispatch says (`rlspec.cluster.dispatch`); `last_dispatch` keeps how many each engine took."""
         from ..cluster.ray_utils import wait_all
 
         queue = self.dispatch == "queue"

@@ -9,7 +9,7 @@ names in the failure when the run joined it.
 Several rollout servers behind one `RolloutEngine`: `ServedReplicas`, the standalone backend's engine when
 `hardware.num_rollout_engines` > 1 (servers it starts, one per engine device, or joins: `rollout.server_urls`).
 
-- **Sampling.** A step's prompt groups go out in contiguous runs of whole groups (`rlspec.rollout.dispatch`): by
+- **Sampling.** A step's prompt groups go out in contiguous runs of whole groups (`rlspec.cluster.dispatch`): by
   work (`queue`: chunks, each server taking the next as it finishes one) or one run per server (`split`), one
   completions request per run; the plan picks (`dispatch` in `rlspec plan`). Each request carries `first_sample`, the index of its first sample in the step, so sample i of
   the step draws the noise of sample i whichever server runs it: the step's samples equal one server's.
@@ -37,7 +37,7 @@ from torch import Tensor
 from ..core.batch import TrainBatch
 from ..errors import RunError, SpecError
 from ..rollout.base import Rollout
-from ..rollout.dispatch import chunk_groups, dispatch, split_groups
+from ..cluster.dispatch import chunk_groups, dispatch, split_groups
 from . import TOKEN_ENV, TOKEN_FILE_ENV, ops
 
 
@@ -405,7 +405,7 @@ class ServedReplicas:
                  chunk_prompts: int = 1) -> None:
         self.replicas = list(replicas)
         self.dispatch = dispatch
-        """`queue` or `split` (`rlspec.rollout.dispatch`; the plan's `dispatch.method`)."""
+        """`queue` or `split` (`rlspec.cluster.dispatch`; the plan's `dispatch.method`)."""
         self.chunk_prompts = chunk_prompts
         """`queue`: prompts (groups) per chunk."""
         self.tokenizer = tokenizer

@@ -44,7 +44,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from ..errors import RunError, SpecError
-from .rows import Abort, RowQueue, Submission
+from .live import Abort, RowQueue, Submission
 
 STATE_TIMEOUT_S = 30.0
 """How long a state query (`/health`, the weight version) waits for the engine process's answer."""

@@ -61,9 +61,8 @@ from .pool import RowSampling
 from ..rollout.sampling import SampleOptions
 from ..spec import SpecError
 from .chat import ChatError, TemplateError, decoder, normalize_messages, parse_tool_calls, render, token_pieces
-from .live import Choice, live_events
+from .live import Abort, Choice, QueueFull, Submission, live_events
 from .live import Planned as _Planned
-from .rows import Abort, QueueFull, Submission
 from .shapes import token_text
 
 MAX_PROMPTS = 4096

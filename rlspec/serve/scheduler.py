@@ -46,7 +46,7 @@ from typing import Callable
 
 from ..errors import SpecError
 from .pool import ServingPool
-from .rows import RETRY_AFTER_S, Abort, QueueFull, RowQueue, Submission  # noqa: F401 - the routes' names
+from .live import RETRY_AFTER_S, Abort, QueueFull, RowQueue, Submission  # noqa: F401 - the routes' names
 
 BESIDE_THREADS = 256
 """Requests in flight at once to an engine outside this process (`Scheduler.run_async(beside=True)`)."""

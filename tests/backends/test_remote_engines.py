@@ -93,7 +93,7 @@ def test_queued_chunks_sample_what_the_split_does_and_a_slowed_engine_takes_fewe
 
 
 def test_dispatch_raises_the_first_failure_after_the_running_chunks_end():
-    from rlspec.rollout.dispatch import chunk_groups, dispatch
+    from rlspec.cluster.dispatch import chunk_groups, dispatch
 
     assert chunk_groups(5, 1) == [range(i, i + 1) for i in range(5)]
     assert chunk_groups(14, 4) == [range(0, 4), range(4, 8), range(8, 12), range(12, 14)]

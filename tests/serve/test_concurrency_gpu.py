@@ -201,7 +201,7 @@ def test_the_long_lane_decodes_beside_the_pool_with_its_prefills_and_graphs():
     from rlspec.rollout.hf import HFEngine
     from rlspec.serve.app import EngineHost
     from rlspec.serve.pool import RowSampling
-    from rlspec.serve.rows import Submission
+    from rlspec.serve.live import Submission
     from rlspec.spec import ModelSpec, RolloutSpec
 
     spec = ModelSpec(dtype="bfloat16")

@@ -91,7 +91,7 @@ def test_an_aborted_request_that_runs_alone_stops_in_the_engine_process(servers)
     """A request sampled alone (a model the slot pool cannot run) whose client went away: the abort crosses the
     pipe and the engine's plain loop stops at its next token (greedy, this prompt runs 400 tokens uncut)."""
     from rlspec.rollout.sampling import SampleOptions
-    from rlspec.serve.rows import Abort
+    from rlspec.serve.live import Abort
 
     _, host, _, _ = servers
     before = host.state()["scheduler"]["rows_cancelled"]

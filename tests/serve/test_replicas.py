@@ -19,7 +19,7 @@ from rlspec.errors import SpecError
 from rlspec.rollout.base import Rollout
 from rlspec.runtime.metrics import read_metrics
 from rlspec.serve.client import ServedEngine, ServerLost
-from rlspec.rollout.dispatch import split_groups
+from rlspec.cluster.dispatch import split_groups
 from rlspec.serve.client import ServedReplicas
 from rlspec.spec import RolloutSpec
 from rlspec.sync.replicas import PerReplica
