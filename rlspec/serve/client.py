@@ -11,8 +11,9 @@ Several rollout servers behind one `RolloutEngine`: `ServedReplicas`, the standa
 
 - **Sampling.** A step's prompt groups go out in contiguous runs of whole groups (`rlspec.cluster.dispatch`): by
   work (`queue`: chunks, each server taking the next as it finishes one) or one run per server (`split`), one
-  completions request per run; the plan picks (`dispatch` in `rlspec plan`). Each request carries `first_sample`, the index of its first sample in the step, so sample i of
-  the step draws the noise of sample i whichever server runs it: the step's samples equal one server's.
+  completions request per run; the plan picks (`dispatch` in `rlspec plan`). Each request carries `first_sample`,
+  the index of its first sample in the step, so sample i of the step draws the noise of sample i whichever server
+  runs it: the step's samples equal one server's.
 - **Weights.** Each server has a transport of its own (`sync.replicas.PerReplica`: the configured transport
   once per server, pushed concurrently), not one broadcast group to all: a lost server then takes only its own
   channel down, and comes back (restarted or waited for, reconnected, re-pushed) through its own `ServedEngine`
