@@ -241,7 +241,15 @@ class Scheduler(RowQueue):
                 "rows_queued": self.queued_rows, "max_queued_rows": self.max_queued_rows,
                 "row_limit": self.row_limit if self.pool_reason is None else None, **self.stats,
                 "gc_s": round(_gc_clock() - self._gc_at_start, 4), "captures": captures,
-                "capture_s": round(capture_s, 4)}
+                "capture_s": round(capture_s, 4), "prefix_cache": self._prefix_cache()}
+
+    def _prefix_cache(self) -> dict | None:
+        """The pool's prefix cache (`prefill.PrefixCache`, shared with the long lane): its counters since start and
+        the tokens it holds against its bound; None before the pool is made."""
+        if self.pool is None:
+            return None
+        cache = self.pool.prefills.prefix
+        return {**cache.stats, "tokens": cache.tokens, "max_tokens": cache.max_tokens}
 
     # --- the engine thread ------------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -464,3 +464,26 @@ def test_with_admit_wait_rows_queued_behind_rows_in_flight_start_together():
     waiting = [sub(1)]
     time.sleep(0.04)
     assert ready(waiting, live=16)
+
+
+def test_health_reports_the_prefix_caches_counters_and_a_turn_that_extends_a_row_is_a_hit(server, monkeypatch):
+    """A second turn sent as the first turn's prompt ids + sampled ids + new ids reuses the kept row's K/V: `/health`
+    shows the hit and the tokens reused. (The engine's weights are the server's own, as `rlspec serve`'s: an idle
+    pool keeps what it derived from them, kept rows included, until a job.)"""
+    import httpx
+
+    url, host = server
+    monkeypatch.setattr(host.thread, "owns_weights", True)
+    headers = {"authorization": "Bearer tok"}
+    with httpx.Client(base_url=url, timeout=120, trust_env=False) as http:
+        before = http.get("/health", headers=headers).json()["scheduler"]["prefix_cache"] or {"hits": 0,
+                                                                                           "reused_tokens": 0}
+        first = http.post("/v1/completions", json={"model": MODEL, "prompt": "hello there=", "max_tokens": 6,
+                                                   "seed": 3}).json()["choices"][0]
+        turn = first["prompt_token_ids"] + first["token_ids"] + [98, 99]
+        second = http.post("/v1/completions", json={"model": MODEL, "prompt": turn, "max_tokens": 2, "seed": 3})
+        assert second.status_code == 200, second.text
+        after = http.get("/health", headers=headers).json()["scheduler"]["prefix_cache"]
+    assert after["hits"] == before["hits"] + 1
+    assert after["reused_tokens"] - before["reused_tokens"] >= len(first["prompt_token_ids"])
+    assert 0 < after["tokens"] <= after["max_tokens"]
