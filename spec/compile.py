@@ -153,8 +153,9 @@ def compile_plan(spec: Spec, backends: Mapping[str, BackendCaps]) -> RunPlan:
 
 
 def _dispatch(spec: Spec) -> Dispatch:
-    """`rollout.dispatch` resolved: queue where several engines can each take any chunk of a step; split for one
-    engine, and for environments (`model.kind=vla`: each engine keeps the environments of its own groups)."""
+    """`rollout.dispatch` resolved (`auto`): queue where several engines each get more samples of a step than their
+    `rollout.decode_slots` (they run in waves anyway); split otherwise, for one engine, and for environments
+    (`model.kind=vla`: each engine keeps the environments of its own groups)."""
     rollout, engines, group = spec.rollout, spec.hardware.num_rollout_engines, spec.algorithm.group_size
     vla = spec.model.kind == "vla"
     require(not (vla and rollout.dispatch == "queue"), "rollout.dispatch",
@@ -186,7 +187,7 @@ def _sharding(spec: Spec) -> Sharding:
     from ..models.presets import parameter_count
 
     hw, world = spec.hardware, spec.hardware.num_trainer_ranks
-    count = parameter_count(_model_config(spec)) if spec.model.kind == "causal_lm" else None
+    count = parameter_count(model_config(spec)) if spec.model.kind == "causal_lm" else None
     if spec.backend == "deepspeed":
         stage, gb = hw.deepspeed.zero_stage, (count or 0) * 4 / 2**30
         if stage is not None:
@@ -230,10 +231,10 @@ def _generation_path(spec: Spec, placement: "Placement", sync_method: str) -> st
 def _model_type(spec: Spec) -> str | None:
     """The model type of `model.path`'s config.json (checked readable by `_check_files`, parsed again where the model
     is built), or of `model.preset`; None where neither says."""
-    return _model_config(spec).get("model_type")
+    return model_config(spec).get("model_type")
 
 
-def _model_config(spec: Spec) -> dict:
+def model_config(spec: Spec) -> dict:
     """`model.path`'s config.json as a dict, or `model.preset`'s; empty where neither can be read (an unreadable
     config is refused by name where the model is checked, `check_model_spec`)."""
     from ..models.presets import PRESETS

@@ -121,6 +121,14 @@ class _Channel:
         self.latest = version
         return work()
 
+    def get(self, key: str, what: str) -> bytes:
+        """`key` of the store (what rank 0 wrote), or a SyncError naming `what` at the store's timeout."""
+        try:
+            return bytes(self.store.get(key))
+        except Exception as err:  # noqa: BLE001 - the store raises on its timeout
+            raise SyncError(f"sync.method=nccl: no {what} from trainer rank 0 within sync.timeout_s={self.timeout_s}: "
+                            f"{err}") from err
+
     def start(self, tensor: torch.Tensor):
         """Enqueue a broadcast from rank 0 (on CUDA it runs on the group's stream; nothing waits here)."""
         try:
@@ -231,14 +239,6 @@ def _listen(channel: _Channel, engine, payload: dict, submit) -> None:
         version += 1
 
 
-def _get(channel: _Channel, key: str, what: str) -> bytes:
-    try:
-        return bytes(channel.store.get(key))
-    except Exception as err:  # noqa: BLE001 - the store raises on its timeout
-        raise SyncError(f"sync.method=nccl: no {what} from trainer rank 0 within sync.timeout_s={channel.timeout_s}: "
-                        f"{err}") from err
-
-
 def _drain(channel: _Channel, flats: list[torch.Tensor], num_entries: int, verify: bool) -> None:
     """Take part in a push's broadcasts without using them (the engine refused the layout), so sender and
     engines stay in step."""
@@ -254,14 +254,14 @@ def _receive(engine, channel: _Channel, version: int, header: bytes | None) -> d
     store entry when the listener already read it."""
     phases = Phases()
     if header is None:
-        header = _get(channel, f"push/{version}", "push header")
+        header = channel.get(f"push/{version}", "push header")
     head = json.loads(header)
     layout_id, verify = head["layout"], head["verify"]
     phases.mark("wait_sender")
     receiver = channel.receiver
     if receiver is None or receiver.layout_id != layout_id or receiver.engine() is not engine:
         channel.receiver = None
-        layout = json.loads(_get(channel, f"layout/{layout_id}", "layout"))
+        layout = json.loads(channel.get(f"layout/{layout_id}", "layout"))
         flats = flat_buffers([(getattr(torch, b["dtype"]), b["numel"]) for b in layout], channel.device, SLOTS)
         try:
             receiver = Receiver(engine, flats, [b["entries"] for b in layout], layout_id)

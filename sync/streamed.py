@@ -98,7 +98,7 @@ def receive(channel, engine, payload) -> dict:
             if code == END:
                 break
             if code == NEW:
-                metas[b:b + 1] = [json.loads(_get(channel, f"{payload['version']}/{b}", f"bucket {b}"))]
+                metas[b:b + 1] = [json.loads(channel.get(f"{payload['version']}/{b}", f"bucket {b}"))]
                 phases.mark("header")
             elif code != SAME or b >= len(metas):
                 raise SyncError(f"sync.method=nccl: bucket {b} of push {payload['version']} has code {code} and no "
@@ -165,14 +165,6 @@ def _read_code(channel, buffer: torch.Tensor) -> int:
             raise SyncError(f"sync.method=nccl: no bucket from trainer rank 0 within sync.timeout_s={channel.timeout_s}")
         time.sleep(POLL_S)
     return int(host.item())
-
-
-def _get(channel, key: str, what: str) -> bytes:
-    try:
-        return bytes(channel.store.get(key))
-    except Exception as err:  # noqa: BLE001 - the store raises on its timeout
-        raise SyncError(f"sync.method=nccl: no {what} from trainer rank 0 within sync.timeout_s={channel.timeout_s}: "
-                        f"{err}") from err
 
 
 def _checksummed(named, sums: dict | None):

@@ -112,20 +112,11 @@ class _EngineView:
 
 
 def _model_vocab(plan: RunPlan) -> int | None:
-    """The token ids the plan's model embeds, read without loading it (a preset's shape, a directory's config.json),
-    None if unknown."""
-    import json
-    from pathlib import Path
+    """The token ids the plan's model embeds, read without loading it (a preset's shape, a directory's config.json:
+    `spec.compile.model_config`), None if unknown."""
+    from ..spec.compile import model_config
 
-    from ..models.presets import PRESETS
-
-    model = plan.spec.model
-    if model.path is None:
-        return PRESETS.get(model.preset, {}).get("vocab_size")
-    try:
-        config = json.loads((Path(model.path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+    config = model_config(plan.spec)
     vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
     return vocab if isinstance(vocab, int) else None
 

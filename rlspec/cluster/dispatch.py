@@ -38,6 +38,11 @@ def chunk_groups(num_groups: int, chunk: int) -> list[range]:
     return [range(start, min(start + chunk, num_groups)) for start in range(0, num_groups, chunk)]
 
 
+def parts(method: str, num_groups: int, num_workers: int, chunk: int) -> list[range]:
+    """A step's parts for `dispatch`: `queue`'s chunks of `chunk` groups, or `split`'s one run per worker."""
+    return chunk_groups(num_groups, chunk) if method == "queue" else split_groups(num_groups, num_workers)
+
+
 def dispatch(chunks: Sequence[range], num_workers: int, run: Callable[[int, range], T],
              queue: bool = True) -> tuple[list[T], list[int]]:
     """Run every chunk on a worker: with `queue`, worker threads take the next chunk as they finish one; without,

@@ -94,12 +94,12 @@ def evaluate(spec_path: str, overrides: Sequence[str] = (), backend: str | None 
 
     chosen = targets(checkpoints, run, model, sweep)
     combos, swept_keys = expand(overrides) if sweep else ([list(overrides)], [])
+    by_overrides: dict[tuple[str, ...], list[Target]] = {}  # the targets of each sweep job (one group otherwise)
+    for target in chosen:
+        by_overrides.setdefault(target.job_overrides, []).append(target)
     jobs = []
     for index, combo in enumerate(combos):  # every spec and every target's job overrides compiles, or nothing is scored
         swept = [o for o in combo if o.split("=", 1)[0] in swept_keys]
-        by_overrides: dict[tuple[str, ...], list[Target]] = {}
-        for target in chosen:
-            by_overrides.setdefault(target.job_overrides, []).append(target)
         for job_overrides, group in by_overrides.items():
             full = [*job_overrides, *combo, *([f"model.path={model}"] if model is not None else [])]
             try:

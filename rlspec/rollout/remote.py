@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..cluster.dispatch import chunk_groups, dispatch, split_groups
+from ..cluster.dispatch import dispatch, parts
 from ..core.batch import TrainBatch
 from ..models.factory import load_model, load_tokenizer
 from ..runtime.stall import StackReporter
@@ -126,8 +126,7 @@ class RemoteEngines:
         from ..cluster.ray_utils import wait_all
 
         queue = self.dispatch == "queue"
-        chunks = (chunk_groups(len(prompts), self.chunk_prompts) if queue
-                  else split_groups(len(prompts), self.num_engines))
+        chunks = parts(self.dispatch, len(prompts), self.num_engines, self.chunk_prompts)
 
         def run(i: int, part: range) -> Rollout | None:
             if not part:  # a split with fewer prompts than engines

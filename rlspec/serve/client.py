@@ -35,10 +35,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 from torch import Tensor
 
+from ..cluster.dispatch import dispatch, parts
 from ..core.batch import TrainBatch
 from ..errors import RunError, SpecError
 from ..rollout.base import Rollout
-from ..cluster.dispatch import chunk_groups, dispatch, split_groups
 from . import TOKEN_ENV, TOKEN_FILE_ENV, ops
 
 
@@ -428,8 +428,7 @@ class ServedReplicas:
 
     def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0, options=None) -> Rollout:
         queue = self.dispatch == "queue"
-        parts = (chunk_groups(len(prompts), self.chunk_prompts) if queue
-                 else split_groups(len(prompts), len(self.replicas)))
+        chunks = parts(self.dispatch, len(prompts), len(self.replicas), self.chunk_prompts)
         extra = () if options is None else (options,)  # an eval's; a step's rollout passes none
 
         def run(i: int, part: range) -> tuple[Rollout | None, float]:
@@ -440,12 +439,12 @@ class ServedReplicas:
                                             *extra)
             return out, time.perf_counter() - start
 
-        outs, workers = dispatch(parts, len(self.replicas), run, queue)
+        outs, workers = dispatch(chunks, len(self.replicas), run, queue)
         self.last_generate = {}
         for i in range(len(self.replicas)):
             self.last_generate[f"timing_s/gen_replica_{i}"] = 0.0
             self.last_generate[f"rollout/samples_replica_{i}"] = 0.0
-        for part, worker, (_, seconds) in zip(parts, workers, outs):
+        for part, worker, (_, seconds) in zip(chunks, workers, outs):
             self.last_generate[f"timing_s/gen_replica_{worker}"] += seconds
             self.last_generate[f"rollout/samples_replica_{worker}"] += float(len(part) * n)
         done = [out for out, _ in outs if out is not None]

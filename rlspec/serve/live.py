@@ -105,8 +105,7 @@ class Submission:
         listened to meanwhile: a client that goes away cancels the request (its rows leave at the next step), as
         does cancelling the task that waits."""
         async def listen_for_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            await until_disconnect(receive)
             self.cancel()
 
         event = self.listen()
@@ -121,6 +120,12 @@ class Submission:
         finally:
             if watcher is not None:
                 watcher.cancel()
+
+
+async def until_disconnect(receive: Callable[[], Any]) -> None:
+    """Return once the request's client has gone away (`receive`: its ASGI receive, the body already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class Abort:

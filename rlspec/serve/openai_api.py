@@ -61,7 +61,7 @@ from .pool import RowSampling
 from ..rollout.sampling import SampleOptions
 from ..spec import SpecError
 from .chat import ChatError, TemplateError, decoder, normalize_messages, parse_tool_calls, render, token_pieces
-from .live import Abort, Choice, QueueFull, Submission, live_events
+from .live import Abort, Choice, QueueFull, Submission, live_events, until_disconnect
 from .live import Planned as _Planned
 from .shapes import token_text
 
@@ -316,11 +316,7 @@ def generate_alone(host, prompts: list, n: int, seed: int, changes: dict, option
 async def _until_done_or_gone(job: asyncio.Future, receive) -> bool:
     """Wait for `job` while listening to the request's ASGI `receive` (its body already read): True when the job
     ended, False when the client went away first."""
-    async def disconnected() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    gone = asyncio.ensure_future(disconnected())
+    gone = asyncio.ensure_future(until_disconnect(receive))
     try:
         await asyncio.wait([job, gone], return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -127,7 +127,6 @@ class Scheduler(RowQueue):
         self.pool: ServingPool | None = None
         self.long_pool: ServingPool | None = None
         """The long lane (`LONG_SLOTS` rows of `row_limit` positions), made at its first row."""
-        self._long_waiting = 0
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: deque = deque()
         self.queued_rows = 0
@@ -289,13 +288,7 @@ class Scheduler(RowQueue):
     def _arrived(self, item) -> None:
         if isinstance(item, Submission):
             item.long = any(len(p) + s.max_tokens > self.row_budget for p, s in zip(item.prompt_ids, item.samplings))
-            self._long_waiting += item.long
         self.waiting.append(item)
-
-    def _left_queue(self, sub: Submission) -> None:
-        """`sub` is out of `waiting` (all its rows started, or it ended)."""
-        self.waiting.remove(sub)
-        self._long_waiting -= sub.long
 
     def _run_jobs(self) -> None:
         """Jobs at the head of the queue, once the rows in flight have drained."""
@@ -317,7 +310,6 @@ class Scheduler(RowQueue):
             if isinstance(item, Submission) and item.cancelled:
                 self._unqueue(item.rows - item.admitted)
                 self.stats["rows_cancelled"] += item.rows - item.admitted
-                self._long_waiting -= item.long
                 item.finish()
             else:
                 kept.append(item)
@@ -352,10 +344,11 @@ class Scheduler(RowQueue):
         free = {id(pool): pool.free() for pool in self._pools()}
         if not self._batch_ready(free[id(self.pool)]):
             free[id(self.pool)] = 0  # the pool's queued rows wait to start together (the long lane's need not)
+        long_waiting = any(isinstance(sub, Submission) and sub.long for sub in self.waiting)
         for sub in list(self.waiting):
             if not isinstance(sub, Submission):
                 break
-            if not free[id(self.pool)] and not (self._long_waiting and free.get(id(self.long_pool), 1)):
+            if not free[id(self.pool)] and not (long_waiting and free.get(id(self.long_pool), 1)):
                 break
             pool = self._lane(sub)
             if pool is None:
@@ -408,7 +401,7 @@ class Scheduler(RowQueue):
 
     def _fail(self, sub: Submission, err: BaseException) -> None:
         """A queued request (none of its rows in flight) fails with `err`."""
-        self._left_queue(sub)
+        self.waiting.remove(sub)
         self._unqueue(sub.rows - sub.admitted)
         sub.finish(err)
 
@@ -419,7 +412,7 @@ class Scheduler(RowQueue):
             for row, _, _ in rows:
                 self._rows.pop(row)
             for sub, _, _ in taken:
-                self._left_queue(sub)
+                self.waiting.remove(sub)
                 self._unqueue(sub.rows - sub.admitted)
                 sub.cancel()  # rows of it already in flight leave at the next step
                 sub.finish(err)
@@ -430,7 +423,7 @@ class Scheduler(RowQueue):
             self.stats["rows_admitted"] += stop - start
             self.stats["long_rows_admitted"] += (stop - start) if sub.long else 0
             if sub.admitted == sub.rows:
-                self._left_queue(sub)
+                self.waiting.remove(sub)
 
     def _decode(self, pool: ServingPool | None = None) -> None:
         """One decode run of `pool` (the pool by default): each row's new tokens to its request, ended rows out."""
