@@ -136,6 +136,7 @@ def test_fsdp2_root_runs_the_chunked_head(world_of_one, small_chunks, packed, lo
 
 
 @pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.filterwarnings(r"ignore:`torch\.distributed\.\w+` is deprecated:FutureWarning")  # DeepSpeed's calls
 def test_zero3_engine_runs_the_chunked_head(world_of_one, small_chunks, packed):
     deepspeed = pytest.importorskip("deepspeed")
     from deepspeed.utils import safe_get_full_grad

@@ -26,6 +26,7 @@ from ...core.grpo import LossConfig, LossNorm
 from ...core.policy import CompiledBlocks, accumulate, block_modules
 from ...core.trainer import build_optimizer
 from ...core.weights import gather_groups, tied_aliases, untied
+from ...models.base import checkpoint_activations
 from ...models.factory import load_model, load_tokenizer, read_safetensors_dir, save_gathered
 from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
 from ...runtime.rng import load_rng_state, save_rng_state, seed_rank
@@ -138,7 +139,12 @@ class DeepSpeedWorker(RankWorker):
         self.compiled = None
 
     def setup(self, master: tuple[str, int]) -> None:
+        import warnings
+
         import deepspeed
+
+        # DeepSpeed calls collectives by names torch 2.13 deprecated: a warning per call that no user can act on
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
         spec = self.plan.spec
@@ -154,7 +160,7 @@ class DeepSpeedWorker(RankWorker):
         model = load_model(spec.model, spec.algorithm.seed, self.device)
         seed_rank(spec.algorithm.seed, self.rank)  # dropout draws from here (`rlspec.runtime.rng`)
         if spec.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_activations(model)
         model.train()
         if spec.model.compile_layers and self.stage == 3:  # ZeRO-1/2 put no hooks on modules: nothing to gather
             gather_blocks_whole(model)

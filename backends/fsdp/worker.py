@@ -26,7 +26,7 @@ from ...core.policy import CompiledBlocks, accumulate, block_classes
 from ...core.shards import gather_flat, step_on_shards
 from ...core.trainer import build_optimizer, grad_norm_and_clip, merged_weights
 from ...core.weights import gather_groups, tied_aliases, untied
-from ...models.base import DTYPES
+from ...models.base import DTYPES, checkpoint_activations
 from ...models.factory import apply_lora, load_model, load_tokenizer, read_safetensors_dir, save_gathered
 from ...runtime.checkpoints import ADAM_KEYS, MASTER_KEY, read_optimizer_state, write_optimizer_state
 from ...runtime.rng import load_rng_state, save_rng_state, seed_rank
@@ -100,7 +100,7 @@ class FSDPWorker(RankWorker):
         model = load_model(spec.model, spec.algorithm.seed, self.device)
         seed_rank(spec.algorithm.seed, self.rank)  # dropout draws from here (`rlspec.runtime.rng`)
         if spec.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_activations(model)
         # fp32 master parameters (exact for a bf16 start); MixedPrecisionPolicy computes in model.dtype.
         model = apply_lora(model.float(), spec.model, spec.algorithm.seed)
         self.reshard = self.plan.sharding.reshard_after_forward

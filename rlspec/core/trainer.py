@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from ..models.base import checkpoint_activations
 from ..models.factory import apply_lora, copy_weights, load_model, load_tokenizer, read_safetensors_dir, save_hf
 from ..runtime.checkpoints import ADAM_KEYS, read_optimizer_state, write_optimizer_state
 from ..runtime.rng import load_rng_state, save_rng_state, seed_rank
@@ -88,7 +89,7 @@ class LocalTrainer:
             self.reference = load_model(model_spec, algo.seed, self.device).to(self.device).eval()
             self.reference.requires_grad_(False)
         if model_spec.gradient_checkpointing:
-            base.gradient_checkpointing_enable()
+            checkpoint_activations(base)
         self.model = apply_lora(base, model_spec, algo.seed).to(self.device)
         self.model.train()
         self.compiled = CompiledBlocks(self.model, model_spec.compile_layers)

@@ -35,6 +35,17 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """Recompute each layer's activations in the backward instead of keeping them (`model.gradient_checkpointing`),
+    with torch's non-reentrant checkpoint: `activation_checkpointing_enable` from the transformers release that
+    renamed it (the old name then warns that it is deprecated), `gradient_checkpointing_enable` before."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer: 4 specials (pad, bos, eos, unk) then one token per byte, no merges; its chat
     template is `BYTE_CHAT_TEMPLATE`."""

@@ -7,6 +7,7 @@ byte-level tokenizer built in memory; real models load from `model.path`.
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -117,7 +118,9 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, seed: int) -> torch.nn.M
         raise SpecError("model.lora.r", "LoRA needs the peft package", "pip install 'rlspec[lora]'") from err
     config = LoraConfig(r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,
                         target_modules=list(spec.lora.target_modules), bias="none")
-    with seeded(seed + 1):
+    with seeded(seed + 1), warnings.catch_warnings():
+        # peft reads the model's `is_gradient_checkpointing`, which transformers renamed (the old name warns)
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         return get_peft_model(model, config)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..core.step import length_percentiles
+from ..models.base import checkpoint_activations
 from ..models.factory import load_model, load_tokenizer
 from ..run import build_plan
 from ..runtime.metrics import peak_memory_gb
@@ -51,7 +52,7 @@ def run_trl(spec_path: str, out: Path, overrides: list[str]) -> None:
     tokenizer = load_tokenizer(spec.model)
     model = load_model(spec.model, algo.seed)
     if spec.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        checkpoint_activations(model)
     config = GRPOConfig(
         output_dir=str(out / "trl_output"), max_steps=algo.steps, logging_steps=1, report_to="none",
         save_strategy="no", seed=algo.seed, shuffle_dataset=False, remove_unused_columns=False,

@@ -101,7 +101,9 @@ class ServerClient:
         import httpx
 
         try:
-            response = self.http.request(method, path, timeout=timeout_s or self.timeout_s, **kwargs)
+            if timeout_s:  # otherwise the client's own (`timeout_s` at construction)
+                kwargs["timeout"] = timeout_s
+            response = self.http.request(method, path, **kwargs)
         except httpx.TimeoutException as err:
             waited = timeout_s or self.timeout_s
             if path == "/health":

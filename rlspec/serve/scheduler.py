@@ -317,10 +317,11 @@ class Scheduler(RowQueue):
         for pool in self._pools():
             gone = [slot for slot, row in pool.live.items() if self._rows[row][0].cancelled]
             if gone:
-                for slot in gone:
-                    self._end_row(pool.live[slot])
-                self.stats["rows_cancelled"] += len(gone)
-                pool.release(gone)
+                rows = [pool.live[slot] for slot in gone]
+                pool.release(gone)  # first the slots, then the count, then the requests' ends: a reader that sees
+                self.stats["rows_cancelled"] += len(gone)  # a request done sees its rows counted and freed
+                for row in rows:
+                    self._end_row(row)
 
     def _admit(self) -> bool:
         """Rows of the requests at the head of the queue into the free slots of their lane, all of a lane in one

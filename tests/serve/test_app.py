@@ -114,8 +114,15 @@ def _client(client):
 
     from rlspec.serve.client import ServerClient
 
+    class InProcess(TestClient):
+        """The app in this process has no network to wait on: the client's per-call timeouts are not passed on
+        (Starlette's TestClient warns about them)."""
+
+        def request(self, method, url, timeout=None, **kwargs):
+            return super().request(method, url, **kwargs)
+
     remote = ServerClient("http://testserver", TOKEN)
-    remote.http = TestClient(client.app, headers={"authorization": f"Bearer {TOKEN}"})
+    remote.http = InProcess(client.app, headers={"authorization": f"Bearer {TOKEN}"})
     return remote
 
 
@@ -207,7 +214,7 @@ def test_every_engine_half_the_transports_send_is_an_operation():
 
 
 def test_a_too_long_prompt_is_bad_input_naming_the_spec_key_on_both_sides(served):
-    from rlspec.serve.client import ServedEngine, ServerClient
+    from rlspec.serve.client import ServedEngine
     from rlspec.spec import SpecError
 
     client, _, engine = served
@@ -216,8 +223,7 @@ def test_a_too_long_prompt_is_bad_input_naming_the_spec_key_on_both_sides(served
     error = out.json()["error"]
     assert error["param"] == "prompt" and error["spec_key"] == "rollout.max_prompt_tokens"
     assert "raise rollout.max_prompt_tokens" in error["fix"] and error["type"] == "invalid_request_error"
-    remote = ServerClient("http://testserver", TOKEN)
-    remote.http = client  # the app in-process, through the trainer's own client code
+    remote = _client(client)
     served_engine = ServedEngine(remote, engine.tokenizer, engine.spec, starts_in_sync=True)
     with pytest.raises(SpecError) as caught:
         served_engine.generate(["a" * 300], 2, seed=0)
