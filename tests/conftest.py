@@ -31,6 +31,19 @@ def repo() -> Path:
     return REPO
 
 
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray session for a module's multi-rank tests (a run in this process joins it instead of starting
+    and stopping a cluster of its own: `rlspec.cluster.ray_utils.start_ray`)."""
+    ray = pytest.importorskip("ray")
+    from rlspec.cluster.ray_utils import start_ray
+
+    started = start_ray(None)
+    yield
+    if started:
+        ray.shutdown()
+
+
 def rlspec_cmd(*args: str) -> list[str]:
     """The real entry point, in a subprocess."""
     return [sys.executable, "-m", "rlspec.cli", *args]

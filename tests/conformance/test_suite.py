@@ -23,6 +23,12 @@ def _marks(label: str) -> list:
     return marks + ([pytest.mark.slow] if overrides else [])
 
 
+def _share_ray(label: str, request) -> None:
+    """A multi-rank backend's cases join the module's Ray session: a cluster started per case cost ~10 s of each."""
+    if CAPS[split_label(label)[0]].max_trainer_ranks >= 2:
+        request.getfixturevalue("ray_session")
+
+
 def _skip_if_not_implemented(report: Report) -> None:
     """Skip only while a backend's `setup` still says it is not implemented (detected by trying)."""
     for check in report.failures():
@@ -40,7 +46,8 @@ LABELS = [*sorted(CAPS), *(v for v in VARIANTS if split_label(v)[0] in CAPS)]
 
 @pytest.mark.parametrize("name,case", [pytest.param(n, c.name, marks=_marks(n), id=f"{n}-{c.name}")
                                        for n in LABELS for c in CASES])
-def test_case_matches_reference(name: str, case: str) -> None:
+def test_case_matches_reference(name: str, case: str, request) -> None:
+    _share_ray(name, request)
     report = run_suite([name], cases=[case], sync=False)
     _skip_if_not_implemented(report)
     _skip_if_nothing_ran(report)
@@ -48,7 +55,8 @@ def test_case_matches_reference(name: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in LABELS])
-def test_weight_sync_matches_trainer(name: str) -> None:
+def test_weight_sync_matches_trainer(name: str, request) -> None:
+    _share_ray(name, request)
     report = run_suite([name], cases=[], sync=True)
     _skip_if_not_implemented(report)
     _skip_if_nothing_ran(report)
