@@ -35,13 +35,13 @@ def repo() -> Path:
 def ray_session():
     """One local Ray session for a module's multi-rank tests (a run in this process joins it instead of starting
     and stopping a cluster of its own: `rlspec.cluster.ray_utils.start_ray`)."""
-    ray = pytest.importorskip("ray")
-    from rlspec.cluster.ray_utils import start_ray
+    pytest.importorskip("ray")
+    from rlspec.cluster.ray_utils import start_ray, stop_ray
 
     started = start_ray(None)
     yield
     if started:
-        ray.shutdown()
+        stop_ray()
 
 
 def rlspec_cmd(*args: str) -> list[str]:

@@ -74,9 +74,11 @@ class RankGroup:
             raise SpecError("sync.method", "sync.method=nccl with hardware.rollout=colocated would put trainer rank 0 "
                             "and engine 0 on one GPU, which one communicator cannot hold",
                             "use sync.method=ray (or auto), or hardware.rollout=separate")
-        start_ray(hw.ray_address)
         world = hw.num_trainer_ranks
         layout = plan_layout(plan)
+        if hw.ray_address is None:
+            check_cluster_fits(layout.bundles, None)  # a local cluster's CPUs: refused before one is started
+        start_ray(hw.ray_address)
         check_cluster_fits(layout.bundles, hw.ray_address)
         self.placement_group = placement_group(layout.bundles, strategy=hw.placement_strategy)
         try:

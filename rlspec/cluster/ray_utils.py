@@ -50,38 +50,77 @@ def start_ray(address: str | None) -> bool:
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         # address="local": a new cluster even if `ray start` left one (or its stale record) on this machine.
-        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), object_store_memory=1 << 30,
+        ray.init(address="local", num_cpus=local_cpus(), object_store_memory=1 << 30,
                  include_dashboard=False, log_to_driver=True)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    # Registered after ray.init's own hook, so it runs first: processes deaf to SIGTERM would make Ray's
-    # graceful stop wait a second on each kind before killing it.
-    atexit.register(_stop_local_cluster)
+    # Registered after ray.init's own hook, so it runs first (and leaves that one nothing to do).
+    atexit.register(stop_ray)
     return True
 
 
-def _stop_local_cluster() -> None:
+def stop_ray() -> None:
+    """Leave Ray; a local cluster this process started is stopped at once. Ray's own shutdown asks each kind of
+    process to exit and waits a second for each: these ignore SIGTERM (`start_ray` blocks it), so that took ~5 s
+    (and killing them first, then leaving, ~15 s: the driver's disconnect waited on the dead ones). Here the
+    driver disconnects while they run, then they are killed without the wait: ~0.4 s."""
     import ray
 
-    node = getattr(ray._private.worker, "_global_node", None)
-    if node is not None and ray.is_initialized():
+    if not ray.is_initialized():
+        return
+    node = getattr(ray._private.worker, "_global_node", None)  # None when this process joined a cluster
+    if node is not None:
+        graceful = node.kill_all_processes
+
+        def at_once(**kwargs) -> None:
+            # The raylet's own children (its agents, idle workers) outlive a raylet killed this way: them too.
+            children = _children(node.all_processes.get("raylet", []))
+            graceful(**{**kwargs, "allow_graceful": False})
+            for child in children:
+                try:
+                    child.kill()
+                except Exception:  # noqa: BLE001 - gone already
+                    pass
+
+        node.kill_all_processes = at_once
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
+def _children(processes) -> list:
+    """The descendants of Ray's process records `processes` (psutil.Process objects)."""
+    try:
+        import psutil
+    except ImportError:  # ray[default] brings it; without it the raylet's children are left to themselves
+        return []
+    found = []
+    for info in processes:
         try:
-            node.kill_all_processes(check_alive=False, allow_graceful=False)
-        except Exception:  # noqa: BLE001 - best effort at exit; Ray's own hook follows
+            found += psutil.Process(info.process.pid).children(recursive=True)
+        except Exception:  # noqa: BLE001 - gone already
             pass
+    return found
+
+
+def local_cpus() -> int:
+    """The CPUs of the local cluster `start_ray` starts (at least 2: PLATFORM.md's fractional actors need them)."""
+    return max(2, os.cpu_count() or 2)
 
 
 def check_cluster_fits(bundles: Sequence[dict[str, float]], address: str | None) -> None:
     """Refuse (bad input, exit 2) a plan whose bundles need more CPUs or GPUs than the whole Ray cluster has;
-    Ray would otherwise wait for them until the placement timeout."""
+    Ray would otherwise wait for them until the placement timeout. Before Ray is up for a local cluster, only the
+    CPUs are checked (`local_cpus`: known without starting it); call again once it is up for the GPUs."""
     import ray
 
-    total = ray.cluster_resources()
+    total = ray.cluster_resources() if ray.is_initialized() else {"CPU": local_cpus()}
     where = f"the Ray cluster at {address}" if address else "the local Ray cluster"
     for resource, key in (("GPU", "hardware.num_trainer_ranks"), ("CPU", "hardware.num_trainer_ranks")):
         need = sum(b.get(resource, 0) for b in bundles)
-        have = total.get(resource, 0)
-        if need > have:
+        have = total.get(resource)
+        if have is not None and need > have:
             raise SpecError(key, f"the plan's ranks and engines need {need:g} {resource}s, {where} has {have:g} in all",
                             "lower hardware.num_trainer_ranks / num_rollout_engines, or add nodes to the cluster")
 

@@ -90,7 +90,9 @@ def test_matches_local_trainer_and_transports(ray_session, case):
         backend.shutdown()  # idempotent
 
 
-@pytest.mark.parametrize("stage", [2, 1])
+# ZeRO-1 with -m slow: the conformance suite's deepspeed cases step ZeRO-1 (the tiny model's stage) in CI, and
+# ZeRO-1's optimizer class is ZeRO-2's (DeepSpeed's stage_1_and_2), whose checkpoints cross here in CI
+@pytest.mark.parametrize("stage", [2, pytest.param(1, marks=pytest.mark.slow)])
 def test_zero12_steps_like_the_reference_and_checkpoints_cross_backends(ray_session, tmp_path, stage):
     """`hardware.deepspeed.zero_stage=2` (and 1) on 2 ranks (AdamW; clipping at 0.05, which binds; the k1 KL to the
     frozen reference module; 2 micro-batches a rank). The single-process trainer's checkpoint after 2 steps loads

@@ -131,7 +131,8 @@ def test_two_nodes_learn_as_one(two_nodes, tmp_path):
 
 
 def test_more_ranks_than_the_cluster_holds_is_bad_input(tmp_path):
-    """4.5 CPUs of bundles on a 2-CPU local cluster: exit 2 naming the key, at once, not after the placement timeout."""
+    """4.5 CPUs of bundles on a 2-CPU local cluster: exit 2 naming the key before a cluster is started, not after
+    the placement timeout."""
     if (os.cpu_count() or 2) > 2:
         pytest.skip("the local cluster has more than 2 CPUs here")
     out = tmp_path / "big"
