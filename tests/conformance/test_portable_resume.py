@@ -45,9 +45,6 @@ def assert_like_one_run(one, chain, steps: int) -> None:
         assert abs(b["grad_norm"] - a["grad_norm"]) <= TOLERANCES["grad_norm"].bound(a["grad_norm"]), a["step"]
 
 
-@pytest.mark.slow  # five runs through the CLI (~2 min of CI's 2 cores). In CI: ZeRO-1/2 <-> the single-process
-# trainer in tests/backends/deepspeed, ZeRO stages among themselves in test_portable_state.py, an fsdp checkpoint's
-# weights read back by `rlspec eval`. An fsdp optimizer state resumed by another trainer is checked only here.
 def test_standalone_then_fsdp_then_deepspeed_resume_like_one_run(tmp_path):
     run(tmp_path / "one", "standalone", 6)
     chain = tmp_path / "chain"
