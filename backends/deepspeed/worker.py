@@ -142,10 +142,10 @@ class DeepSpeedWorker(RankWorker):
         import warnings
 
         import deepspeed
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
         # DeepSpeed calls collectives by names torch 2.13 deprecated: a warning per call that no user can act on
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
         spec = self.plan.spec
         self.device = self.place()

@@ -115,7 +115,10 @@ def check_cluster_fits(bundles: Sequence[dict[str, float]], address: str | None)
     CPUs are checked (`local_cpus`: known without starting it); call again once it is up for the GPUs."""
     import ray
 
-    total = ray.cluster_resources() if ray.is_initialized() else {"CPU": local_cpus()}
+    if ray.is_initialized():
+        total = {"GPU": 0, "CPU": 0, **ray.cluster_resources()}  # a cluster without GPUs lists none
+    else:
+        total = {"CPU": local_cpus()}  # the GPUs are Ray's to find when it starts
     where = f"the Ray cluster at {address}" if address else "the local Ray cluster"
     for resource, key in (("GPU", "hardware.num_trainer_ranks"), ("CPU", "hardware.num_trainer_ranks")):
         need = sum(b.get(resource, 0) for b in bundles)

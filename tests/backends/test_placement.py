@@ -101,3 +101,20 @@ def test_plan_refuses_layouts_that_cannot_route(overrides, key):
         plan_of("hardware.device=cuda", "hardware.num_trainer_ranks=2", "hardware.num_rollout_engines=2",
                 "hardware.rollout=colocated", *overrides)
     assert err.value.where == key
+
+
+def test_a_cluster_too_small_for_the_bundles_is_refused_before_and_after_ray_starts(monkeypatch):
+    """Before a local cluster starts only its CPUs are known; once Ray is up, a cluster that lists no GPUs has none."""
+    ray = pytest.importorskip("ray")
+    from rlspec.cluster import ray_utils
+
+    gpu_bundles = [{"CPU": 0.5, "GPU": 1}] * 2
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_utils, "local_cpus", lambda: 2)
+    ray_utils.check_cluster_fits(gpu_bundles, None)  # GPUs unknown yet: not refused here
+    with pytest.raises(SpecError, match="need 4.5 CPUs, the local Ray cluster has 2 in all"):
+        ray_utils.check_cluster_fits([{"CPU": 0.5}] * 9, None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    with pytest.raises(SpecError, match="need 2 GPUs, the Ray cluster at ray://head:10001 has 0 in all"):
+        ray_utils.check_cluster_fits(gpu_bundles, "ray://head:10001")
