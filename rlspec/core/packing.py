@@ -182,19 +182,35 @@ def packed_sdpa_attention(module, query: Tensor, key: Tensor, value: Tensor, att
                                   **kwargs)
 
 
-def packed_causal_mask(offsets: Tensor, length: int) -> Tensor:
+def packed_causal_mask(offsets: Tensor, length: int, key_offsets: Tensor | None = None,
+                       key_length: int | None = None) -> Tensor:
     """[length, length] bool: each token of a packed row sees its own sequence's tokens up to itself (`offsets`
-    [n + 1] the sequences' starts and the end; tokens past the end form one more block)."""
-    sequence = torch.searchsorted(offsets[1:], torch.arange(length, device=offsets.device, dtype=offsets.dtype),
-                                  right=True)
-    causal = torch.ones(length, length, dtype=torch.bool, device=offsets.device).tril_()
-    return (sequence[:, None] == sequence[None, :]) & causal
+    [n + 1] the sequences' starts and the end; tokens past the end form one more block). With `key_offsets` [n + 1]
+    (an extension, `rollout.decoder.Packed`): [length, key_length], sequence i's queries the last of its keys, each
+    query seeing its sequence's keys up to its own place counted from the end."""
+    if key_offsets is None:
+        sequence = torch.searchsorted(offsets[1:], torch.arange(length, device=offsets.device, dtype=offsets.dtype),
+                                      right=True)
+        causal = torch.ones(length, length, dtype=torch.bool, device=offsets.device).tril_()
+        return (sequence[:, None] == sequence[None, :]) & causal
+
+    def to_end(bounds: Tensor, count: int) -> tuple[Tensor, Tensor]:  # each token's sequence, tokens after it there
+        places = torch.arange(count, device=bounds.device, dtype=bounds.dtype)
+        sequence = torch.searchsorted(bounds[1:], places, right=True)
+        ends = torch.cat([bounds[1:], bounds.new_tensor([max(count, int(bounds[-1]))])])
+        return sequence, ends[sequence] - 1 - places
+
+    q_sequence, q_after = to_end(offsets, length)
+    k_sequence, k_after = to_end(key_offsets, key_length)
+    return (q_sequence[:, None] == k_sequence[None, :]) & (k_after[None, :] >= q_after[:, None])
 
 
-def varlen_causal(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, longest: int, scale: float | None) -> Tensor:
+def varlen_causal(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, longest: int, scale: float | None,
+                  key_offsets: Tensor | None = None, key_longest: int | None = None) -> Tensor:
     """Causal varlen attention of [T, heads, dim] tensors (`offsets` int32 [n + 1]; `longest` at least the longest
     sequence), across the torch versions that have it (the causal flag and grouped-query heads were spelt
-    differently at first)."""
+    differently at first). `key_offsets`, `key_longest`: keys of their own (an extension: each sequence's queries
+    are the last of its keys; the kernel aligns causal attention to the end when the two lengths differ)."""
     varlen_attn, window, gqa = _varlen()
     options = {"scale": scale} | ({"window_size": (-1, 0)} if window else {"is_causal": True})
     if q.shape[1] != k.shape[1]:
@@ -202,7 +218,9 @@ def varlen_causal(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, longest: int
             options["enable_gqa"] = True
         else:
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    return varlen_attn(q, k, v, offsets, offsets, longest, longest, **options)
+    if key_offsets is None:
+        key_offsets, key_longest = offsets, longest
+    return varlen_attn(q, k, v, offsets, key_offsets, longest, key_longest, **options)
 
 
 def varlen_usable() -> bool:

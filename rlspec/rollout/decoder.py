@@ -53,10 +53,17 @@ once."""
 @dataclass(frozen=True)
 class Packed:
     """A packed prefill's attention (`forward(packed=...)`): prompts one after another in one row, `offsets` [n + 1]
-    int32 their starts and the end (what varlen kernels take), `longest` an upper bound on a prompt's tokens."""
+    int32 their starts and the end (what varlen kernels take), `longest` an upper bound on a prompt's tokens.
+
+    An extension (prompts that each continue a sequence whose K/V are in the cache already) also gives `key_offsets`
+    [n + 1]: sequence i's keys are cache positions `key_offsets[i]` to `key_offsets[i + 1]`, its queries the last
+    of them (causal, aligned to the end: query j of m sees every key up to the (m - j)-th from its sequence's end);
+    `key_longest` bounds a sequence's keys."""
 
     offsets: Tensor
     longest: int
+    key_offsets: Tensor | None = None
+    key_longest: int = 0
 
 
 LIVE_HEAD_DIM_MAX = 128
@@ -259,7 +266,8 @@ class StaticDecoder:
         b, _, t, d = q.shape
         if isinstance(mask, Packed):  # one row [1, H, T, D]: each prompt's causal block alone
             q, keys, values = (z[0].transpose(0, 1).contiguous() for z in (q, keys, values))
-            return varlen_causal(q, keys, values, mask.offsets, mask.longest, self.scaling).transpose(0, 1)[None]
+            return varlen_causal(q, keys, values, mask.offsets, mask.longest, self.scaling, mask.key_offsets,
+                                 mask.key_longest).transpose(0, 1)[None]
         if isinstance(mask, tuple):
             return live.live_attention(q, keys, values, *mask, self.scaling)
         if self.sdpa:
@@ -422,7 +430,8 @@ class StaticDecoder:
         compiled = compiled and self._compiled is not None
         run, start, end = self._compiled if compiled else (self._layer, self._start, self._end)
         if packed is not None and not self.varlen_prefill(ids.device):
-            allowed, packed = packed_causal_mask(packed.offsets, ids.shape[1])[None], None
+            allowed = packed_causal_mask(packed.offsets, ids.shape[1], packed.key_offsets, keys[0].shape[2])[None]
+            packed = None
         prefill = not compiled and self.sdpa and ids.is_cuda and ids.shape[1] > 1
         with sdpa_kernel(PREFILL_ATTENTION) if prefill else contextlib.nullcontext():
             return self._forward(run, start, end, ids, positions, slots, allowed, keys, values, lengths, head, last,

@@ -10,7 +10,11 @@ depend on the others. A prefill keeps every layer's K and V as one tensor, so a 
 
 Prefix reuse across turns (`PrefixCache`): the K/V of rows that ended are kept by their token ids, so that a prompt
 extending one of them (an agent's next turn: the conversation so far, then a tool result) prefills only its new
-tokens (`extend`); see `PrefixCache`.
+tokens; see `PrefixCache`. Where prefills are packed (CUDA), an admission's extensions go in one forward too, replayed
+from a captured graph per power of two of new tokens (`Prefills.extension_graph`): their kept K/V copied one after
+another into one key buffer, their new tokens one after another in one row, each attending to its own context
+(varlen attention with key offsets of their own). Elsewhere, or for a turn the graphs cannot take, the eager
+`extend`.
 """
 
 from __future__ import annotations
@@ -61,7 +65,13 @@ class Prefills:
         """Prefill prompts one after another in one row (varlen attention), not padded to the longest."""
         self.prefix = PrefixCache(max_slots * length)
         """Ended rows' K/V by token ids: a prompt extending one prefills only its new tokens (`PrefixCache`)."""
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict = {}
+        """Captured forwards: the packed prefill per token bucket (by its tokens), the extension per bucket of new
+        tokens and of key tokens (by ("extend", tokens, keys))."""
+        self._keys = None
+        self._keys_failed = False
+        self._key_tokens = 0
+        """The extension forwards' key buffer (`_keys_buffer`): contexts of this many tokens together at most."""
         self._memory = None
         self.captures, self.capture_s = 0, 0.0
         """Graphs captured (one per token bucket, on first use) and the seconds they took."""
@@ -126,6 +136,8 @@ class Prefills:
                 rest.append(p)
             else:
                 rows.append((p, entry, reused))
+        if self.packed:
+            rows = self._extend_captured(rows)
         if self.packed and sum(m for _, _, m in rows) < GRAPH_MIN_REUSED:
             self.prefix.stats["declined"] += len(rows)  # the captured packed prefill is cheaper here
             return rest + [p for p, _, _ in rows]
@@ -189,6 +201,119 @@ class Prefills:
         return self.decoder.forward(ids, positions, torch.arange(tokens, device=ids.device), None, keys, values,
                                     head=False, last=last, packed=Packed(offsets, longest))
 
+    def _extend_captured(self, rows: list) -> list:
+        """Extend `rows` (prompt, kept entry, tokens reused) by captured extension forwards (`extension_graph`), as
+        many a forward as its graph takes; the rows it cannot take (more new tokens than `PREFILL_GRAPH_TOKENS`, a
+        context past the key buffer, or no memory for that buffer), for the eager `extend`."""
+        if not rows or self._keys_buffer() is None:
+            return rows
+        limit = self._key_tokens
+        eager, part, new, keys = [], [], 0, 0
+        for row in rows:
+            prompt, _, reused = row
+            if len(prompt) - reused > PREFILL_GRAPH_TOKENS or len(prompt) > limit:
+                eager.append(row)
+                continue
+            if part and (len(part) == self.max_slots or new + len(prompt) - reused > PREFILL_GRAPH_TOKENS
+                         or keys + len(prompt) > limit):
+                self._extension(part)
+                part, new, keys = [], 0, 0
+            part.append(row)
+            new += len(prompt) - reused
+            keys += len(prompt)
+        if part:
+            self._extension(part)
+        return eager
+
+    def _extension(self, part: list) -> None:
+        """One captured extension forward of `part` (prompt, kept entry, tokens reused): each prompt's kept K/V copied
+        into the key buffer (prompt i's whole context from `starts[i]`, one after another), its new tokens one after
+        another in one row, each attending to its own context (`Packed` with key offsets); the new tokens' K/V
+        written after their prefix, the padding's after the last context."""
+        new = [len(p) - m for p, _, m in part]
+        widths = [len(p) for p, _, _ in part]
+        total, context = sum(new), sum(widths)
+        tokens = max(PREFILL_GRAPH_MIN, 1 << (total - 1).bit_length())
+        fill = tokens - total
+        graph = self.extension_graph(tokens, self._key_bucket(context + fill))
+        _, stack = self._keys
+        starts, q_offsets = [0], [0]
+        for width, n in zip(widths, new):
+            starts.append(starts[-1] + width)
+            q_offsets.append(q_offsets[-1] + n)
+        for (_, entry, m), start in zip(part, starts):
+            stack[:, 0, :, start:start + m].copy_(entry.stack[:, :, :m])
+        ids = [t for p, _, m in part for t in p[m:]] + [self.eos] * fill
+        positions = [m + j for p, _, m in part for j in range(len(p) - m)] + list(range(fill))
+        slots = ([start + m + j for (p, _, m), start in zip(part, starts) for j in range(len(p) - m)]
+                 + [context + j for j in range(fill)])
+        last = [q - 1 for q in q_offsets[1:]] + [0] * (graph.rows - len(part))
+        spare = graph.rows + 2 - len(q_offsets)  # the padding sequence, then empty ones
+        graph.inputs.copy_(torch.tensor(ids + positions + slots + last + q_offsets + [tokens] * spare
+                                        + starts + [context + fill] * spare), non_blocking=True)
+        graph.graph.replay()
+        kept = stack[:, 0, :, :context].clone(memory_format=torch.contiguous_format)
+        self._keep([p for p, _, _ in part], Prefill(kept, graph.hidden[:len(part)].clone(), starts[:-1], widths))
+        self.prefix.stats["captured"] += len(part)
+
+    def _extension_forward(self, inputs: Tensor, tokens: int, rows: int, keys: list[Tensor],
+                           values: list[Tensor]) -> Tensor:
+        """The extension forward of `inputs` (new tokens' ids, positions and key-buffer slots [tokens] each, each
+        prompt's last new token [rows], query offsets and key offsets [rows + 2] each) against the key buffer's
+        per-layer `keys`, `values` [1, Hkv, S, D]; the prompts' hidden [rows, H]."""
+        t = tokens
+        ids, positions, slots = inputs[:t][None], inputs[t:2 * t][None], inputs[2 * t:3 * t]
+        last = inputs[3 * t:3 * t + rows]
+        q_offsets, k_offsets = inputs[3 * t + rows:3 * t + 2 * rows + 2].int(), inputs[3 * t + 2 * rows + 2:].int()
+        return self.decoder.forward(ids, positions, slots, None, keys, values, head=False, last=last,
+                                    packed=Packed(q_offsets, self._longest(tokens), k_offsets, self.length))
+
+    def _keys_buffer(self):
+        """The extension forwards' key buffer, made on first use (`_key_tokens` contexts, then room for a graph's
+        padding); None where there is no memory for it (extensions then go the eager way)."""
+        if self._keys is None and not self._keys_failed:
+            d = self.decoder
+            token_bytes = 2 * d.num_layers * d.num_kv_heads * d.head_dim * d.dtype.itemsize
+            self._key_tokens = min(EXTEND_BYTES // token_bytes, self.max_slots * self.length)
+            try:  # [2 * layers, tokens, Hkv, D] in memory, seen as [2 * layers, 1, Hkv, tokens, D]: the layout the
+                # varlen kernel reads keys in ([tokens, Hkv, D]), so no layer copies it
+                memory = torch.zeros(2 * d.num_layers, self._key_tokens + PREFILL_GRAPH_TOKENS, d.num_kv_heads,
+                                     d.head_dim, dtype=d.dtype, device=self.device)
+            except torch.OutOfMemoryError:
+                self._keys_failed = True
+                return None
+            self._keys = (memory, memory.permute(0, 2, 1, 3)[:, None])
+        return self._keys
+
+    def _key_bucket(self, keys: int) -> int:
+        """The key buffer's first this many tokens hold `keys`: a power of two from `PREFILL_GRAPH_TOKENS`, or the
+        whole buffer."""
+        whole = self._key_tokens + PREFILL_GRAPH_TOKENS
+        return min(whole, max(PREFILL_GRAPH_TOKENS, 1 << (keys - 1).bit_length()))
+
+    def extension_graph(self, tokens: int, key_tokens: int) -> "_Graph":
+        """The captured extension forward of `tokens` new tokens (up to a full pool's prompts) against the key buffer's
+        first `key_tokens` tokens (`_key_bucket`: where torch's varlen kernel takes no grouped-query heads, every layer
+        repeats the keys it is given per query head, so it is given no more than the contexts need), captured on
+        first use; every one reads and writes the one key buffer."""
+        key = ("extend", tokens, key_tokens)
+        if key in self.graphs:
+            return self.graphs[key]
+        began = time.perf_counter()
+        rows, dev = min(tokens, self.max_slots), self.device
+        _, stack = self._keys
+        views = list(stack[..., :key_tokens, :].unbind(0))
+        keys, values = views[:self.decoder.num_layers], views[self.decoder.num_layers:]
+        inputs = torch.zeros(3 * tokens + 3 * rows + 4, dtype=torch.long, device=dev)
+        inputs[2 * tokens:3 * tokens] = torch.arange(tokens, device=dev)  # warm-up runs: one sequence of every token
+        inputs[3 * tokens + rows + 1:3 * tokens + 2 * rows + 2] = tokens
+        inputs[3 * tokens + 2 * rows + 3:] = tokens  # (a bucket of keys holds at least a bucket of new tokens)
+        graph, hidden = self._capture(lambda: self._extension_forward(inputs, tokens, rows, keys, values))
+        self.graphs[key] = _Graph(graph, inputs, stack, hidden, rows)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - began
+        return self.graphs[key]
+
     def _longest(self, tokens: int) -> int:
         """The longest prompt a prefill graph of `tokens` tokens takes: varlen attention covers each sequence's
         first this many tokens (the padding sequence's rest is left uncomputed, and nothing reads it)."""
@@ -204,23 +329,30 @@ class Prefills:
         inputs[2 * tokens + rows + 1:] = tokens  # one sequence of every token for the warm-up runs
         stack, keys, values = self._new_cache(1, tokens)
         longest = self._longest(tokens)
+        graph, hidden = self._capture(lambda: self._packed_forward(inputs, tokens, rows, longest, keys, values))
+        self.graphs[tokens] = _Graph(graph, inputs, stack, hidden, rows)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - began
+        return self.graphs[tokens]
+
+    def _capture(self, forward) -> tuple["torch.cuda.CUDAGraph", Tensor]:
+        """`forward` run twice on a side stream (warm-up), then captured in the pool's graph memory; the graph and
+        what the captured run returned."""
+        dev = self.device
         if self._memory is None:
             self._memory = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._packed_forward(inputs, tokens, rows, longest, keys, values)
+                forward()
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.sampler._capture_stream is None:
             self.sampler._capture_stream = torch.cuda.Stream(dev)
         with torch.cuda.graph(graph, pool=self._memory, stream=self.sampler._capture_stream):
-            hidden = self._packed_forward(inputs, tokens, rows, longest, keys, values)
-        self.graphs[tokens] = _Graph(graph, inputs, stack, hidden, rows)
-        self.captures += 1
-        self.capture_s += time.perf_counter() - began
-        return self.graphs[tokens]
+            out = forward()
+        return graph, out
 
     def _keep(self, part: list[tuple[int, ...]], batch: "Prefill") -> None:
         for i, p in enumerate(part):
@@ -275,19 +407,19 @@ BLOCK = 16
 """Tokens per hashed block: a prompt is matched a block at a time, then token by token within the kept sequence."""
 MIN_SHARE = 0.5
 """A match reused only when it covers at least this share of the prompt: a short shared head (a system prompt, a
-group's task prompt) is left to the ordinary prefill, which on CUDA replays a captured packed forward, where the
-extension forward is eager."""
+group's task prompt) is left to the ordinary prefill."""
 GRAPH_MIN_REUSED = PREFILL_GRAPH_TOKENS
-"""Where the pool's prefills replay captured packed graphs (CUDA, 16-bit, varlen attention), an admission extends its
-matching prompts only when they reuse this many tokens together (more than one captured packed prefill takes); else
-they take the captured packed prefill. (Elsewhere the full prefill is eager too: every match is reused.) The
-extension forward is eager, host-bound: on one H200, 0.5B shape, ~2.1k-token contexts + 50 new tokens
-(`tests/gpu/probe_prefix.py`), 26 ms for 1 row against 19 ms for the captured full prefill, 29 against 75 ms for 8
-rows (17k tokens: eager packed forwards past 8,192), 144 against 490 ms for 64 rows."""
+"""Where the pool's prefills replay captured packed graphs (CUDA, 16-bit, varlen attention), the turns that the
+captured extension cannot take (over `PREFILL_GRAPH_TOKENS` new tokens, a context past its key buffer, no memory for
+that buffer) are extended eagerly only when they reuse this many tokens together; else they take the captured packed
+prefill. The eager extension is host-bound: on one H200, 0.5B shape, ~2.1k-token contexts + 50 new tokens
+(`tests/gpu/probe_prefix.py`, 168d605), 26 ms for 1 row against 19 ms for the captured full prefill, 29 against 75
+ms for 8 rows, 144 against 490 ms for 64 rows."""
 EXTEND_BYTES = 2 << 30
-"""The K/V buffer of one extension forward at most (rows x (their longest kept prefix + new tokens) x a token's K/V
-of every layer): each forward is ~1,100 torch calls of host time whatever its size, so as few as fit. 2 GiB: 64 rows
-of 2.2k tokens of the 0.5B shape (12 KiB a token) in one forward, where a bound of 64k cells took three."""
+"""The K/V buffer of one extension forward at most: the captured one's key buffer (the contexts one after another,
+made once per pool, at most a full pool's K/V), the eager one's rows x (their longest kept prefix + new tokens). Each
+eager forward is ~1,100 torch calls of host time whatever its size, so as few as fit. 2 GiB: 64 rows of 2.2k tokens
+of the 0.5B shape (12 KiB a token) in one forward."""
 
 
 @dataclass
@@ -330,9 +462,10 @@ class PrefixCache:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._index: dict[int, _Entry] = {}
         self.stats = {"kept": 0, "evicted": 0, "hits": 0, "misses": 0, "reused_tokens": 0, "new_tokens": 0,
-                      "declined": 0}
+                      "declined": 0, "captured": 0}
         """Counters since start: rows kept and evicted; admitted prompts with a match (hits) and without (misses); the
-        tokens reused and computed for the hits; hits prefilled whole all the same (`GRAPH_MIN_REUSED`)."""
+        tokens reused and computed for the hits; hits prefilled whole all the same (`GRAPH_MIN_REUSED`); hits extended
+        by a captured forward (`Prefills.extension_graph`)."""
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -37,8 +37,10 @@ import asyncio
 import itertools
 import math
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -137,12 +139,14 @@ class Scheduler(RowQueue):
         """Set when a client cancels: the next step looks for its rows."""
         self.stats = {"steps": 0, "rows_admitted": 0, "long_rows_admitted": 0, "rows_cancelled": 0, "refused": 0,
                       "max_rows_in_flight": 0,
-                      "admits": 0, "admit_s": 0.0, "decode_s": 0.0, "slow_decodes": 0}
+                      "admits": 0, "admit_s": 0.0, "decode_s": 0.0, "slow_decodes": 0,
+                      "engine_errors": 0}
         """Counters since start (`rows_cancelled`: rows of the decode batch and of jobs' requests; `long_rows_admitted`:
         rows started in the long lane); `admit_s`, `decode_s`: the engine thread's seconds in admissions (`admits` of
         them: prefill, pool resize, copies into slots) and in decode runs (`steps` of them, each up to `check_every`
         decode steps of one lane and the read of their tokens), host clock; `slow_decodes`: decode runs over
-        `SLOW_DECODE_S`.
+        `SLOW_DECODE_S`; `engine_errors`: turns of the engine thread that failed outside an admission or a decode run
+        (`_broken`).
         `describe` adds `gc_s` (this process's seconds in Python's garbage collector since the scheduler started, any
         thread) and the pool's `captures` and `capture_s` (decode steps and packed prefills captured as CUDA graphs,
         within the decode runs' and admissions' time)."""
@@ -259,23 +263,55 @@ class Scheduler(RowQueue):
         if self.device is not None and torch.device(self.device).type == "cuda":
             torch.cuda.set_device(torch.device(self.device))
         bind_engine_thread(self.submit)
+        failing = 0  # turns failed in a row
         while True:
-            if self.on_iteration is not None:
-                self.on_iteration()
-            self._take(block=not self.waiting and not self._live())
-            self._run_jobs()
-            self._drop_cancelled()
-            began = time.perf_counter()
-            if self._admit():
-                self.stats["admits"] += 1
-                self.stats["admit_s"] += time.perf_counter() - began
-            for pool in self._pools():  # the lanes take turns: a short row never waits for a long one's end
-                if pool.live:
-                    began = time.perf_counter()
-                    self._decode(pool)
-                    took = time.perf_counter() - began
-                    self.stats["decode_s"] += took
-                    self.stats["slow_decodes"] += took > SLOW_DECODE_S
+            try:
+                self._turn()
+                failing = 0
+            except BaseException as err:  # noqa: BLE001 - a dead engine thread would leave every request hanging
+                failing += 1
+                self._broken(err, show=failing <= 3)
+                time.sleep(0.1 * min(failing - 1, 10))  # a failure that repeats does not spin the thread
+
+    def _turn(self) -> None:
+        """One turn of the engine thread's loop: new work taken, jobs run, rows admitted, each lane decoded."""
+        if self.on_iteration is not None:
+            self.on_iteration()
+        self._take(block=not self.waiting and not self._live())
+        self._run_jobs()
+        self._drop_cancelled()
+        began = time.perf_counter()
+        if self._admit():
+            self.stats["admits"] += 1
+            self.stats["admit_s"] += time.perf_counter() - began
+        for pool in self._pools():  # the lanes take turns: a short row never waits for a long one's end
+            if pool.live:
+                began = time.perf_counter()
+                self._decode(pool)
+                took = time.perf_counter() - began
+                self.stats["decode_s"] += took
+                self.stats["slow_decodes"] += took > SLOW_DECODE_S
+
+    def _broken(self, err: BaseException, show: bool = True) -> None:
+        """A turn failed outside the admission's and the decode's own handling: its traceback to stderr (`show`: the
+        first few of a run of failures), every request in flight or queued fails with `err` (a client gets an error,
+        not a stream that never ends), and the lanes are made again at the next request (a pool the failure left
+        half-updated is not reused). Jobs stay queued."""
+        if show:
+            traceback.print_exception(err, file=sys.stderr)
+        print(f"rlspec serve: the engine thread's turn failed ({type(err).__name__}: {err}); the requests in flight "
+              "and queued fail with it, and the engine goes on", file=sys.stderr, flush=True)
+        self.stats["engine_errors"] += 1
+        failed = {id(sub): sub for sub, _ in self._rows.values()}
+        failed.update((id(item), item) for item in self.waiting if isinstance(item, Submission))
+        self.waiting = deque(item for item in self.waiting if not isinstance(item, Submission))
+        self._rows.clear()
+        self.pool = self.long_pool = None
+        for sub in failed.values():
+            self._unqueue(sub.rows - sub.admitted)
+            sub.admitted = sub.rows
+            sub.cancel()
+            sub.finish(err)
 
     def _take(self, block: bool) -> None:
         try:

@@ -370,7 +370,8 @@ print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen']
       # multiturn: the synthetic agent (examples/agents/multiturn_tokens.py: 3-5 turns of 64-256 new tokens, a 20-100
       #   token tool result between turns, each turn re-sent whole as token ids) at 64 and 256 agents on the 0.5B shape,
       #   beside the engine's plain batched rollout of as many trajectories at 640 tokens (the agent's mean: 4 x 160);
-      #   generated (model) tokens/s of each and the ratio, medians of the steps after the first
+      #   generated (model) tokens/s of each and the ratio, medians of the steps after the first (AM_STEPS agent steps,
+      #   default 5: the second still captures graphs for new shapes)
       # chat: the chat agent example (two turns of 4 tokens, a tool call between) at 64 and 256 agents: trajectories/s
       #   (agents on the process's agent loop reach the gateway in process), and at 64 over the gateway's socket
       # calc: the calculator agent on the gsm8k sample prompts at 64 and 256 agents (tiny model: mostly one turn)
@@ -397,7 +398,7 @@ print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
               # the plain rollout alone in its process (--steps 0: no agent step, the gateway's pool never made), then the agents
               CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps 0 --plain-tokens 640 \
                 > $OUT/agents_plain_$n.log 2>&1; echo "agents_multiturn plain $n exit $?" >> $OUT/results.txt
-              CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps 3 \
+              CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps ${AM_STEPS:-5} \
                 > $OUT/agents_multiturn_$n.log 2>&1; echo "agents_multiturn multiturn $n exit $?" >> $OUT/results.txt
               cat $OUT/agents_plain_$n.log $OUT/agents_multiturn_$n.log > $OUT/agents_both_$n.log
               am_summary $OUT/agents_both_$n.log "multiturn $n agents"; cp $OUT/results.txt $FINAL/

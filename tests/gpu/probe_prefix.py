@@ -2,9 +2,11 @@
 the spec's model in a serving pool; `--rows` rows of `--context`-token prompts admitted and decoded `--tokens` tokens
 each (turn 1), then their next turn (prompt + sampled tokens + a `--tool`-token result) admitted twice: into the
 pool that kept turn 1's K/V (prefix reuse), and into the same pool with its prefix cache emptied (a full prefill of
-the whole context), every match reused (`prefill.GRAPH_MIN_REUSED` set to 0). The admission's seconds (the engine's
-clock after a device sync; the median of `--repeats`, after a warm-up), one JSON line per row count; `served_vs_full`:
-the path the pool takes as it serves (reuse only past `GRAPH_MIN_REUSED` reused tokens where prefills are captured).
+the whole context), every match reused (`prefill.GRAPH_MIN_REUSED` set to 0: it only matters for turns the captured
+extension cannot take). The admission's seconds (the engine's clock after a device sync; the median of `--repeats`,
+after a warm-up), one JSON line per row count; `served_vs_full`: the path the pool takes as it serves (a turn the
+captured extension cannot take reuses only past `GRAPH_MIN_REUSED` reused tokens); `captured`: the admission's turns
+went through a captured extension forward.
     python tests/gpu/probe_prefix.py examples/bench_qwen0p5b.yaml --context 2048 --rows 1,8,64"""
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def main() -> None:
             took_reuse = admit(turn)
             hits = pool.prefills.prefix.stats["hits"] - before["hits"]
             reused = pool.prefills.prefix.stats["reused_tokens"] - before["reused_tokens"]
+            captured = pool.prefills.prefix.stats["captured"] - before["captured"] == hits > 0
             finish()
             pool.prefills.prefix.clear()
             pool.prefills.cache.clear()
@@ -86,11 +89,12 @@ def main() -> None:
                 reuse.append(took_reuse)
                 full.append(took_full)
         r, f = statistics.median(reuse), statistics.median(full)
-        # as served: the pool reuses only where an admission reuses `GRAPH_MIN_REUSED` tokens or more (on CUDA)
-        served = r if reused >= served_min or not pool.prefills.packed else f
+        # as served: captured extensions always reuse; eager ones only past `GRAPH_MIN_REUSED` reused tokens (on CUDA)
+        served = r if captured or reused >= served_min or not pool.prefills.packed else f
         print(json.dumps({"rows": rows, "context": len(turn[0]), "new_tokens": args.tool, "prefix_hits": hits,
                           "admit_reuse_s": round(r, 5), "admit_full_s": round(f, 5), "reuse_vs_full": round(r / f, 3),
                           "served_vs_full": round(served / f, 3), "served_reuses": served is r,
+                          "captured": captured,
                           "reuse_all_s": [round(x, 5) for x in reuse], "full_all_s": [round(x, 5) for x in full]}),
               flush=True)
 

@@ -487,3 +487,36 @@ def test_health_reports_the_prefix_caches_counters_and_a_turn_that_extends_a_row
     assert after["hits"] == before["hits"] + 1
     assert after["reused_tokens"] - before["reused_tokens"] >= len(first["prompt_token_ids"])
     assert 0 < after["tokens"] <= after["max_tokens"]
+
+
+def test_a_turn_that_fails_outside_admission_and_decode_fails_its_requests_and_the_engine_goes_on(monkeypatch):
+    """A failure in the engine thread's loop that neither the admission nor the decode run handles (here the pool's
+    shrink after a decode run) fails the requests in flight with the error, instead of a dead engine thread
+    leaving them waiting forever; the next request is served by a fresh pool."""
+    from rlspec.models.factory import load_model, load_tokenizer
+    from rlspec.rollout.hf import HFEngine
+    from rlspec.serve.app import EngineHost
+    from rlspec.serve.live import Submission
+    from rlspec.serve.pool import RowSampling, ServingPool
+    from rlspec.spec import ModelSpec, RolloutSpec
+
+    spec = ModelSpec()
+    engine = HFEngine(load_model(spec, 0).eval().requires_grad_(False), load_tokenizer(spec),
+                      RolloutSpec(max_new_tokens=32), "cpu")
+    scheduler = EngineHost(engine, MODEL).thread
+    shrink, broke = ServingPool.shrink, []
+
+    def shrink_once(pool):
+        if not broke:
+            broke.append(pool)
+            raise RuntimeError("injected: the pool's shrink failed")
+        return shrink(pool)
+
+    monkeypatch.setattr(ServingPool, "shrink", shrink_once)
+    first = scheduler.submit_rows(Submission([[5, 6, 7]], [RowSampling(1, 8)]))
+    assert first.done.wait(60), "the request hung: the engine thread died"
+    assert isinstance(first.error, RuntimeError) and "injected" in str(first.error)
+    assert scheduler.stats["engine_errors"] == 1
+    second = scheduler.submit_rows(Submission([[5, 6, 7]], [RowSampling(1, 8)]))
+    assert second.done.wait(60) and second.error is None and len(second.ids[0]) == 8
+    assert scheduler.pool is not broke[0]

@@ -85,6 +85,45 @@ def test_the_extension_forward_gives_a_fresh_prefills_kv_and_hidden(sampler):
     assert torch.equal(reused.hidden[row], own.hidden[0])
 
 
+class _Replayed:
+    """A captured forward's stand-in on CPU: `replay` runs it again into the first run's output, as a graph does."""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self.out = forward()
+
+    def replay(self):
+        self.out.copy_(self.forward())
+
+
+def test_the_captured_extension_lays_out_several_turns_as_their_fresh_prefills(sampler, monkeypatch):
+    """The packed extension (what CUDA replays from a graph: contexts one after another in one key buffer, new tokens
+    one after another, a padding sequence, varlen attention with key offsets), run eagerly on CPU under the mask it
+    stands for: each turn's K/V and last hidden equal its fresh prefill's to fp32 rounding, across two forwards (the
+    graph's token bound lowered) and rows reusing different lengths."""
+    from rlspec.serve import prefill
+
+    monkeypatch.setattr(prefill.Prefills, "_capture", lambda self, forward: ((r := _Replayed(forward)), r.out))
+    monkeypatch.setattr(prefill, "PREFILL_GRAPH_TOKENS", 64)
+    monkeypatch.setattr(prefill, "PREFILL_GRAPH_MIN", 16)
+    pool = ServingPool(sampler, 256, 8, eos=0)
+    pool.prefills.packed = True  # the layout CUDA's packed prefills take (here each forward eager, masked)
+    first = [PROMPT, PROMPT[:33], PROMPT[5:], PROMPT[::-1]]
+    out = sample(pool, first)
+    turns = [p + t + TOOL[:7 + 9 * i] for i, (p, (t, _)) in enumerate(zip(first, out))]
+    pool.prefills.prefill(turns)
+    stats = pool.prefills.prefix.stats
+    assert stats["hits"] == stats["captured"] == 4 and stats["declined"] == 0
+    # (new tokens, key tokens): 7 + 16 new in 121 keys with the padding, then 25 + 34 in 155
+    assert sorted(k[1:] for k in pool.prefills.graphs if isinstance(k, tuple)) == [(32, 128), (64, 256)]
+    fresh = ServingPool(sampler, 256, 8, eos=0)
+    for p in map(tuple, turns):
+        fresh.prefills.padded([p])
+        (a, i), (b, _) = pool.prefills.cache[p], fresh.prefills.cache[p]
+        torch.testing.assert_close(a.stack[:, :, a.starts[i]:a.starts[i] + len(p)], b.stack, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.hidden[i], b.hidden[0], rtol=1e-5, atol=1e-5)
+
+
 def test_the_cache_is_bounded_evicts_the_oldest_and_a_weight_refresh_clears_it(sampler):
     pool = ServingPool(sampler, 256, 8, eos=0)
     cache = pool.prefills.prefix
@@ -106,15 +145,13 @@ def test_the_cache_is_bounded_evicts_the_oldest_and_a_weight_refresh_clears_it(s
 
 
 @pytest.mark.gpu
-def test_prefix_reuse_on_cuda_agrees_with_a_fresh_prefill_within_bf16(monkeypatch):
-    """CUDA, bf16, captured decode steps and packed prefills: a turn-2 prompt extended from turn 1's kept K/V against
-    the same prompt prefilled whole (packed, from a graph): K/V and last hidden within bf16 rounding, and the log-probs
+def test_prefix_reuse_on_cuda_agrees_with_a_fresh_prefill_within_bf16():
+    """CUDA, bf16, captured decode steps and packed prefills: a turn-2 prompt extended from turn 1's kept K/V (one
+    captured extension forward: varlen attention with key offsets) against the same prompt prefilled whole (packed,
+    from a graph): K/V and last hidden within bf16 rounding, and the log-probs
     of the tokens both then sample alike (a near tie of a random model may resolve differently in bf16)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from rlspec.serve import prefill
-
-    monkeypatch.setattr(prefill, "GRAPH_MIN_REUSED", 0)  # these few short prompts extend too
     sampler = sampler_on("cuda", "bfloat16")
     prompts = [PROMPT * 4, PROMPT[:33] * 3, PROMPT[5:] * 5]
     reusing, fresh = ServingPool(sampler, 1024, 8, eos=0), ServingPool(sampler, 1024, 8, eos=0)
@@ -123,7 +160,8 @@ def test_prefix_reuse_on_cuda_agrees_with_a_fresh_prefill_within_bf16(monkeypatc
     turn = [p + t + TOOL for p, (t, _) in zip(prompts, first)]
     reusing.prefills.prefill(turn)
     fresh.prefills.prefill(turn)
-    assert reusing.prefills.prefix.stats["hits"] == 3 and reusing.prefills.prefix.stats["declined"] == 0
+    stats = reusing.prefills.prefix.stats
+    assert stats["hits"] == stats["captured"] == 3 and stats["declined"] == 0  # one captured extension forward
     for p in map(tuple, turn):
         (a, i), (b, j) = reusing.prefills.cache[p], fresh.prefills.cache[p]
         kv_a = a.stack[:, :, a.starts[i]:a.starts[i] + len(p)].float()
