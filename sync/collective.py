@@ -235,8 +235,15 @@ def _listen(channel: _Channel, engine, payload: dict, submit) -> None:
             return
         if channel.closed or json.loads(header).get("close"):
             return
-        submit(channel.run_listened, version, lambda v=version, h=header: _receive(engine, channel, v, h))
+        queue_listened(submit, channel, version, lambda v=version, h=header: _receive(engine, channel, v, h))
         version += 1
+
+
+def queue_listened(submit, channel: _Channel, version: int, work) -> None:
+    """Queue push `version`'s engine half on the engine thread (`submit`), due only while the bridge call has not
+    run it: a listener that reads a header late (a loaded host) must not mark the server's weights unknown after
+    the trainer labelled them."""
+    submit(channel.run_listened, version, work, due=lambda: version > channel.latest)
 
 
 def _drain(channel: _Channel, flats: list[torch.Tensor], num_entries: int, verify: bool) -> None:

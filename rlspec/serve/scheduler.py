@@ -187,10 +187,14 @@ class Scheduler(RowQueue):
         self.inbox.put(_Job(fn, args, done))
         return await asyncio.wrap_future(done)
 
-    def submit(self, fn, *args) -> None:
+    def submit(self, fn, *args, due: Callable[[], bool] | None = None) -> None:
         """Queue `fn(*args)` without waiting (a transport's engine half that it starts on its own; the trainer's
-        bridge call collects the outcome). `on_submitted_start` runs first; a failure goes to `on_submitted_error`."""
+        bridge call collects the outcome). `on_submitted_start` runs first; a failure goes to `on_submitted_error`.
+        `due`, checked on the engine thread first: a job no longer due (its push already ran, through the bridge
+        call) runs nothing and leaves the weights' label as it is."""
         def guarded():
+            if due is not None and not due():
+                return
             if self.on_submitted_start is not None:
                 self.on_submitted_start()
             try:

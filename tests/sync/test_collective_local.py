@@ -260,3 +260,26 @@ def test_a_streamed_push_of_a_known_layout_makes_no_store_round_trip_and_still_v
         _same(engine, trainer)
     finally:
         transport.close()
+
+
+def test_a_listener_that_reads_a_header_late_leaves_the_labelled_weights_alone():
+    """A rollout server's listener may read a push's header after the trainer's bridge call already ran that push
+    and labelled the weights (a loaded host): its queued job must then run nothing and leave the label, where it
+    used to mark the weights unknown (a joined server reported `weight_version` null after a finished run). A push
+    the bridge call has not run still runs, and leaves the weights unlabelled until the trainer labels them."""
+    import asyncio
+
+    from rlspec.serve.app import EngineHost
+    from rlspec.sync.collective import _Channel, queue_listened
+
+    host = EngineHost(_engine(1), "tiny")
+    channel = _Channel(None, None, torch.device("cpu"), 1.0)
+    ran = []
+    assert host.thread.run(channel.run_called, 3, lambda: "pushed") == "pushed"  # the bridge call ran push 3
+    asyncio.run(host.label(3))
+    queue_listened(host.thread.submit, channel, 3, lambda: ran.append(3))  # its header, read late
+    host.thread.run(lambda: None)  # jobs run in order: the listener's has run
+    assert ran == [] and host.weight_version == 3
+    queue_listened(host.thread.submit, channel, 4, lambda: ran.append(4))  # the next push, read in time
+    host.thread.run(lambda: None)
+    assert ran == [4] and host.weight_version is None and channel.outcomes[4] == (True, None)
