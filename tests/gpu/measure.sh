@@ -109,7 +109,10 @@ for section in $sections; do
       # installed package (the tests start `python -m rlspec.cli` subprocesses there).
       rm -rf $SCRATCH/gputests; mkdir -p $SCRATCH/gputests; cp -r $ROOT/tests $ROOT/examples $ROOT/pyproject.toml $SCRATCH/gputests/
       # Four workers on the one GPU (GPU_WORKERS=1: one at a time): one at a time the whole set ran past 300 s.
+      # A test past GPU_TEST_TIMEOUT seconds (default 300) fails with every thread's stack (pytest-timeout), where
+      # one that hung used to take the whole 500 s and leave no word of which it was.
       (cd $SCRATCH/gputests && timeout 500 python3 -m pytest -q -p no:cacheprovider -p no:logging -n ${GPU_WORKERS:-4} -rfEs \
+        --timeout ${GPU_TEST_TIMEOUT:-300} \
         --durations=8 -m gpu ${GPUTESTS:-tests} 2>&1 | tail -40) >> $OUT/results.txt ;;
     dsync)  # issue 8: the deepspeed backend colocated on one GPU, its step's sync through cuda_ipc and through ray
       for m in cuda_ipc ray; do
