@@ -176,6 +176,18 @@ def _queue_full():
                             headers={"Retry-After": str(full.retry_after_s)}) from None
 
 
+def _choices(planned: "_Planned", sub: Submission):
+    """A finished request's (version, choices); a request the engine failed (an admission or a decode run that
+    raised, a failed turn of the engine thread) as a 500 naming the error, where it was a bare one."""
+    try:
+        return planned.submission_choices(sub)
+    except (SpecError, HTTPException):
+        raise
+    except Exception as err:  # noqa: BLE001 - the client gets what went wrong; the server's stderr has the traceback
+        raise HTTPException(500, detail=[{"loc": ["engine"], "msg": f"the engine failed on this request: "
+                                                                    f"{type(err).__name__}: {err}"}]) from err
+
+
 def _stops(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOPS or any(not s for s in stops):
@@ -403,7 +415,7 @@ class OpenAIRoutes:
                         generate_alone, self.host, *planned.generate)))
             sub = self._submit(planned)
             sub.done.wait()
-            return self._reply(planned, *planned.submission_choices(sub))
+            return self._reply(planned, *_choices(planned, sub))
 
     async def _run_async(self, planned: "_Planned", request: Request | None = None, stream: bool = False):
         """A planned request served from the event loop: it joins the scheduler's queue when it arrives, holding no
@@ -423,7 +435,7 @@ class OpenAIRoutes:
             if stream:
                 return StreamingResponse(live_events(planned, sub), media_type="text/event-stream")
             await sub.wait_async(request.receive if request is not None else None)
-            return self._reply(planned, *planned.submission_choices(sub))
+            return self._reply(planned, *_choices(planned, sub))
 
     def _submit(self, planned: "_Planned") -> Submission:
         sub = Submission(planned.rows, planned.samplings, planned.stops, planned.decode)

@@ -144,7 +144,8 @@ def test_a_client_that_gives_up_on_an_unstreamed_request_frees_its_rows(server):
     url, host = server
     cancelled = host.thread.stats["rows_cancelled"]
     body = {"model": MODEL, "prompt": "ab=", "n": 3, "seed": 2, "max_tokens": 300, "temperature": 0}
-    with httpx.Client(base_url=url, timeout=0.3, trust_env=False) as http:
+    # the client gives up after 0.1 s: the 300 tokens take ~0.65 s on an idle 2-core host
+    with httpx.Client(base_url=url, timeout=0.1, trust_env=False) as http:
         with pytest.raises(httpx.ReadTimeout):
             http.post("/v1/completions", json=body)
     deadline = time.monotonic() + 20
@@ -257,7 +258,8 @@ def test_a_client_that_gives_up_on_a_request_that_runs_alone_stops_it(server):
     scheduler.pool_reason = "the model is one the slot pool cannot run (this test's)"
     try:
         body = {"model": MODEL, "prompt": [5, 6, 7], "n": 2, "max_tokens": 400, "temperature": 0}
-        with httpx.Client(base_url=url, timeout=0.5, trust_env=False) as http:
+        # the client gives up after 0.1 s: the 400 tokens take ~0.4 s on an idle 2-core host (0.5 s let them finish)
+        with httpx.Client(base_url=url, timeout=0.1, trust_env=False) as http:
             with pytest.raises(httpx.ReadTimeout):
                 http.post("/v1/completions", json=body)
         deadline = time.monotonic() + 60
@@ -520,3 +522,15 @@ def test_a_turn_that_fails_outside_admission_and_decode_fails_its_requests_and_t
     second = scheduler.submit_rows(Submission([[5, 6, 7]], [RowSampling(1, 8)]))
     assert second.done.wait(60) and second.error is None and len(second.ids[0]) == 8
     assert scheduler.pool is not broke[0]
+    # through the routes: a 500 naming the error (it was a bare "Internal Server Error"), then served again
+    from fastapi.testclient import TestClient
+
+    from rlspec.serve.app import build_app
+
+    broke.clear()
+    with TestClient(build_app(scheduler.host, "tok"), raise_server_exceptions=False) as http:
+        body, auth = {"model": MODEL, "prompt": "ab=", "max_tokens": 5}, {"Authorization": "Bearer tok"}
+        failed = http.post("/v1/completions", json=body, headers=auth)
+        assert failed.status_code == 500 and "injected: the pool's shrink failed" in failed.json()["error"]["message"]
+        assert http.post("/v1/completions", json=body, headers=auth).status_code == 200
+        assert http.get("/health", headers=auth).json()["scheduler"]["engine_errors"] == 2
