@@ -11,10 +11,10 @@ depend on the others. A prefill keeps every layer's K and V as one tensor, so a 
 Prefix reuse across turns (`PrefixCache`): the K/V of rows that ended are kept by their token ids, so that a prompt
 extending one of them (an agent's next turn: the conversation so far, then a tool result) prefills only its new
 tokens; see `PrefixCache`. Where prefills are packed (CUDA), an admission's extensions go in one forward too, replayed
-from a captured graph per power of two of new tokens (`Prefills.extension_graph`): their kept K/V copied one after
-another into one key buffer, their new tokens one after another in one row, each attending to its own context
-(varlen attention with key offsets of their own). Elsewhere, or for a turn the graphs cannot take, the eager
-`extend`.
+from a captured graph per power of two of new tokens and of key tokens (`Prefills.extension_graph`): their kept K/V
+copied one after another into one key buffer, their new tokens one after another in one row, each attending to its
+own context (varlen attention with key offsets of their own). Elsewhere, or for a turn the graphs cannot take, the
+eager `extend`.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ class Prefills:
         tokens = max(PREFILL_GRAPH_MIN, 1 << (total - 1).bit_length())
         fill = tokens - total
         graph = self.extension_graph(tokens, self._key_bucket(context + fill))
-        _, stack = self._keys
+        stack = self._keys
         starts, q_offsets = [0], [0]
         for width, n in zip(widths, new):
             starts.append(starts[-1] + width)
@@ -269,8 +269,9 @@ class Prefills:
                                     packed=Packed(q_offsets, self._longest(tokens), k_offsets, self.length))
 
     def _keys_buffer(self):
-        """The extension forwards' key buffer, made on first use (`_key_tokens` contexts, then room for a graph's
-        padding); None where there is no memory for it (extensions then go the eager way)."""
+        """The extension forwards' key buffer [2 * layers, 1, Hkv, tokens, D], made on first use (`_key_tokens`
+        contexts, then room for a graph's padding); None where there is no memory for it (extensions then go the
+        eager way)."""
         if self._keys is None and not self._keys_failed:
             d = self.decoder
             token_bytes = 2 * d.num_layers * d.num_kv_heads * d.head_dim * d.dtype.itemsize
@@ -282,7 +283,7 @@ class Prefills:
             except torch.OutOfMemoryError:
                 self._keys_failed = True
                 return None
-            self._keys = (memory, memory.permute(0, 2, 1, 3)[:, None])
+            self._keys = memory.permute(0, 2, 1, 3)[:, None]
         return self._keys
 
     def _key_bucket(self, keys: int) -> int:
@@ -301,7 +302,7 @@ class Prefills:
             return self.graphs[key]
         began = time.perf_counter()
         rows, dev = min(tokens, self.max_slots), self.device
-        _, stack = self._keys
+        stack = self._keys
         views = list(stack[..., :key_tokens, :].unbind(0))
         keys, values = views[:self.decoder.num_layers], views[self.decoder.num_layers:]
         inputs = torch.zeros(3 * tokens + 3 * rows + 4, dtype=torch.long, device=dev)
