@@ -19,14 +19,23 @@ TOKENS = (64, 256)
 TOOL_TOKENS = (20, 100)
 
 
+def plan(place: str) -> list[tuple[int, list[int]]]:
+    """The trajectory at `place` (s<step>-p<prompt>-g<sample>): each turn's max new tokens and the tool result's ids
+    after it (a plain rollout of the same lengths reads them too: `tests/gpu/probe_agents.py`)."""
+    rng = random.Random(place)
+    turns = []
+    for _ in range(rng.randint(*TURNS)):
+        tokens = rng.randint(*TOKENS)
+        turns.append((tokens, [rng.randrange(32, 127) for _ in range(rng.randint(*TOOL_TOKENS))]))
+    return turns
+
+
 async def solve(prompt: str, base_url: str) -> str:
     place = base_url.rstrip("/").split("/")[-2].rsplit("-", 1)[0]  # s<step>-p<prompt>-g<sample>
-    rng = random.Random(place)
     body: dict = {"prompt": prompt}
     texts = []
-    for turn in range(rng.randint(*TURNS)):
-        choice = await completion_async(base_url, {**body, "max_tokens": rng.randint(*TOKENS)})
+    for tokens, tool in plan(place):
+        choice = await completion_async(base_url, {**body, "max_tokens": tokens})
         texts.append(choice["text"])
-        tool = [rng.randrange(32, 127) for _ in range(rng.randint(*TOOL_TOKENS))]
         body = {"prompt": choice["prompt_token_ids"] + choice["token_ids"] + tool}
     return "".join(texts)

@@ -372,9 +372,11 @@ print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen']
       # under its own timeout, results.txt refreshed after each). AM_PARTS picks parts (default all four):
       # multiturn: the synthetic agent (examples/agents/multiturn_tokens.py: 3-5 turns of 64-256 new tokens, a 20-100
       #   token tool result between turns, each turn re-sent whole as token ids) at 64 and 256 agents on the 0.5B shape,
-      #   beside the engine's plain batched rollout of as many trajectories at 640 tokens (the agent's mean: 4 x 160);
-      #   generated (model) tokens/s of each and the ratio, medians of the steps after the first (AM_STEPS agent steps,
-      #   default 5: the second still captures graphs for new shapes)
+      #   beside the engine's plain batched rollout of as many trajectories at 640 tokens (the agent's mean: 4 x 160;
+      #   `ratio`), and beside a plain rollout of each trajectory's own length (its turns' tokens summed, one row each
+      #   in the serving pool the turns decode in: `ratio_own_lengths`, the issue's "same number of tokens per
+      #   trajectory", which has the agents' longest-trajectory tail); generated (model) tokens/s of each, medians of
+      #   the steps after the first (AM_STEPS agent steps, default 5: the second still captures graphs for new shapes)
       # chat: the chat agent example (two turns of 4 tokens, a tool call between) at 64 and 256 agents: trajectories/s
       #   (agents on the process's agent loop reach the gateway in process), and at 64 over the gateway's socket
       # calc: the calculator agent on the gsm8k sample prompts at 64 and 256 agents (tiny model: mostly one turn)
@@ -383,7 +385,7 @@ print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen']
       am_summary() {  # $1 log, $2 label: medians over the steps after the first (agent steps, and plain steps if any)
         python3 -c "import json,sys,statistics as s
 rows=[json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
-a=[r for r in rows if 'step' in r][1:]; p=[r for r in rows if 'plain_step' in r][1:]
+a=[r for r in rows if 'step' in r][1:]; p=[r for r in rows if 'plain_step' in r][1:]; q=[r for r in rows if 'plain_pool_step' in r][1:]
 m=lambda rs,k: round(s.median(r.get(k,0) for r in rs),1) if rs else None
 out={'agent_traj_per_s':m(a,'trajectories_per_s'),'agent_tok_per_s':m(a,'model_tokens_per_s'),'failed':sum(r['failed'] for r in a),
  'turns':m(a,'turns_mean'),'tokens_per_traj':m(a,'model_tokens_mean'),'engine_busy':m(a,'engine_busy_share'),
@@ -391,6 +393,7 @@ out={'agent_traj_per_s':m(a,'trajectories_per_s'),'agent_tok_per_s':m(a,'model_t
  'admits':m(a,'admits'),'admit_ms_each':m(a,'admit_ms_each'),'cpu_s_engine':m(a,'cpu_s_engine'),'cpu_s_agents':m(a,'cpu_s_agents'),
  'cpu_s_http':m(a,'cpu_s_http')}
 if p: out.update(plain_tok_per_s=m(p,'model_tokens_per_s'),ratio=round(m(a,'model_tokens_per_s')/m(p,'model_tokens_per_s'),3) if a else None)
+if q: out.update(plain_own_lengths_tok_per_s=m(q,'model_tokens_per_s'),ratio_own_lengths=round(m(a,'model_tokens_per_s')/m(q,'model_tokens_per_s'),3) if a else None)
 print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
       }
       MT="$ROOT/examples/bench_qwen0p5b.yaml rollout.agent.function=$ROOT/examples/agents/multiturn_tokens.py:solve
@@ -399,7 +402,7 @@ print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
         case $part in
           multiturn) for n in 64 256; do
               # the plain rollout alone in its process (--steps 0: no agent step, the gateway's pool never made), then the agents
-              CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps 0 --plain-tokens 640 \
+              CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps 0 --plain-tokens 640 --plain-like-multiturn \
                 > $OUT/agents_plain_$n.log 2>&1; echo "agents_multiturn plain $n exit $?" >> $OUT/results.txt
               CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps ${AM_STEPS:-5} \
                 > $OUT/agents_multiturn_$n.log 2>&1; echo "agents_multiturn multiturn $n exit $?" >> $OUT/results.txt

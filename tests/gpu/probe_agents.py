@@ -5,8 +5,12 @@ seconds calls spent waiting for the engine (queue + admission + decode, summed o
 agents, i.e. per agent) against each agent's wall, the turns, the model tokens, and the prefix cache's counters.
 `--http`: the agents reach the gateway over its socket (else in process, as an agent on the process's agent loop
 does). Per step also the CPU seconds of the engine thread, the agents' loop, the HTTP server's thread and the rest.
-`--plain-tokens N` then times the engine's plain batched rollout of as many trajectories, N new tokens each.
-    python tests/gpu/probe_agents.py SPEC [override ...] [--agents 64] [--steps 4] [--plain-tokens N] [--http]
+`--plain-tokens N` then times the engine's plain batched rollout of as many trajectories, N new tokens each;
+`--plain-like-multiturn` also times a plain rollout of each trajectory's own length (`plain_pool_step` lines): the
+multiturn agent's (`examples/agents/multiturn_tokens.py`) model tokens of that trajectory, summed over its turns, as
+one row each in the serving pool its turns decode in, all rows at once, no turns and no tool results.
+    python tests/gpu/probe_agents.py SPEC [override ...] [--agents 64] [--steps 4] [--plain-tokens N]
+        [--plain-like-multiturn] [--http]
 e.g. python tests/gpu/probe_agents.py examples/agent_chat_tool.yaml --agents 64 (docs/agents.md)."""
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ def main() -> None:
     parser.add_argument("--plain-tokens", type=int, default=0,
                         help="then time the engine's plain batched rollout of the same prompts, this many new tokens")
     parser.add_argument("--plain-steps", type=int, default=3, help="plain rollouts timed (after a warm-up one)")
+    parser.add_argument("--plain-like-multiturn", action="store_true",
+                        help="also a plain rollout of each trajectory's own length as the multiturn agent plans it")
     parser.add_argument("--http", action="store_true",
                         help="agents reach the gateway over its socket, not in process (`client.serve_in_process`)")
     args = parser.parse_args()
@@ -89,6 +95,8 @@ def main() -> None:
                 **{f"prefix_{k}": v - prefix_before.get(k, 0) for k, v in _prefix(scheduler).items()}}), flush=True)
         if args.plain_tokens:
             plain(engine, task, prompts, group, args.plain_tokens, args.plain_steps)
+        if args.plain_like_multiturn:
+            plain_like_multiturn(engine, task, prompts, group, args.plain_steps)
     finally:
         gateway.close()
 
@@ -113,6 +121,51 @@ def plain(engine, task, prompts: int, group: int, tokens: int, steps: int) -> No
         print(json.dumps({"plain_step": step, "rows": len(out.completion_ids), "wall_s": round(wall, 4),
                           "tokens_mean": round(generated / len(out.completion_ids), 1),
                           "trajectories_per_s": round(len(out.completion_ids) / wall, 1),
+                          "model_tokens_per_s": round(generated / wall, 1)}), flush=True)
+
+
+def plain_like_multiturn(engine, task, prompts: int, group: int, steps: int) -> None:
+    """Each trajectory of a step as one row of its own length: the multiturn agent's model tokens for it (the sum of
+    its turns' max tokens, `multiturn_tokens.plan`; a random-init model writes them all), its prompt the task's, in
+    the serving pool the agents' turns decode in (`make_pool`), every row admitted as slots free; `steps` times after
+    a warm-up: generated tokens/s against the agents' for the same trajectories, without their turns."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    from rlspec.serve.pool import RowSampling
+    from rlspec.serve.scheduler import make_pool
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "agents" / "multiturn_tokens.py"
+    spec = importlib.util.spec_from_file_location("multiturn_tokens", path)
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    pool = make_pool(engine)
+    for step in range(1 + steps):
+        rows = [(i * group + k, engine.tokenizer(p.text, add_special_tokens=False).input_ids,
+                 RowSampling(key=step * 100_003 + i * group + k,
+                             max_tokens=sum(tokens for tokens, _ in agent.plan(f"s{step}-p{i}-g{k}"))))
+                for i, p in enumerate(task.sample(step, prompts)) for k in range(group)]
+        assert all(pool.fits(len(ids), sampling.max_tokens) for _, ids, sampling in rows), \
+            "a trajectory's tokens pass the pool's rows: raise rollout.max_prompt_tokens"
+        planned, generated = sum(r[2].max_tokens for r in rows), 0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        waiting = list(rows)
+        while waiting or pool.live:
+            if waiting and pool.free():
+                now, waiting = waiting[:pool.free()], waiting[pool.free():]
+                pool.admit(now)
+            for d in pool.run():
+                generated += len(d.tokens)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - began
+        print(json.dumps({"plain_pool_step": step, "rows": len(rows), "wall_s": round(wall, 4),
+                          "tokens_mean": round(generated / len(rows), 1), "planned_mean": round(planned / len(rows), 1),
+                          "longest": max(r[2].max_tokens for r in rows), "trajectories_per_s": round(len(rows) / wall, 1),
                           "model_tokens_per_s": round(generated / wall, 1)}), flush=True)
 
 
