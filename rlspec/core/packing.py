@@ -187,21 +187,17 @@ def packed_causal_mask(offsets: Tensor, length: int, key_offsets: Tensor | None 
     """[length, length] bool: each token of a packed row sees its own sequence's tokens up to itself (`offsets`
     [n + 1] the sequences' starts and the end; tokens past the end form one more block). With `key_offsets` [n + 1]
     (an extension, `rollout.decoder.Packed`): [length, key_length], sequence i's queries the last of its keys, each
-    query seeing its sequence's keys up to its own place counted from the end."""
-    if key_offsets is None:
-        sequence = torch.searchsorted(offsets[1:], torch.arange(length, device=offsets.device, dtype=offsets.dtype),
-                                      right=True)
-        causal = torch.ones(length, length, dtype=torch.bool, device=offsets.device).tril_()
-        return (sequence[:, None] == sequence[None, :]) & causal
+    query seeing its sequence's keys up to its own place counted from the end (without, keys are the queries, and
+    that is the causal mask)."""
 
     def to_end(bounds: Tensor, count: int) -> tuple[Tensor, Tensor]:  # each token's sequence, tokens after it there
         places = torch.arange(count, device=bounds.device, dtype=bounds.dtype)
         sequence = torch.searchsorted(bounds[1:], places, right=True)
-        ends = torch.cat([bounds[1:], bounds.new_tensor([max(count, int(bounds[-1]))])])
+        ends = torch.cat([bounds[1:], bounds[-1:].clamp(min=count)])  # the block past the end runs to `count`
         return sequence, ends[sequence] - 1 - places
 
     q_sequence, q_after = to_end(offsets, length)
-    k_sequence, k_after = to_end(key_offsets, key_length)
+    k_sequence, k_after = (q_sequence, q_after) if key_offsets is None else to_end(key_offsets, key_length)
     return (q_sequence[:, None] == k_sequence[None, :]) & (k_after[None, :] >= q_after[:, None])
 
 

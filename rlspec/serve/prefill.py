@@ -141,10 +141,8 @@ class Prefills:
         if self.packed and sum(m for _, _, m in rows) < GRAPH_MIN_REUSED:
             self.prefix.stats["declined"] += len(rows)  # the captured packed prefill is cheaper here
             return rest + [p for p, _, _ in rows]
-        d = self.decoder
-        token_bytes = 2 * d.num_layers * d.num_kv_heads * d.head_dim * d.dtype.itemsize
         for part in extension_batches(rows, separate=not self.sampler.use_graphs and not self.packed,
-                                      cells=EXTEND_BYTES // token_bytes):
+                                      cells=EXTEND_BYTES // self._token_bytes()):
             stack, hidden, starts, widths = extend(self.decoder, part, self.eos, self.device)
             self._keep([p for p, _, _ in part], Prefill(stack, hidden, starts, widths))
         return rest
@@ -274,8 +272,7 @@ class Prefills:
         eager way)."""
         if self._keys is None and not self._keys_failed:
             d = self.decoder
-            token_bytes = 2 * d.num_layers * d.num_kv_heads * d.head_dim * d.dtype.itemsize
-            self._key_tokens = min(EXTEND_BYTES // token_bytes, self.max_slots * self.length)
+            self._key_tokens = min(EXTEND_BYTES // self._token_bytes(), self.max_slots * self.length)
             try:  # [2 * layers, tokens, Hkv, D] in memory, seen as [2 * layers, 1, Hkv, tokens, D]: the layout the
                 # varlen kernel reads keys in ([tokens, Hkv, D]), so no layer copies it
                 memory = torch.zeros(2 * d.num_layers, self._key_tokens + PREFILL_GRAPH_TOKENS, d.num_kv_heads,
@@ -285,6 +282,11 @@ class Prefills:
                 return None
             self._keys = memory.permute(0, 2, 1, 3)[:, None]
         return self._keys
+
+    def _token_bytes(self) -> int:
+        """One token's K and V of every layer, in bytes."""
+        d = self.decoder
+        return 2 * d.num_layers * d.num_kv_heads * d.head_dim * d.dtype.itemsize
 
     def _key_bucket(self, keys: int) -> int:
         """The key buffer's first this many tokens hold `keys`: a power of two from `PREFILL_GRAPH_TOKENS`, or the

@@ -129,23 +129,21 @@ def plain_like_multiturn(engine, task, prompts: int, group: int, steps: int) -> 
     its turns' max tokens, `multiturn_tokens.plan`; a random-init model writes them all), its prompt the task's, in
     the serving pool the agents' turns decode in (`make_pool`), every row admitted as slots free; `steps` times after
     a warm-up: generated tokens/s against the agents' for the same trajectories, without their turns."""
-    import importlib.util
     from pathlib import Path
 
     import torch
 
     from rlspec.serve.pool import RowSampling
     from rlspec.serve.scheduler import make_pool
+    from rlspec.user_code import import_function
 
     path = Path(__file__).resolve().parents[2] / "examples" / "agents" / "multiturn_tokens.py"
-    spec = importlib.util.spec_from_file_location("multiturn_tokens", path)
-    agent = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(agent)
+    plan = import_function(f"{path}:plan", "--plain-like-multiturn")
     pool = make_pool(engine)
     for step in range(1 + steps):
         rows = [(i * group + k, engine.tokenizer(p.text, add_special_tokens=False).input_ids,
                  RowSampling(key=step * 100_003 + i * group + k,
-                             max_tokens=sum(tokens for tokens, _ in agent.plan(f"s{step}-p{i}-g{k}"))))
+                             max_tokens=sum(tokens for tokens, _ in plan(f"s{step}-p{i}-g{k}"))))
                 for i, p in enumerate(task.sample(step, prompts)) for k in range(group)]
         assert all(pool.fits(len(ids), sampling.max_tokens) for _, ids, sampling in rows), \
             "a trajectory's tokens pass the pool's rows: raise rollout.max_prompt_tokens"
