@@ -106,6 +106,8 @@ class Scheduler(RowQueue):
         self._job_ran = False
         self.host = host
         self.device = getattr(engine, "device", None)
+        self._cuda_index = _cuda_index(self.device)
+        """The engine's CUDA device, which the engine thread makes its current one (None off CUDA)."""
         self.max_queued_rows = max_queued_rows
         self.on_submitted_error = on_submitted_error
         self.on_submitted_start = on_submitted_start
@@ -264,8 +266,8 @@ class Scheduler(RowQueue):
 
         from ..sync.base import bind_engine_thread
 
-        if self.device is not None and torch.device(self.device).type == "cuda":
-            torch.cuda.set_device(torch.device(self.device))
+        if self._cuda_index is not None:
+            torch.cuda.set_device(self._cuda_index)
         bind_engine_thread(self.submit)
         failing = 0  # turns failed in a row
         while True:
@@ -516,6 +518,17 @@ def _stopped(sub: Submission, i: int, new: int) -> bool:
     window = new + 4 * max(len(s) for s in sub.stops) + 1
     text = sub.stop_window(sub.ids[i][-window:])
     return any(s in text for s in sub.stops)
+
+
+def _cuda_index(device) -> int | None:
+    """The index of `device` where it is a CUDA device, else None. "cuda" alone is the calling thread's current
+    device (`torch.cuda.set_device` takes no device without an index, and a new thread's current one may differ)."""
+    import torch
+
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    index = torch.device(device).index
+    return index if index is not None else torch.cuda.current_device()
 
 
 def _outside(engine) -> bool:
