@@ -135,8 +135,8 @@ class _Forwarded(Submission):
     sent: list[int]
     """Per row: its tokens already sent (-1: its end too)."""
 
-    def notify(self) -> None:
-        self.core.touched(self)
+    def notify(self, into: list | None = None) -> None:
+        self.core.touched(self)  # sent at the end of the engine thread's turn (`EngineCore.flush`)
 
 
 class EngineCore:
@@ -360,7 +360,7 @@ class RemoteScheduler(RowQueue):
             if done:
                 del self.subs[rid]
                 sub.done.set()
-            for _, event in sub._listeners:
+            for _, event in sub.woken():
                 event.set()
 
     def fail_all(self, error: BaseException) -> None:

@@ -78,20 +78,27 @@ class Submission:
         if self.on_cancel is not None:
             self.on_cancel()
 
-    def listen(self) -> asyncio.Event:
-        """An event set (on the caller's event loop) whenever rows got tokens or ended."""
+    def listen(self, progress: bool = True) -> asyncio.Event:
+        """An event set (on the caller's event loop) whenever rows got tokens or ended, or (`progress` false) only
+        once every row has ended."""
         loop, event = asyncio.get_running_loop(), asyncio.Event()
-        self._listeners.append((loop, event))
+        self._listeners.append((loop, event, progress))
         if self.done.is_set():
             event.set()
         return event
 
-    def notify(self) -> None:
-        for loop, event in self._listeners:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the loop has closed (the server is stopping)
-                pass
+    def woken(self) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]:
+        """(loop, event) of the listeners a change wakes: those that follow progress, and every one once done."""
+        done = self.done.is_set()
+        return [(loop, event) for loop, event, progress in self._listeners if progress or done]
+
+    def notify(self, into: list | None = None) -> None:
+        """Wake the listeners a change wakes (`woken`), or add them to `into` for the caller to wake together with
+        other requests' (`wake`)."""
+        if into is None:
+            wake(self.woken())
+        else:
+            into.extend(self.woken())
 
     def finish(self, error: BaseException | None = None) -> None:
         with self.lock:
@@ -108,7 +115,7 @@ class Submission:
             await until_disconnect(receive)
             self.cancel()
 
-        event = self.listen()
+        event = self.listen(progress=False)  # woken once, not at every decode run of its rows
         watcher = asyncio.ensure_future(listen_for_disconnect()) if receive is not None else None
         try:
             while not self.done.is_set():  # a cancelled request's rows end too (nobody reads its reply)
@@ -120,6 +127,25 @@ class Submission:
         finally:
             if watcher is not None:
                 watcher.cancel()
+
+
+def wake(listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
+    """Set each event on its own loop from another thread (the engine's), with one `call_soon_threadsafe` per loop
+    however many events it holds: each such call writes to the loop's wake-up pipe and, from the engine thread,
+    then waits to take the interpreter lock back from the loop's thread."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for loop, event in listeners:
+        by_loop.setdefault(loop, []).append(event)
+    for loop, events in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:  # the loop has closed (the server is stopping)
+            pass
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
 
 
 async def until_disconnect(receive: Callable[[], Any]) -> None:

@@ -48,7 +48,7 @@ from typing import Callable
 
 from ..errors import SpecError
 from .pool import ServingPool
-from .live import RETRY_AFTER_S, Abort, QueueFull, RowQueue, Submission  # noqa: F401 - the routes' names
+from .live import RETRY_AFTER_S, Abort, QueueFull, RowQueue, Submission, wake  # noqa: F401 - the routes' names
 
 BESIDE_THREADS = 256
 """Requests in flight at once to an engine outside this process (`Scheduler.run_async(beside=True)`)."""
@@ -362,8 +362,13 @@ class Scheduler(RowQueue):
                 rows = [pool.live[slot] for slot in gone]
                 pool.release(gone)  # first the slots, then the count, then the requests' ends: a reader that sees
                 self.stats["rows_cancelled"] += len(gone)  # a request done sees its rows counted and freed
+                subs = {id(sub): sub for sub, _ in (self._rows[row] for row in rows)}
                 for row in rows:
                     self._end_row(row)
+                listeners: list = []
+                for sub in subs.values():
+                    sub.notify(listeners)
+                wake(listeners)
 
     def _admit(self) -> bool:
         """Rows of the requests at the head of the queue into the free slots of their lane, all of a lane in one
@@ -498,17 +503,19 @@ class Scheduler(RowQueue):
                 self._end_row(d.row_id)
         pool.release(stopped)
         pool.shrink()
+        listeners: list = []
         for sub in touched.values():
-            sub.notify()
+            sub.notify(listeners)
+        wake(listeners)  # one wake-up per event loop, not one per request
 
     def _end_row(self, row: int) -> None:
+        """Row `row` has ended; its request is done once all its rows have (the caller wakes its listeners)."""
         sub, i = self._rows.pop(row)
         with sub.lock:
             sub.ended[i] = True
             last = all(sub.ended)
         if last and sub.admitted == sub.rows:
             sub.done.set()
-            sub.notify()
 
 
 def _stopped(sub: Submission, i: int, new: int) -> bool:

@@ -73,6 +73,7 @@ def main() -> None:
         for step in range(args.steps):
             before, waited[0] = dict(scheduler.stats), 0.0
             prefix_before = _prefix(scheduler)
+            captured_before = _captured(scheduler)
             cpu_before = _thread_cpu()
             began = time.perf_counter()
             out = gateway.rollout(task.sample(step, prompts), step)
@@ -92,6 +93,7 @@ def main() -> None:
                 **{f"cpu_s_{name}": v for name, v in cpu.items()},
                 "call_wait_s_per_agent": round(waited[0] / max(n, 1), 4),
                 "call_wait_share": round(waited[0] / max(n, 1) / wall, 3),
+                **{k: round(v - captured_before[k], 4) for k, v in _captured(scheduler).items()},
                 **{f"prefix_{k}": v - prefix_before.get(k, 0) for k, v in _prefix(scheduler).items()}}), flush=True)
         if args.plain_tokens:
             plain(engine, task, prompts, group, args.plain_tokens, args.plain_steps)
@@ -195,6 +197,15 @@ def _prefix(scheduler) -> dict:
     pool = scheduler.pool
     cache = getattr(getattr(pool, "prefills", None), "prefix", None)
     return dict(cache.stats) if cache is not None else {}
+
+
+def _captured(scheduler) -> dict:
+    """CUDA graphs captured so far (decode steps, and prefills with the extensions) and their seconds."""
+    pool = scheduler.pool
+    if pool is None:
+        return {"decode_captures": 0, "prefill_captures": 0, "capture_s": 0.0}
+    return {"decode_captures": pool._decode_captures, "prefill_captures": pool.prefills.captures,
+            "capture_s": pool.capture_s}
 
 
 if __name__ == "__main__":

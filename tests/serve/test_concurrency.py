@@ -534,3 +534,47 @@ def test_a_turn_that_fails_outside_admission_and_decode_fails_its_requests_and_t
         assert failed.status_code == 500 and "injected: the pool's shrink failed" in failed.json()["error"]["message"]
         assert http.post("/v1/completions", json=body, headers=auth).status_code == 200
         assert http.get("/health", headers=auth).json()["scheduler"]["engine_errors"] == 2
+
+
+def test_a_decode_run_wakes_each_event_loop_once_and_an_unstreamed_reply_only_at_its_end():
+    """Each decode run's tokens wake the requests' listeners with one `call_soon_threadsafe` per event loop, not one
+    per request (each is a pipe write, and from the engine thread a wait for the interpreter lock); a reply that
+    waits for its whole completion (`Submission.wait_async`) is woken once, when its rows have ended."""
+    from rlspec.models.factory import load_model, load_tokenizer
+    from rlspec.rollout.hf import HFEngine
+    from rlspec.serve.app import EngineHost
+    from rlspec.serve.live import Submission
+    from rlspec.serve.pool import RowSampling
+    from rlspec.spec import ModelSpec, RolloutSpec
+
+    spec = ModelSpec()
+    engine = HFEngine(load_model(spec, 0).eval().requires_grad_(False), load_tokenizer(spec),
+                      RolloutSpec(max_new_tokens=32), "cpu")
+    scheduler = EngineHost(engine, MODEL).thread
+
+    async def serve() -> tuple[int, list[int], int]:
+        loop = asyncio.get_running_loop()
+        threadsafe, calls = loop.call_soon_threadsafe, []
+        loop.call_soon_threadsafe = lambda *a, **k: (calls.append(a), threadsafe(*a, **k))[1]
+        subs = [Submission([[5, 6, 7 + i]], [RowSampling(i, 24, greedy=True)]) for i in range(4)]
+        streamed = [sub.listen() for sub in subs[:3]]
+        wakes = [0, 0, 0]
+
+        async def follow(i: int) -> None:
+            while not subs[i].done.is_set():
+                await streamed[i].wait()
+                streamed[i].clear()
+                wakes[i] += 1
+
+        unstreamed, sets = subs[3], []
+        waiter = unstreamed.listen(progress=False)
+        waiter.set, original = (lambda: (sets.append(1), original())), waiter.set
+        for sub in subs:
+            scheduler.submit_rows(sub)
+        await asyncio.gather(*(follow(i) for i in range(3)), unstreamed.wait_async())
+        return len(calls), wakes, len(sets)
+
+    calls, wakes, sets = asyncio.run(serve())
+    assert sets == 1, "the unstreamed reply's listener was woken before its rows ended"
+    assert min(wakes) >= 3, wakes  # the streams saw the tokens come in several decode runs
+    assert calls <= scheduler.stats["steps"] + 2, (calls, scheduler.stats["steps"])  # not one per request a run
