@@ -66,8 +66,7 @@ START_TIMEOUT_S = 30.0
 ADMIT_WAIT_S = 0.03
 """How long an agent's turn may wait, while other rows decode, for more turns to start with it (a quarter of the rows
 in flight): each admission holds the decode of every row for its host time (tens of ms for the 0.5B shape on an
-H200), so a step of 64 agents x 4 turns admitted one turn at a time spends seconds there. At least 30 ms a turn;
-longer where admissions cost more (`rlspec.serve.scheduler.ADMIT_WAIT_COST`)."""
+H200), so a step of 64 agents x 4 turns admitted one turn at a time spends seconds there; at most 30 ms a turn."""
 
 _agent_loop: asyncio.AbstractEventLoop | None = None
 _agent_loop_lock = threading.Lock()

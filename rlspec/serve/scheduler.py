@@ -60,15 +60,6 @@ LONG_SLOTS = 4
 ADMIT_SHARE = 0.25
 """With `Scheduler.admit_wait_s` set and rows in flight, queued rows start once they are this share of them."""
 
-ADMIT_WAIT_COST = 4.0
-"""With `Scheduler.admit_wait_s` set, the oldest queued row may also wait this many times the recent admissions' cost
-(`Scheduler.admit_cost_s`): an admission holds every row's decode, so turns that arrive one by one at a steady rate
-then stall the decode at most a fifth of the time, whatever an admission costs (for 256 agents on an H200 it took
-~25 ms, and a 30 ms wait gave one admission per ~55 ms: the decode stood still for almost half the step)."""
-
-ADMIT_WAIT_MAX_S = 0.25
-"""The longest a queued row waits for others to start with it, whatever the admissions cost."""
-
 SLOW_DECODE_S = 0.1
 """A decode run longer than this counts in `slow_decodes` (a run is up to 8 steps: a few ms when nothing stalls it)."""
 
@@ -165,10 +156,7 @@ class Scheduler(RowQueue):
         """With rows in flight, queued rows start together: once they are `ADMIT_SHARE` of the rows in flight (or
         fill the free slots), or the oldest has waited this long; 0 starts them at the next step, whatever their
         number. An admission's host time (a prefill forward, the copies into slots) holds every row's decode, and it
-        is about the same for one row as for many: agents' turns arrive one by one (the agent gateway sets it).
-        The wait grows with what admissions cost (`ADMIT_WAIT_COST`, up to `ADMIT_WAIT_MAX_S`)."""
-        self.admit_cost_s = 0.0
-        """The recent admissions' seconds (a moving average; those that captured a graph left out)."""
+        is about the same for one row as for many: agents' turns arrive one by one (the agent gateway sets it)."""
         self._gc_at_start = _gc_clock()
         self.on_iteration: Callable[[], None] | None = None
         """Called on the engine thread before each turn of its loop (and so before it waits for work): the engine
@@ -261,7 +249,6 @@ class Scheduler(RowQueue):
                 "long_rows_in_flight": len(self.long_pool.live) if self.long_pool else 0,
                 "rows_queued": self.queued_rows, "max_queued_rows": self.max_queued_rows,
                 "row_limit": self.row_limit if self.pool_reason is None else None, **self.stats,
-                "admit_cost_s": round(self.admit_cost_s, 4),
                 "gc_s": round(_gc_clock() - self._gc_at_start, 4), "captures": captures,
                 "capture_s": round(capture_s, 4), "prefix_cache": self._prefix_cache()}
 
@@ -299,13 +286,10 @@ class Scheduler(RowQueue):
         self._take(block=not self.waiting and not self._live())
         self._run_jobs()
         self._drop_cancelled()
-        began, captured = time.perf_counter(), self._captures()[0]
+        began = time.perf_counter()
         if self._admit():
-            took = time.perf_counter() - began
             self.stats["admits"] += 1
-            self.stats["admit_s"] += took
-            if self._captures()[0] == captured:  # a capture's seconds are once, not what the next admission costs
-                self.admit_cost_s = took if not self.admit_cost_s else 0.8 * self.admit_cost_s + 0.2 * took
+            self.stats["admit_s"] += time.perf_counter() - began
         for pool in self._pools():  # the lanes take turns: a short row never waits for a long one's end
             if pool.live:
                 began = time.perf_counter()
@@ -447,9 +431,8 @@ class Scheduler(RowQueue):
                 break
             queued += sub.rows - sub.admitted
             oldest = min(oldest, sub.arrived_s)
-        wait = min(ADMIT_WAIT_MAX_S, max(self.admit_wait_s, ADMIT_WAIT_COST * self.admit_cost_s))
         return (queued >= min(free, max(1, math.ceil(len(self.pool.live) * ADMIT_SHARE)))
-                or time.monotonic() - oldest >= wait)
+                or time.monotonic() - oldest >= self.admit_wait_s)
 
     def _lane(self, sub: Submission) -> ServingPool | None:
         """The pool `sub`'s rows decode in: the long lane's made at its first row (None: it could not be; `sub`

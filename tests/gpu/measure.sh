@@ -381,17 +381,16 @@ print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen']
       #   (agents on the process's agent loop reach the gateway in process), and at 64 over the gateway's socket
       # calc: the calculator agent on the gsm8k sample prompts at 64 and 256 agents (tiny model: mostly one turn)
       # prefix: a turn's admission with prefix reuse against a full prefill of the same ~2k-token context, 1/8/64 rows
-      # AM_AGENTS="64 256": the multiturn part's agent counts; AM_ADMIT_WAIT_COST: the scheduler's ADMIT_WAIT_COST there.
-      # AM_PYSPY=<seconds>: py-spy samples each multiturn agents' process (every thread, idle ones too: where the engine
-      #   thread waits) for that long from the end of its second step (graphs for new shapes captured); per-thread
-      #   summary in agents_multiturn_<n>_pyspy_top.txt
+      # AM_AGENTS="64 256": the multiturn part's agent counts. AM_PYSPY=<seconds>: py-spy samples each multiturn agents'
+      #   process (every thread, idle ones too: where the engine thread waits) for that long from the end of its second
+      #   step (graphs for new shapes captured); per-thread summary in agents_multiturn_<n>_pyspy_top.txt
       AM_PY="timeout ${AM_TIMEOUT:-300} python3"
       [ -n "${AM_PYSPY:-}" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy \
         $ROOT/.devicepkgs/extra/py_spy-*.whl > /dev/null 2>&1
       am_spy() {  # $1 the probe's pid, $2 its log, $3 the output: sampled from the second step's end
         for _ in $(seq 600); do grep -q '"step": 1,' $2 2>/dev/null && break; kill -0 $1 2>/dev/null || return; sleep 0.5; done
-        timeout $(( AM_PYSPY + 30 )) /tmp/pyspy/bin/py-spy record --pid $1 --subprocesses --threads --idle -r 200 \
-          -d $AM_PYSPY -f raw -o $3 > $3.log 2>&1
+        timeout $(( AM_PYSPY + 30 )) /tmp/pyspy/bin/py-spy record --pid $1 --subprocesses --threads --idle -r 200 -d $AM_PYSPY -f raw -o $3 \
+          > $3.log 2>&1
         python3 $ROOT/tests/gpu/pyspy_top.py $3 25 > ${3%.txt}_top.txt 2>&1
       }
       am_summary() {  # $1 log, $2 label: medians over the steps after the first (agent steps, and plain steps if any)
@@ -417,7 +416,7 @@ print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
               CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps 0 --plain-tokens 640 --plain-like-multiturn \
                 > $OUT/agents_plain_$n.log 2>&1; echo "agents_multiturn plain $n exit $?" >> $OUT/results.txt
               CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps ${AM_STEPS:-5} \
-                ${AM_ADMIT_WAIT_COST:+--admit-wait-cost $AM_ADMIT_WAIT_COST} > $OUT/agents_multiturn_$n.log 2>&1 &
+                > $OUT/agents_multiturn_$n.log 2>&1 &
               probe=$!; [ -n "${AM_PYSPY:-}" ] && am_spy $probe $OUT/agents_multiturn_$n.log $OUT/agents_multiturn_${n}_pyspy.txt
               wait $probe; echo "agents_multiturn multiturn $n exit $?" >> $OUT/results.txt
               cat $OUT/agents_plain_$n.log $OUT/agents_multiturn_$n.log > $OUT/agents_both_$n.log

@@ -34,13 +34,7 @@ def main() -> None:
                         help="also a plain rollout of each trajectory's own length as the multiturn agent plans it")
     parser.add_argument("--http", action="store_true",
                         help="agents reach the gateway over its socket, not in process (`client.serve_in_process`)")
-    parser.add_argument("--admit-wait-cost", type=float, default=None,
-                        help="the scheduler's ADMIT_WAIT_COST for this run (a queued turn's wait, in admissions' cost)")
     args = parser.parse_args()
-    if args.admit_wait_cost is not None:
-        import rlspec.serve.scheduler as scheduler_module
-
-        scheduler_module.ADMIT_WAIT_COST = args.admit_wait_cost
 
     from rlspec.agent.gateway import AgentGateway
     from rlspec.run import build_plan

@@ -452,9 +452,9 @@ def test_with_admit_wait_rows_queued_behind_rows_in_flight_start_together():
         out.arrived_s -= age_s
         return out
 
-    def ready(waiting, live: int, free: int = 64, wait_s: float = 0.03, cost_s: float = 0.0) -> bool:
+    def ready(waiting, live: int, free: int = 64, wait_s: float = 0.03) -> bool:
         state = SimpleNamespace(admit_wait_s=wait_s, pool=SimpleNamespace(live=dict.fromkeys(range(live))),
-                                waiting=waiting, admit_cost_s=cost_s)
+                                waiting=waiting)
         return Scheduler._batch_ready(state, free)
 
     assert ready([sub(1)], live=0)  # idle: at once
@@ -466,11 +466,6 @@ def test_with_admit_wait_rows_queued_behind_rows_in_flight_start_together():
     waiting = [sub(1)]
     time.sleep(0.04)
     assert ready(waiting, live=16)
-    # admissions of 25 ms: the oldest waits 4 x 25 ms (the decode stalls at most a fifth of the time), at most 0.25 s
-    assert not ready([sub(1, age_s=0.05)], live=16, cost_s=0.025)
-    assert ready([sub(1, age_s=0.11)], live=16, cost_s=0.025)
-    assert ready([sub(1, age_s=0.26)], live=16, cost_s=0.2)
-    assert ready([sub(1), sub(3)], live=16, cost_s=0.2)  # a quarter of the rows in flight still starts at once
 
 
 def test_health_reports_the_prefix_caches_counters_and_a_turn_that_extends_a_row_is_a_hit(server, monkeypatch):
