@@ -380,7 +380,8 @@ print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen']
       # chat: the chat agent example (two turns of 4 tokens, a tool call between) at 64 and 256 agents: trajectories/s
       #   (agents on the process's agent loop reach the gateway in process), and at 64 over the gateway's socket
       # calc: the calculator agent on the gsm8k sample prompts at 64 and 256 agents (tiny model: mostly one turn)
-      # prefix: a turn's admission with prefix reuse against a full prefill of the same ~2k-token context, 1/8/64 rows
+      # prefix: a turn's admission with prefix reuse against a full prefill of the same ~2k-token context, 1/8/64 rows,
+      #   then one more reuse admission of each under torch.profiler (device busy time against wall; the top ops in the log)
       # AM_AGENTS="64 256": the multiturn part's agent counts. AM_PYSPY=<seconds>: py-spy samples each multiturn agents'
       #   process (every thread, idle ones too: where the engine thread waits) for that long from the end of its second
       #   step (graphs for new shapes captured); per-thread summary in agents_multiturn_<n>_pyspy_top.txt
@@ -438,7 +439,7 @@ print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
             done ;;
           prefix)
             CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_prefix.py $ROOT/examples/bench_qwen0p5b.yaml --context 2048 \
-              --rows 1,8,64 > $OUT/agents_prefix.log 2>&1; echo "agents_multiturn prefix exit $?" >> $OUT/results.txt
+              --rows 1,8,64 --profile > $OUT/agents_prefix.log 2>&1; echo "agents_multiturn prefix exit $?" >> $OUT/results.txt
             grep '^{' $OUT/agents_prefix.log >> $OUT/results.txt; cp $OUT/results.txt $FINAL/ ;;
         esac
       done ;;

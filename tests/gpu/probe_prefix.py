@@ -26,6 +26,9 @@ def main() -> None:
     parser.add_argument("--tool", type=int, default=50)
     parser.add_argument("--rows", default="1,8,64")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true",
+                        help="then one more reuse admission of each row count under torch.profiler: its wall, the "
+                             "device's busy time, and the ops that took the most host and device time")
     args = parser.parse_args()
 
     import torch
@@ -65,15 +68,19 @@ def main() -> None:
                 got.setdefault(d.row_id, []).extend(d.tokens)
         return got
 
+    def next_turn(rows: int, seed: int) -> list[list[int]]:
+        """Turn 1 of `rows` new conversations admitted and decoded (their K/V kept as they end); their turn 2."""
+        gen = torch.Generator().manual_seed(seed)
+        first = [torch.randint(32, top, (args.context,), generator=gen).tolist() for _ in range(rows)]
+        admit(first)
+        sampled = finish()
+        tool = torch.randint(32, 127, (args.tool,), generator=gen).tolist()
+        return [first[i] + sampled[i] + tool for i in range(rows)]
+
     for rows in [int(r) for r in args.rows.split(",")]:
         reuse, full, hits = [], [], 0
         for repeat in range(args.repeats + 1):
-            gen = torch.Generator().manual_seed(1000 * rows + repeat)
-            first = [torch.randint(32, top, (args.context,), generator=gen).tolist() for _ in range(rows)]
-            admit(first)
-            sampled = finish()
-            tool = torch.randint(32, 127, (args.tool,), generator=gen).tolist()
-            turn = [first[i] + sampled[i] + tool for i in range(rows)]
+            turn = next_turn(rows, 1000 * rows + repeat)
             before = dict(pool.prefills.prefix.stats)
             took_reuse = admit(turn)
             hits = pool.prefills.prefix.stats["hits"] - before["hits"]
@@ -97,6 +104,28 @@ def main() -> None:
                           "captured": captured,
                           "reuse_all_s": [round(x, 5) for x in reuse], "full_all_s": [round(x, 5) for x in full]}),
               flush=True)
+        if args.profile:
+            profile_reuse(next_turn(rows, 1000 * rows + args.repeats + 1), admit, finish)
+
+
+def profile_reuse(turn: list[list[int]], admit, finish) -> None:
+    """The admission of `turn` into the pool that kept its prefixes, under torch.profiler: where its time goes (host
+    or device, and which ops)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        wall = admit(turn)
+    finish()
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
+    print(json.dumps({"profiled_rows": len(turn), "wall_s": round(wall, 5), "device_busy_s": round(device_us / 1e6, 5),
+                      "host_ops": sum(e.count for e in events if not e.key.startswith(("cuda", "Memcpy", "Memset")))}),
+          flush=True)
+    if cuda:
+        print(events.table(sort_by="self_device_time_total", row_limit=12), flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
 
 
 if __name__ == "__main__":
