@@ -578,3 +578,13 @@ def test_a_decode_run_wakes_each_event_loop_once_and_an_unstreamed_reply_only_at
     assert sets == 1, "the unstreamed reply's listener was woken before its rows ended"
     assert min(wakes) >= 3, wakes  # the streams saw the tokens come in several decode runs
     assert calls <= scheduler.stats["steps"] + 2, (calls, scheduler.stats["steps"])  # not one per request a run
+
+
+def test_the_engine_thread_is_given_its_engines_cuda_device_by_index():
+    """`torch.cuda.set_device` takes no device without an index: the engine thread binds the engine's device by its
+    index, "cuda" alone being the creating thread's current one (on CUDA: `test_concurrency_gpu.py`'s engines are
+    on "cuda"); nothing off CUDA."""
+    from rlspec.serve.scheduler import _cuda_index
+
+    assert _cuda_index(None) is None and _cuda_index("cpu") is None
+    assert _cuda_index("cuda:1") == 1 and _cuda_index(torch.device("cuda", 0)) == 0
