@@ -501,12 +501,14 @@ class Scheduler(RowQueue):
             elif sub.stops and sub.stop_window is not None and _stopped(sub, i, len(d.tokens)):
                 stopped.append(d.slot)
                 self._end_row(d.row_id)
-        pool.release(stopped)
-        pool.shrink()
         listeners: list = []
         for sub in touched.values():
             sub.notify(listeners)
-        wake(listeners)  # one wake-up per event loop, not one per request
+        try:
+            pool.release(stopped)
+            pool.shrink()
+        finally:  # requests done are woken even if these fail (the turn's failure fails only those still in flight)
+            wake(listeners)  # one wake-up per event loop, not one per request
 
     def _end_row(self, row: int) -> None:
         """Row `row` has ended; its request is done once all its rows have (the caller wakes its listeners)."""

@@ -588,3 +588,33 @@ def test_the_engine_thread_is_given_its_engines_cuda_device_by_index():
 
     assert _cuda_index(None) is None and _cuda_index("cpu") is None
     assert _cuda_index("cuda:1") == 1 and _cuda_index(torch.device("cuda", 0)) == 0
+
+
+def test_a_request_that_ends_in_a_decode_run_whose_turn_then_fails_is_still_woken(monkeypatch):
+    """A request whose rows all end in a decode run is woken even when the rest of that turn fails (here the pool's
+    shrink after the run): its reply is complete, and an async waiter must not wait forever for a wake-up."""
+    from rlspec.models.factory import load_model, load_tokenizer
+    from rlspec.rollout.hf import HFEngine
+    from rlspec.serve.app import EngineHost
+    from rlspec.serve.live import Submission
+    from rlspec.serve.pool import RowSampling, ServingPool
+    from rlspec.spec import ModelSpec, RolloutSpec
+
+    spec = ModelSpec()
+    engine = HFEngine(load_model(spec, 0).eval().requires_grad_(False), load_tokenizer(spec),
+                      RolloutSpec(max_new_tokens=32), "cpu")
+    scheduler = EngineHost(engine, MODEL).thread
+
+    def shrink_fails(pool):
+        raise RuntimeError("injected: the pool's shrink failed")
+
+    monkeypatch.setattr(ServingPool, "shrink", shrink_fails)
+
+    async def one_token() -> Submission:
+        sub = scheduler.submit_rows(Submission([[5, 6, 7]], [RowSampling(1, 1)]))
+        await asyncio.wait_for(sub.wait_async(), 30)
+        return sub
+
+    sub = asyncio.run(one_token())
+    assert sub.error is None and len(sub.ids[0]) == 1  # its one token, from the run before the failure
+    assert scheduler.stats["engine_errors"] >= 1
