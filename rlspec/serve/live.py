@@ -129,6 +129,14 @@ class Submission:
                 watcher.cancel()
 
 
+def notify_all(subs) -> None:
+    """`Submission.notify` of every request of `subs`, their listeners woken together (`wake`)."""
+    listeners: list = []
+    for sub in subs:
+        sub.notify(listeners)
+    wake(listeners)
+
+
 def wake(listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
     """Set each event on its own loop from another thread (the engine's), with one `call_soon_threadsafe` per loop
     however many events it holds: each such call writes to the loop's wake-up pipe and, from the engine thread,

@@ -311,11 +311,8 @@ class Prefills:
         inputs[2 * tokens:3 * tokens] = torch.arange(tokens, device=dev)  # warm-up runs: one sequence of every token
         inputs[3 * tokens + rows + 1:3 * tokens + 2 * rows + 2] = tokens
         inputs[3 * tokens + 2 * rows + 3:] = tokens  # (a bucket of keys holds at least a bucket of new tokens)
-        graph, hidden = self._capture(lambda: self._extension_forward(inputs, tokens, rows, keys, values))
-        self.graphs[key] = _Graph(graph, inputs, stack, hidden, rows)
-        self.captures += 1
-        self.capture_s += time.perf_counter() - began
-        return self.graphs[key]
+        return self._captured(key, began, lambda: self._extension_forward(inputs, tokens, rows, keys, values),
+                              inputs, stack, rows)
 
     def _longest(self, tokens: int) -> int:
         """The longest prompt a prefill graph of `tokens` tokens takes: varlen attention covers each sequence's
@@ -332,11 +329,17 @@ class Prefills:
         inputs[2 * tokens + rows + 1:] = tokens  # one sequence of every token for the warm-up runs
         stack, keys, values = self._new_cache(1, tokens)
         longest = self._longest(tokens)
-        graph, hidden = self._capture(lambda: self._packed_forward(inputs, tokens, rows, longest, keys, values))
-        self.graphs[tokens] = _Graph(graph, inputs, stack, hidden, rows)
+        return self._captured(tokens, began, lambda: self._packed_forward(inputs, tokens, rows, longest, keys, values),
+                              inputs, stack, rows)
+
+    def _captured(self, key, began: float, forward, inputs: Tensor, stack: Tensor, rows: int) -> "_Graph":
+        """`forward` captured (`_capture`) and kept under `key` with its inputs and outputs, counted in `captures` and
+        `capture_s` (the seconds since `began`)."""
+        graph, hidden = self._capture(forward)
+        self.graphs[key] = _Graph(graph, inputs, stack, hidden, rows)
         self.captures += 1
         self.capture_s += time.perf_counter() - began
-        return self.graphs[tokens]
+        return self.graphs[key]
 
     def _capture(self, forward) -> tuple["torch.cuda.CUDAGraph", Tensor]:
         """`forward` run twice on a side stream (warm-up), then captured in the pool's graph memory; the graph and

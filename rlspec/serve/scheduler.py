@@ -48,7 +48,7 @@ from typing import Callable
 
 from ..errors import SpecError
 from .pool import ServingPool
-from .live import RETRY_AFTER_S, Abort, QueueFull, RowQueue, Submission, wake  # noqa: F401 - the routes' names
+from .live import RETRY_AFTER_S, Abort, QueueFull, RowQueue, Submission, notify_all  # noqa: F401 - the routes' names
 
 BESIDE_THREADS = 256
 """Requests in flight at once to an engine outside this process (`Scheduler.run_async(beside=True)`)."""
@@ -365,10 +365,7 @@ class Scheduler(RowQueue):
                 subs = {id(sub): sub for sub, _ in (self._rows[row] for row in rows)}
                 for row in rows:
                     self._end_row(row)
-                listeners: list = []
-                for sub in subs.values():
-                    sub.notify(listeners)
-                wake(listeners)
+                notify_all(subs.values())
 
     def _admit(self) -> bool:
         """Rows of the requests at the head of the queue into the free slots of their lane, all of a lane in one
@@ -501,14 +498,11 @@ class Scheduler(RowQueue):
             elif sub.stops and sub.stop_window is not None and _stopped(sub, i, len(d.tokens)):
                 stopped.append(d.slot)
                 self._end_row(d.row_id)
-        listeners: list = []
-        for sub in touched.values():
-            sub.notify(listeners)
         try:
             pool.release(stopped)
             pool.shrink()
         finally:  # requests done are woken even if these fail (the turn's failure fails only those still in flight)
-            wake(listeners)  # one wake-up per event loop, not one per request
+            notify_all(touched.values())  # one wake-up per event loop, not one per request
 
     def _end_row(self, row: int) -> None:
         """Row `row` has ended; its request is done once all its rows have (the caller wakes its listeners)."""
