@@ -614,14 +614,23 @@ print('kv cache GB (prompts up to 128 tokens):', round(slots * length * c['num_h
       # --resume on half the GPUs) injected into a colocated run on every GPU here (at most 4) of the bench spec;
       # a JSON row each (tests/gpu/faults.py's header says what is in it). FAULT_BACKENDS= fsdp (default) or deepspeed:
       # one backend a call; FAULTS= a subset
-      timeout 580 python3 $ROOT/tests/gpu/faults.py faults --spec $BENCH --out $OUT/faults \
+      # The runs (checkpoints among them) stay in scratch; each row goes to $FINAL as it ends (kept if the call is
+      # cut short), the runs' logs and metrics to $OUT afterwards
+      rm -rf $SCRATCH/faults; mkdir -p $OUT/faults
+      timeout ${FAULTS_S:-560} python3 $ROOT/tests/gpu/faults.py faults --spec $BENCH --out $SCRATCH/faults \
         --backends ${FAULT_BACKENDS:-fsdp} --faults ${FAULTS:-kill_rank,kill_engine,stop_rank,oom,sigterm} \
-        >> $OUT/results.txt 2> $OUT/faults.log; echo "faults exit $?" >> $OUT/results.txt ;;
+        2> $OUT/faults.log | tee -a $FINAL/faults_rows.jsonl >> $OUT/results.txt
+      echo "faults exit ${PIPESTATUS[0]}" >> $OUT/results.txt
+      cp $SCRATCH/faults/*.log $SCRATCH/faults/faults.jsonl $OUT/faults/ 2>/dev/null
+      for m in $SCRATCH/faults/*/metrics.jsonl; do [ -f "$m" ] && cp "$m" $OUT/faults/$(basename $(dirname $m)).jsonl; done ;;
     soak)  # issue 57: SOAK_S (default 480) seconds of the bench spec colocated on every GPU here (at most 4), a push
       # every step, stopped by SIGTERM: GPU memory at step 10 and at the end, step times against their median, the
       # run's host RSS trend (tests/gpu/faults.py soak); SOAK_BACKEND= fsdp (default) or deepspeed
-      timeout 590 python3 $ROOT/tests/gpu/faults.py soak --spec $BENCH --out $OUT/soak --backend ${SOAK_BACKEND:-fsdp} \
-        --seconds ${SOAK_S:-480} >> $OUT/results.txt 2> $OUT/soak.log; echo "soak exit $?" >> $OUT/results.txt ;;
+      rm -rf $SCRATCH/soak; mkdir -p $OUT/soak
+      timeout 590 python3 $ROOT/tests/gpu/faults.py soak --spec $BENCH --out $SCRATCH/soak --backend ${SOAK_BACKEND:-fsdp} \
+        --seconds ${SOAK_S:-480} 2> $OUT/soak.log | tee -a $FINAL/soak_result.json >> $OUT/results.txt
+      echo "soak exit ${PIPESTATUS[0]}" >> $OUT/results.txt
+      cp $SCRATCH/soak/soak.log $SCRATCH/soak/soak.json $SCRATCH/soak/soak/metrics.jsonl $OUT/soak/ 2>/dev/null ;;
     *) echo "unknown section $section" >> $OUT/results.txt ;;
   esac
   echo "-- $section took $(( $(date +%s) - start )) s" >> $OUT/results.txt
