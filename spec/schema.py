@@ -435,6 +435,10 @@ class HardwareSpec(Section):
     """torch intra-op threads per process on CPU; 0 leaves torch's default."""
     stall_timeout_s: float = 900.0
     """No step done for this long: dump every process's stacks to OUT/stall/ (0: off); under the 30-min collective timeout."""
+    stall_first_step_s: float = 900.0
+    """The window of a process's first step, if longer than `stall_timeout_s`: that step also compiles the layers,
+    captures the engine's graphs and warms every rank up, so a short `stall_timeout_s` (to catch a stuck collective
+    within seconds) must not fire on it."""
     stall_action: str = "fail"
     """What a stall does after the dump: fail (exit 1) | warn (keep waiting, dump again after another timeout)."""
     preempt_grace_s: float = 30.0
@@ -458,6 +462,8 @@ class HardwareSpec(Section):
         non_negative(self.num_threads, f"{p}.num_threads")
         non_negative(self.stall_timeout_s, f"{p}.stall_timeout_s")
         finite(self.stall_timeout_s, f"{p}.stall_timeout_s")
+        non_negative(self.stall_first_step_s, f"{p}.stall_first_step_s")
+        finite(self.stall_first_step_s, f"{p}.stall_first_step_s")
         one_of(self.stall_action, STALL_ACTIONS, f"{p}.stall_action")
 
 

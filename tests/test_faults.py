@@ -62,6 +62,28 @@ def test_stall_dumps_stacks_and_fails(monkeypatch, tmp_path, capsys):
     assert took < 60
 
 
+def test_the_first_step_has_a_window_of_its_own(tmp_path):
+    """A short stall_timeout_s (to catch a stuck collective in seconds) does not fire on the first step, which
+    compiles and captures graphs: that step has hardware.stall_first_step_s; every later step the short window."""
+    from rlspec.runtime.stall import StallWatchdog
+
+    def fired_after(beat: bool) -> tuple[float, str]:
+        fired: list[str] = []
+        dog = StallWatchdog(0.3, tmp_path / str(beat), lambda: [], fired.append, first_step_s=1.5)
+        start = dog.start()._last_beat
+        if beat:
+            dog.beat(0)
+        while not fired and time.monotonic() - start < 10:
+            time.sleep(0.02)
+        dog.stop()
+        return time.monotonic() - start, fired[0] if fired else ""
+
+    took, message = fired_after(beat=False)
+    assert 1.5 <= took < 5 and "after the start of the loop (hardware.stall_first_step_s=1.5" in message, message
+    took, message = fired_after(beat=True)
+    assert took < 1.4 and "after step 0 (hardware.stall_timeout_s=0.3)" in message, message
+
+
 def test_stall_warn_dumps_and_keeps_going(monkeypatch, tmp_path, capsys):
     hang_reward_at(monkeypatch, call=4, seconds=5)  # the first reward of step 1
     out = tmp_path / "o"

@@ -84,7 +84,8 @@ class RunMonitor:
         self.watchdog = None
         if hw.stall_timeout_s > 0:
             self.watchdog = StallWatchdog(hw.stall_timeout_s, out_dir, actors, self._on_stall,
-                                          keep_watching=hw.stall_action == "warn", cuda=plan.placement.device == "cuda")
+                                          keep_watching=hw.stall_action == "warn", cuda=plan.placement.device == "cuda",
+                                          first_step_s=hw.stall_first_step_s)
 
     def __enter__(self) -> "RunMonitor":
         if self._main:  # Python delivers signals to the main thread only; elsewhere, no signal handling

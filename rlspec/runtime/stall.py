@@ -209,15 +209,18 @@ def _file_name(label: str) -> str:
 
 
 class StallWatchdog:
-    """A daemon thread that fires when `beat` is not called for `timeout_s` seconds.
+    """A daemon thread that fires when `beat` is not called for `timeout_s` seconds (before the first beat: for
+    `first_step_s`, where that is longer: the first step warms up).
 
     On firing it writes the dump (see the module docstring) and calls `on_stall(message)`; with
     `keep_watching` it re-arms and fires again after another `timeout_s` without a beat.
     """
 
     def __init__(self, timeout_s: float, out_dir: Path, actors: Callable[[], Sequence[tuple[str, Any]]],
-                 on_stall: Callable[[str], None], keep_watching: bool = False, cuda: bool = False) -> None:
+                 on_stall: Callable[[str], None], keep_watching: bool = False, cuda: bool = False,
+                 first_step_s: float = 0.0) -> None:
         self.timeout_s = timeout_s
+        self.first_step_s = max(first_step_s, timeout_s)
         self.out_dir = out_dir
         self.actors = actors
         self.on_stall = on_stall
@@ -246,19 +249,23 @@ class StallWatchdog:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            left = self._last_beat + self.timeout_s - time.monotonic()
+            first = self.last_step is None
+            window = self.first_step_s if first else self.timeout_s
+            left = self._last_beat + window - time.monotonic()
             if left > 0:
                 self._stop.wait(min(left, 1.0))
                 continue
             waited = time.monotonic() - self._last_beat
             where, silent = self.dump(waited)
-            after = "the start of the loop" if self.last_step is None else f"step {self.last_step}"
+            after = "the start of the loop" if first else f"step {self.last_step}"
+            key = (f"hardware.stall_first_step_s={self.first_step_s:g}, the first step's window" if first
+                   and self.first_step_s > self.timeout_s else f"hardware.stall_timeout_s={self.timeout_s:g}")
             # A rank stopped or frozen mid-step leaves its peers waiting in a collective, which answer for their
             # stacks; the one that cannot answer is the one to name.
             culprit = (f"; {', '.join(silent)} did not answer (stopped, frozen or gone: the likely cause, its peers "
                        "wait for it)") if silent else ""
             self.on_stall(f"stalled: no step completed for {waited:.0f} s after {after} "
-                          f"(hardware.stall_timeout_s={self.timeout_s:g}){culprit}; stacks of the driver and every "
+                          f"({key}){culprit}; stacks of the driver and every "
                           f"actor{' and GPU state' if self.cuda else ''} in {where}")
             if not self.keep_watching:
                 return

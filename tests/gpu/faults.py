@@ -206,7 +206,10 @@ def fault_row(spec: str, backend: str, fault: str, gpus: list[str], root: Path) 
         row["fault_to_exit_s"] = round(time.monotonic() - fault_at, 1)
     except RuntimeError as err:
         row["error"] = str(err)
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the run ended by itself
+            pass
         proc.wait()
         run_gpu_pids = set()
     row["expected_exit"] = EXPECTED_EXIT.get(fault, 1)
