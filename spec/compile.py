@@ -98,7 +98,8 @@ class Dispatch:
     method: str
     """queue (chunks taken by whichever engine is free) | split (one fixed run per engine)."""
     chunk_prompts: int
-    """queue: prompts (groups) per chunk (`rollout.dispatch_chunk_prompts`, or decode_slots // group_size)."""
+    """queue: prompts (groups) per chunk (`rollout.dispatch_chunk_prompts`, or decode_slots // group_size, at most
+    an engine's share of the step's prompts)."""
     why: str
     """The reason, in words."""
 
@@ -161,7 +162,11 @@ def _dispatch(spec: Spec) -> Dispatch:
     require(not (vla and rollout.dispatch == "queue"), "rollout.dispatch",
             "model.kind=vla keeps each engine's environments for its own groups, so its groups cannot move between "
             "engines", "set rollout.dispatch=auto or split")
-    chunk = rollout.dispatch_chunk_prompts or max(1, rollout.decode_slots // group)
+    # A chunk fills an engine's slots, but never holds more than an engine's share of the step: a chunk of every
+    # prompt would leave the other engines idle (2 H200s, rollout.dispatch=queue, 16 prompts a step: engine 0 took
+    # all 16 in one chunk of decode_slots // group_size = 32)
+    share_prompts = -(-rollout.prompts_per_step // engines)
+    chunk = rollout.dispatch_chunk_prompts or max(1, min(rollout.decode_slots // group, share_prompts))
     if engines == 1:
         return Dispatch("split", chunk, "one rollout engine takes the whole step")
     if rollout.dispatch != "auto":

@@ -262,7 +262,7 @@ class RolloutSpec(Section):
     where an engine's share of a step does not fit its decode_slots, else split. The samples are the same either way."""
     dispatch_chunk_prompts: int = 0
     """dispatch=queue: prompts (groups) per chunk; 0: the plan picks decode_slots // algorithm.group_size (a chunk
-    fills an engine's slots)."""
+    fills an engine's slots), at most an engine's share of prompts_per_step (every engine gets work)."""
 
     def __post_init__(self) -> None:
         p = "rollout"

@@ -216,8 +216,8 @@ def env_rollouts(plan: RunPlan, engine):
 def replica_metrics(engine, transport) -> dict[str, float]:
     """Per rollout replica of an engine made of several (`rlspec.serve.client`): the step's generation seconds
     and samples, and the push's seconds (`timing_s/gen_replica_<i>`, `rollout/samples_replica_<i>`,
-    `timing_s/sync_replica_<i>`); per Ray engine the prompts it took (`rollout/prompts_engine_<i>`); nothing for
-    one engine."""
+    `timing_s/sync_replica_<i>`); per Ray engine its own generation seconds (`timing_s/gen_engine_<i>`) and, with
+    several, the prompts it took (`rollout/prompts_engine_<i>`); nothing for one server or an in-process engine."""
     if not hasattr(engine, "replicas"):
         return engine.metrics() if hasattr(engine, "last_dispatch") else {}
     return {**engine.metrics(), **(transport.metrics() if hasattr(transport, "metrics") else {})}

@@ -31,6 +31,9 @@ class Rollout:
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     """Per completion token, the (id, log-prob) of the most likely tokens, best first, when a request asked for
     them (`rlspec.rollout.sampling.SampleOptions.top_logprobs`)."""
+    engine_s: float | None = None
+    """Seconds the engine spent generating these samples in its own process (a Ray engine actor); None elsewhere.
+    The driver's `timing_s/gen` less the slowest engine's is the samples' transfer and the driver's dispatch."""
     weight_version: int | None = None
     """The weight version (trainer steps) that a rollout server reports every one of these samples was drawn with
     (the oldest, for parts from several servers); None from an engine that reports none."""

@@ -71,7 +71,12 @@ class EngineWorker(StackReporter):
 
     def generate(self, prompts: list[str], n: int, seed: int, first_sample: int = 0, options=None,
                  free: bool = True) -> Rollout:
-        return self.engine.generate(prompts, n, seed, options=options, first_sample=first_sample, free=free)
+        import time
+
+        start = time.perf_counter()
+        out = self.engine.generate(prompts, n, seed, options=options, first_sample=first_sample, free=free)
+        out.engine_s = time.perf_counter() - start
+        return out
 
     def free_memory(self, keep_weights: bool) -> None:
         """What `rollout.free_during_train` gives back, after a step's last chunk (`generate` without `free`)."""
@@ -106,6 +111,8 @@ class RemoteEngines:
         self.chunk_prompts = chunk_prompts
         """`queue`: prompts (groups) per chunk."""
         self.last_dispatch: list[int] = [0] * len(self.actors)
+        self.last_engine_s: list[float] = [0.0] * len(self.actors)
+        """Per engine, its own seconds generating in the last `generate` (`Rollout.engine_s`, summed over chunks)."""
         self.labels = [f"rollout engine {i}" for i in range(len(self.actors))]
         self.tokenizer = tokenizer
         self.num_engines = len(self.actors)
@@ -141,17 +148,21 @@ class RemoteEngines:
         if queue:
             self._all("free_memory", bool(options is not None and options.keep_weights))
         self.last_dispatch = [0] * self.num_engines
-        for part, worker in zip(chunks, workers):
+        self.last_engine_s = [0.0] * self.num_engines
+        for part, worker, out in zip(chunks, workers, outs):
             self.last_dispatch[worker] += len(part)
+            self.last_engine_s[worker] += (out.engine_s or 0.0) if out is not None else 0.0
         outs = [o for o in outs if o is not None]
         return Rollout(*(sum((getattr(o, f) for o in outs), []) for f in
                          ("prompt_ids", "completion_ids", "completion_logprobs", "texts")))
 
     def metrics(self) -> dict[str, float]:
-        """Per engine, the prompts it took in the last `generate` (`rollout/prompts_engine_<i>`), with several."""
+        """Per engine, its own seconds generating in the last `generate` (`timing_s/gen_engine_<i>`) and, with
+        several, the prompts it took (`rollout/prompts_engine_<i>`)."""
+        seconds = {f"timing_s/gen_engine_{i}": s for i, s in enumerate(self.last_engine_s)}
         if self.num_engines == 1:
-            return {}
-        return {f"rollout/prompts_engine_{i}": float(n) for i, n in enumerate(self.last_dispatch)}
+            return seconds
+        return {**{f"rollout/prompts_engine_{i}": float(n) for i, n in enumerate(self.last_dispatch)}, **seconds}
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         return self._first("logprobs", batch)

@@ -27,8 +27,10 @@ METRIC_KEYS = (
 a task may add its own reward counters (the judge's `reward/judge_requests`, `reward/retries`, `reward/fallbacks`; with
 `rollout.task.rewards`, each function's `reward/<name>/mean`); several
 rollout servers (standalone, `hardware.num_rollout_engines` > 1) add per server i `timing_s/gen_replica_<i>`,
-`rollout/samples_replica_<i>` and, in a step that pushed, `timing_s/sync_replica_<i>`; several Ray engines (fsdp,
-deepspeed) add per engine i `rollout/prompts_engine_<i>`, the prompts it took (`rollout.dispatch`)."""
+`rollout/samples_replica_<i>` and, in a step that pushed, `timing_s/sync_replica_<i>`; Ray engines (fsdp, deepspeed)
+add per engine i `timing_s/gen_engine_<i>`, its own seconds generating (`timing_s/gen` less the slowest engine's is the
+samples' transfer to the driver and the dispatch), and with several `rollout/prompts_engine_<i>`, the prompts it took
+(`rollout.dispatch`)."""
 
 
 class PhaseTimer(dict):

@@ -89,7 +89,8 @@ def test_queued_chunks_sample_what_the_split_does_and_a_slowed_engine_takes_fewe
     assert got.completion_ids == want.completion_ids and got.texts == want.texts
     assert sum(queued.last_dispatch) == len(prompts) and queued.last_dispatch[1] < queued.last_dispatch[0]
     assert queued.metrics() == {"rollout/prompts_engine_0": float(queued.last_dispatch[0]),
-                                "rollout/prompts_engine_1": float(queued.last_dispatch[1])}
+                                "rollout/prompts_engine_1": float(queued.last_dispatch[1]),
+                                "timing_s/gen_engine_0": 0.0, "timing_s/gen_engine_1": 0.0}  # stand-ins time nothing
 
 
 def test_dispatch_raises_the_first_failure_after_the_running_chunks_end():
@@ -143,6 +144,7 @@ def test_queued_chunks_keep_the_engine_until_the_last_then_free_it_once(ray_sess
     remote = RemoteEngines([_InProcess(engine)], engine.tokenizer, dispatch="queue", chunk_prompts=1)
     got = remote.generate(prompts, 2, 5)
     assert len(got.completion_ids) == 8 and remote.last_dispatch == [4]
+    assert remote.last_engine_s[0] > 0 and got.engine_s is None  # the worker's own seconds, summed over its chunks
     assert engine._freed is not None, "the step's rollout ends with the engine's memory given back"
     engine.restore_weights()
     with torch.no_grad():

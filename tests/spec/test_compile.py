@@ -233,14 +233,22 @@ def test_resume_allow_list_names_real_fields_and_splits_changes():
 def test_the_plan_dispatches_prompts_by_work_to_several_engines_and_says_so(monkeypatch):
     monkeypatch.chdir(REPO)
 
-    def dispatch(path, *overrides):
+    def plan(path, *overrides):
         return compile_plan(load_spec(path, ["hardware.num_trainer_ranks=2", "algorithm.micro_batch_size=4",
-                                             *overrides], "fsdp"), all_caps()).dispatch.method
+                                             *overrides], "fsdp"), all_caps()).dispatch
+
+    def dispatch(path, *overrides):
+        return plan(path, *overrides).method
 
     two = "hardware.num_rollout_engines=2"
     assert dispatch("examples/tiny.yaml", two) == "split"  # 4 x 8 samples an engine fit its 256 slots
     assert dispatch("examples/tiny.yaml", two, "rollout.decode_slots=16") == "queue"  # 32 do not fit 16
     assert dispatch("examples/tiny.yaml", two, "rollout.dispatch=queue") == "queue"
+    # a chunk fills an engine's slots, but holds no more than an engine's share: every engine gets work
+    assert plan("examples/tiny.yaml", two, "rollout.decode_slots=16").chunk_prompts == 2  # 16 slots / 8 a group
+    assert plan("examples/tiny.yaml", two, "rollout.dispatch=queue").chunk_prompts == 4  # 8 prompts / 2 engines
+    assert plan("examples/tiny.yaml", two, "rollout.dispatch=queue", "rollout.prompts_per_step=3").chunk_prompts == 2
+    assert plan("examples/tiny.yaml", two, "rollout.dispatch_chunk_prompts=8").chunk_prompts == 8  # as set
     assert dispatch("examples/tiny.yaml") == "split"  # one engine
     assert dispatch("examples/vla_babyai.yaml", two) == "split"  # each engine keeps its groups' environments
     with pytest.raises(SpecError, match="rollout.dispatch"):
