@@ -49,6 +49,21 @@ def test_checksums_are_exact_layout_free_and_see_any_changed_element():
         compare_checksums(names, checksums(tensors), checksums(copies))
 
 
+def test_a_checksum_does_not_depend_on_how_its_rows_are_chunked(monkeypatch):
+    """The rows of WEIGHT_PERIOD elements are weighted a chunk at a time (CHUNK_BYTES per device type): any chunk
+    size gives the same int32 checksum, bit for bit, and the same float64 fingerprint to rounding."""
+    from rlspec.sync import base
+
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, (5 * base.WEIGHT_PERIOD + 17,), dtype=torch.int32, generator=g)
+    floats = torch.randn(3 * base.WEIGHT_PERIOD + 5, generator=g)
+    want = base._weighted(words, torch.int32), base._weighted(floats, torch.float64)
+    for rows in (1, 2, 4, 64):  # a chunk of 1 row, rows not a multiple of the chunk, one chunk for all
+        monkeypatch.setitem(base.CHUNK_BYTES, "cpu", rows * base.WEIGHT_PERIOD * 4)
+        assert int(base._weighted(words, torch.int32)) == int(want[0]), rows
+        assert torch.allclose(base._weighted(floats, torch.float64), want[1], rtol=1e-12), rows
+
+
 def test_staging_lays_out_once_aligned_and_round_trips_every_weight():
     named = _weights()
     staging = Staging(named, bucket_mb=1, layout_id="L0")
