@@ -122,7 +122,7 @@ def gather_flat(pending: list[tuple[str, Tensor]], dtype: torch.dtype,
 
     FSDP2 shards each parameter on dim 0 as `torch.chunk` does (every rank `ceil(rows / world)` rows, the last
     non-empty rank fewer, any after it none). Each rank casts its shards into one flat buffer, each padded to the
-    full chunk, one `all_gather_into_tensor` brings every rank's buffer, and each full tensor is its chunks side
+    full chunk, one `all_gather_into_tensor` brings every rank's buffer (none on one rank), and each full tensor is its chunks side
     by side (the padding only ever trails): one collective per bucket instead of one `full_tensor()` (a
     collective and DTensor's dispatch on the host) per tensor. Tensors that are not sharded that way (another
     mesh or placement), and a group of one (a large embedding alone: one collective either way, without the flat
@@ -148,14 +148,19 @@ def gather_flat(pending: list[tuple[str, Tensor]], dtype: torch.dtype,
     rows = [-(-t.shape[0] // world) if isinstance(t, DTensor) else 0 for _, t in pending]
     sizes = [r * math.prod(t.shape[1:]) for r, (_, t) in zip(rows, pending)]
     offsets = list(accumulate([0, *sizes[:-1]]))
-    local = torch.zeros(sum(sizes), dtype=dtype, device=sharded[0].to_local().device)
+    # Not zeroed: a shard shorter than its chunk leaves padding that only ever trails, and is cut off below
+    local = torch.empty(sum(sizes), dtype=dtype, device=sharded[0].to_local().device)
     for (_, t), offset in zip(pending, offsets):
         if isinstance(t, DTensor):
             shard = t.to_local()
             local[offset:offset + shard.numel()].copy_(shard.reshape(-1))
-    gathered = torch.empty(world * local.numel(), dtype=dtype, device=local.device)
-    # all_gather_single is all_gather_into_tensor's name from torch 2.13 on (the old one warns there)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, local, group=mesh.get_group())
+    if world == 1:  # the shards are the full tensors: no collective, no second copy (a split layout's one rank)
+        gathered = local
+    else:
+        gathered = torch.empty(world * local.numel(), dtype=dtype, device=local.device)
+        # all_gather_single is all_gather_into_tensor's name from torch 2.13 on (the old one warns there)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, local,
+                                                                                  group=mesh.get_group())
     gathered = gathered.view(world, local.numel())
     full = []
     for (name, t), r, size, offset in zip(pending, rows, sizes, offsets):
