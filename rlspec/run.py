@@ -172,7 +172,7 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
 
     backend = create_backend(plan.backend)
     transport = build_transport(plan.sync_method, plan.spec.sync)
-    set_up, loggers = False, None
+    set_up, loggers, monitor = False, None, None
     try:
         with RunLog(out_dir / RUN_LOG):
             for warning in changed:  # inside the run log
@@ -192,10 +192,19 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
                 if evaluator is not None and evaluator.history:
                     print(f"rlspec: eval ({out_dir / 'eval'})\n{eval_table(evaluator.history)}", file=sys.stderr)
             finally:
+                failed = sys.exc_info()[0] is not None
                 if loggers is not None:
-                    loggers.close(sys.exc_info()[0] is not None, out_dir / "metrics.jsonl")
-                transport.close()
-                backend.shutdown()
+                    loggers.close(failed, out_dir / "metrics.jsonl")
+                # A failed run kills its actors first: closing a transport calls into them (cuda_ipc's release
+                # runs in the trainer ranks), and a rank stopped or stuck in a collective never answers. On one
+                # H200 a rank stopped with SIGSTOP left the run hung here after its stall, past the stall's hard
+                # exit. A run that ended well closes in order (the engine lets go of mapped memory first).
+                try:
+                    for close in (backend.shutdown, transport.close) if failed else (transport.close, backend.shutdown):
+                        close()
+                finally:
+                    if monitor is not None:
+                        monitor.disarm()
     except SpecError:
         if not set_up and not resume:  # bad input the backend found: leave nothing behind
             remove_created(created, [out_dir / "plan.json", out_dir / RUN_LOG])

@@ -84,6 +84,74 @@ def test_the_first_step_has_a_window_of_its_own(tmp_path):
     assert took < 1.4 and "after step 0 (hardware.stall_timeout_s=0.3)" in message, message
 
 
+def test_a_failed_run_kills_its_actors_before_closing_the_transport(monkeypatch, tmp_path, capsys):
+    """Closing a transport calls into the trainer (cuda_ipc's release runs in the ranks), and a stuck rank never
+    answers: a failed run shuts the backend down first; a run that ended well closes the transport first."""
+    import rlspec.run
+    import rlspec.sync
+
+    order: list[str] = []
+    real_backend, real_transport = rlspec.run.create_backend, rlspec.sync.build_transport
+
+    def backend(name):
+        made = real_backend(name)
+        shutdown = made.shutdown
+        made.shutdown = lambda: (order.append("backend"), shutdown())[1]
+        return made
+
+    def transport(*args, **kwargs):
+        made = real_transport(*args, **kwargs)
+        close = made.close
+        made.close = lambda: (order.append("transport"), close())[1]
+        return made
+
+    monkeypatch.setattr(rlspec.run, "create_backend", backend)
+    monkeypatch.setattr(rlspec.sync, "build_transport", transport)
+    code, err, _ = cli(capsys, tmp_path / "good", *SMALL, "algorithm.steps=1")
+    assert code == 0 and order == ["transport", "backend"], (order, err)
+    order.clear()
+    code, err, _ = cli(capsys, tmp_path / "bad", "algorithm.steps=4", "sync.method=checkpoint", "sync.every_n_steps=1000",
+                       "algorithm.optimizer=sgd", "algorithm.lr=1e30", "algorithm.max_grad_norm=0")  # NaN at step 1
+    assert code == 1 and "non-finite" in err and order == ["backend", "transport"], (order, err)
+
+
+STUCK_TEARDOWN = """
+import functools, sys, time
+import rlspec.runtime.monitor as monitor, rlspec.sync as sync
+from rlspec.tasks import copy_char
+monitor.HARD_EXIT_AFTER_S = 3.0
+real_build, real_reward, calls = sync.build_transport, copy_char.reward, [0]
+def build(*args, **kwargs):
+    made = real_build(*args, **kwargs)
+    made.close = lambda: time.sleep(600)  # a transport whose close waits on a rank that never answers
+    return made
+@functools.wraps(real_reward)  # the same signature: it receives what the real one does
+def reward(**kwargs):
+    calls[0] += 1
+    if calls[0] == 5:  # the first reward of step 1
+        time.sleep(600)
+    return real_reward(**kwargs)
+sync.build_transport, copy_char.reward = build, reward
+from rlspec.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_stall_whose_teardown_hangs_still_exits_1(tmp_path):
+    """After a stall the run's hard exit covers the teardown too: a transport close that never returns (a stopped
+    rank on CUDA, where closing cuda_ipc calls into it) ends with exit 1 HARD_EXIT_AFTER_S after the stall."""
+    out = tmp_path / "o"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", STUCK_TEARDOWN, "run", TINY, *SMALL, "algorithm.steps=5",
+                           "hardware.stall_timeout_s=2", "--out", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    took = time.monotonic() - start
+    print(f"\nstuck teardown: exit {proc.returncode} after {took:.1f} s")
+    assert proc.returncode == 1, proc.stderr
+    assert "stalled: no step completed" in proc.stderr and "did not unwind within 3 s" in proc.stderr, proc.stderr
+    assert took < 90
+
+
 def test_stall_warn_dumps_and_keeps_going(monkeypatch, tmp_path, capsys):
     hang_reward_at(monkeypatch, call=4, seconds=5)  # the first reward of step 1
     out = tmp_path / "o"

@@ -12,8 +12,10 @@
 - A non-finite loss, grad norm or KL stops the run at that step with `RunError` naming the step, before
   its weights are checkpointed: the previous checkpoint stays the latest.
 - A stall (`rlspec.runtime.stall`): after the dump, `stall_action=fail` interrupts the main thread (SIGUSR1) so
-  the run unwinds as for any failure (actors killed, exit 1); a main thread stuck inside C code cannot
-  take the signal, so the process then exits 1 on its own after `HARD_EXIT_AFTER_S`.
+  the run unwinds as for any failure (actors killed first, then the transport closed, exit 1); a main thread
+  stuck inside C code cannot take the signal, or a teardown that waits on a stuck actor would never end, so the
+  process then exits 1 on its own `HARD_EXIT_AFTER_S` after the stall (a timer; a `faulthandler` backstop that
+  needs no interpreter lock `GRACE_BACKSTOP_S` later), unless the run has torn down by then (`disarm`).
 - `RunLog`: OUT/run.log receives everything the driver prints, including the actors' stdout/stderr that
   Ray forwards to the driver (exceptions in worker threads, crash dumps: otherwise only in Ray's session
   logs), and the account of the failure that ended the run.
@@ -99,17 +101,22 @@ class RunMonitor:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
-        for timer in (self._hard_exit, self._grace):
-            if timer is not None:
-                timer.cancel()
-        if self._grace is not None:
-            faulthandler.cancel_dump_traceback_later()
+        if self.stall is None:  # after a stall the hard exit covers the teardown too, until `disarm`
+            self.disarm()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         if self.stall is not None and exc is not None and exc is not self.stall:
             # The interrupt can land inside a C extension, which reports it as its own error (Ray's
             # `wait` raises SystemError): the run still ended because of the stall.
             raise self.stall from exc
+
+    def disarm(self) -> None:
+        """Cancel the exits armed by a stop signal or a stall (once the run has torn down: idempotent)."""
+        for timer in (self._hard_exit, self._grace):
+            if timer is not None:
+                timer.cancel()
+        if self._grace is not None or self.stall is not None:
+            faulthandler.cancel_dump_traceback_later()
 
     def step_done(self, step: int, row: dict) -> bool:
         """Step `step` finished with metrics `row`: raise on non-finite numbers; return whether to stop now."""
@@ -167,6 +174,10 @@ class RunMonitor:
         self._hard_exit = threading.Timer(HARD_EXIT_AFTER_S, _hard_exit, (message,))
         self._hard_exit.daemon = True
         self._hard_exit.start()
+        try:  # as for a stop signal: a backstop that needs no GIL, every thread's stack then exit 1
+            faulthandler.dump_traceback_later(HARD_EXIT_AFTER_S + GRACE_BACKSTOP_S, exit=True, file=sys.__stderr__)
+        except (AttributeError, ValueError, io.UnsupportedOperation):  # no stderr file descriptor: no backstop
+            pass
 
     def _raise_stall(self, signum: int, frame) -> None:
         if self.stall is not None and not self._stall_raised:
