@@ -613,7 +613,7 @@ print('kv cache GB (prompts up to 128 tokens):', round(slots * length * c['num_h
     faults)  # issue 57: each fault (a killed rank, a killed engine, a stopped rank, a rank out of memory, SIGTERM then
       # --resume on half the GPUs) injected into a colocated run on every GPU here (at most 4) of the bench spec;
       # a JSON row each (tests/gpu/faults.py's header says what is in it). FAULT_BACKENDS= fsdp (default) or deepspeed:
-      # one backend a call; FAULTS= a subset
+      # one backend a call; FAULTS= a subset; FAULTS_S= the part's time limit (default 560 s)
       # The runs (checkpoints among them) stay in scratch; each row goes to $FINAL as it ends (kept if the call is
       # cut short), the runs' logs and metrics to $OUT afterwards
       rm -rf $SCRATCH/faults; mkdir -p $OUT/faults
