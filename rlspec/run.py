@@ -195,12 +195,15 @@ def run(spec_path: str, overrides: Sequence[str] = (), backend_name: str | None 
                 failed = sys.exc_info()[0] is not None
                 if loggers is not None:
                     loggers.close(failed, out_dir / "metrics.jsonl")
-                # A failed run kills its actors first: closing a transport calls into them (cuda_ipc's release
-                # runs in the trainer ranks), and a rank stopped or stuck in a collective never answers. On one
-                # H200 a rank stopped with SIGSTOP left the run hung here after its stall, past the stall's hard
-                # exit. A run that ended well closes in order (the engine lets go of mapped memory first).
+                # A failed run of Ray actors kills them first: closing a transport calls into them (cuda_ipc's
+                # release runs in the trainer ranks), and a rank stopped or stuck in a collective never answers. On
+                # one H200 a rank stopped with SIGSTOP left the run hung here after its stall, past the stall's
+                # hard exit. Otherwise the transport closes first (the engine lets go of mapped memory first; a
+                # joined rollout server is told to leave the group while the backend's client still reaches it).
+                kill_first = failed and hasattr(backend, "actors")
                 try:
-                    for close in (backend.shutdown, transport.close) if failed else (transport.close, backend.shutdown):
+                    for close in (backend.shutdown, transport.close) if kill_first else (transport.close,
+                                                                                          backend.shutdown):
                         close()
                 finally:
                     if monitor is not None:
