@@ -173,7 +173,7 @@ def _dispatch(spec: Spec) -> Dispatch:
         return Dispatch(rollout.dispatch, chunk, "rollout.dispatch as set")
     if vla:
         return Dispatch("split", chunk, "model.kind=vla: each engine keeps the environments of its own groups")
-    share = -(-rollout.prompts_per_step // engines) * group
+    share = share_prompts * group
     if share <= rollout.decode_slots:
         return Dispatch("split", chunk, f"each engine's {share} samples fit its rollout.decode_slots "
                                         f"{rollout.decode_slots}: all start at once (a queue would run its chunks' "

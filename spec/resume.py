@@ -10,7 +10,8 @@ from .schema import Spec
 RESUMABLE_CHANGES = (
     "algorithm.steps",
     "checkpoint.every_n_steps", "checkpoint.keep_last", "checkpoint.save_optimizer",
-    "hardware.stall_timeout_s", "hardware.stall_first_step_s", "hardware.stall_action", "hardware.preempt_grace_s", "hardware.num_threads",
+    "hardware.stall_timeout_s", "hardware.stall_first_step_s", "hardware.stall_action", "hardware.preempt_grace_s",
+    "hardware.num_threads",
     "hardware.ray_address", "hardware.placement_strategy",
     "backend", "hardware.num_trainer_ranks", "hardware.device", "hardware.offload_params", "hardware.offload_optimizer",
     "hardware.rollout", "sync.method",

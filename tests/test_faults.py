@@ -111,8 +111,8 @@ def test_a_failed_run_kills_its_actors_before_closing_the_transport(monkeypatch,
 
     monkeypatch.setattr(rlspec.run, "create_backend", backend)
     monkeypatch.setattr(rlspec.sync, "build_transport", transport)
-    nan_at_step_1 = ["algorithm.steps=4", "sync.method=checkpoint", "sync.every_n_steps=1000", "algorithm.optimizer=sgd",
-                     "algorithm.lr=1e30", "algorithm.max_grad_norm=0"]
+    nan_at_step_1 = ["algorithm.steps=4", "sync.method=checkpoint", "sync.every_n_steps=1000",
+                     "algorithm.optimizer=sgd", "algorithm.lr=1e30", "algorithm.max_grad_norm=0"]
     for with_actors, args, want in [(True, [*SMALL, "algorithm.steps=1"], 0), (True, nan_at_step_1, 1),
                                     (False, nan_at_step_1, 1)]:
         order.clear()

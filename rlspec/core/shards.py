@@ -122,8 +122,8 @@ def gather_flat(pending: list[tuple[str, Tensor]], dtype: torch.dtype,
 
     FSDP2 shards each parameter on dim 0 as `torch.chunk` does (every rank `ceil(rows / world)` rows, the last
     non-empty rank fewer, any after it none). Each rank casts its shards into one flat buffer, each padded to the
-    full chunk, one `all_gather_into_tensor` brings every rank's buffer (none on one rank), and each full tensor is its chunks side
-    by side (the padding only ever trails): one collective per bucket instead of one `full_tensor()` (a
+    full chunk, one `all_gather_into_tensor` brings every rank's buffer (none on one rank), and each full tensor is
+    its chunks side by side (the padding only ever trails): one collective per bucket instead of one `full_tensor()` (a
     collective and DTensor's dispatch on the host) per tensor. Tensors that are not sharded that way (another
     mesh or placement), and a group of one (a large embedding alone: one collective either way, without the flat
     buffers), take `full_tensor()`. `flat` None: the flat gather on CUDA only; over gloo on the host the per-tensor

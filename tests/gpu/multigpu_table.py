@@ -6,8 +6,9 @@ Bench rows come from `mg_<row>_bench.json` (medians after the first step, `rlspe
 medians from the row's kept `metrics.jsonl`; push rows from `mg_push_<row>.json` (`rlspec.perf.bench_sync`). A row
 named `<backend>_<stage>_<n>gpu` is compared with the same backend and stage on 1 GPU: the train phase's speed-up, the
 push's ratio, and entropy and grad norm against the 1-GPU medians (the criteria: 2 ranks >= 1.8x, 4 >= 3.4x, push
-<= 1.2x, statistics within 10%). `gen eng s` is the slowest Ray engine's own seconds generating (with several
-engines; `gen s` less it is the samples' transfer and the driver's dispatch). Weak rows (`weak_<n>gpu`) give samples/s per GPU against 1 GPU's (>= 85%).
+<= 1.2x, statistics within 10%). `gen eng s` is the slowest Ray engine's own seconds generating (`gen s` less it is
+the samples' transfer and the driver's dispatch). Weak rows (`weak_<n>gpu`) give samples/s per GPU against 1 GPU's
+(>= 85%).
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def _baseline(rows: dict, row: str) -> dict | None:
 
 def table(out: Path) -> str:
     rows = bench_rows(out)
-    head = ("row", "exit", "GPUs t/e", "step s", "train s", "gen s", "gen eng s", "sync s", "MFU/GPU", "tok/s/GPU", "smp/s/GPU",
-            "entropy", "grad", "train x1", "sync x1", "ent x1", "grad x1")
+    head = ("row", "exit", "GPUs t/e", "step s", "train s", "gen s", "gen eng s", "sync s", "MFU/GPU", "tok/s/GPU",
+            "smp/s/GPU", "entropy", "grad", "train x1", "sync x1", "ent x1", "grad x1")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for row, r in rows.items():
         base = _baseline(rows, row)
@@ -83,7 +84,8 @@ def table(out: Path) -> str:
 
         gpus = f"{r.get('gpus/trainer', '-')}/{r.get('gpus/engine', '-')}"
         lines.append(" | ".join([row, r.get("exit", "0"), gpus, _fmt(r.get("timing_s/step")), _fmt(r.get("timing_s/train")),
-                                 _fmt(r.get("timing_s/gen")), _fmt(r.get("gen_slowest_engine")), _fmt(r.get("timing_s/sync")), _fmt(r.get("perf/train_mfu")),
+                                 _fmt(r.get("timing_s/gen")), _fmt(r.get("gen_slowest_engine")),
+                                 _fmt(r.get("timing_s/sync")), _fmt(r.get("perf/train_mfu")),
                                  _fmt(r.get("perf/tokens_per_s_per_gpu")), _fmt(r.get("perf/samples_per_s_per_gpu")),
                                  _fmt(r.get("entropy")), _fmt(r.get("grad_norm")),
                                  _fmt(ratio("timing_s/train", inverse=True)), _fmt(ratio("timing_s/sync")),
