@@ -185,3 +185,32 @@ def test_packed_bf16_on_cuda_is_as_close_to_fp32_as_padded(monkeypatch):
         padded_err = (results["padded"][part] - (ref_logp, ref_grad)[part]).abs().max()
         packed_err = (results["packed"][part] - (ref_logp, ref_grad)[part]).abs().max()
         assert packed_err <= 2 * padded_err + 1e-3, (part, float(packed_err), float(padded_err))
+
+
+@pytest.mark.gpu
+def test_grouped_query_heads_in_the_flash_kernel_equal_repeated_keys():
+    """Inference attends with the flash kernel's own grouped-query heads (`packing.varlen_causal`, where torch's
+    varlen_attn takes none): the same output as the keys repeated per query head, for prefills and for extensions
+    (queries the last of their keys)."""
+    from rlspec.core import packing as packing_module
+
+    assert packing_module._flash_forward() is not None
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = 14, 2, 64
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
+
+    for q_lengths, k_lengths in (([40, 7, 130], None), ([50, 3, 64], [2162, 30, 500])):
+        k_lengths = k_lengths or q_lengths
+        offsets = torch.tensor([0, *torch.tensor(q_lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        k_offsets = torch.tensor([0, *torch.tensor(k_lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q = rand(sum(q_lengths), heads, dim)
+        k, v = rand(sum(k_lengths), kv_heads, dim), rand(sum(k_lengths), kv_heads, dim)
+        with torch.no_grad():
+            grouped = packing_module.varlen_causal(q, k, v, offsets, max(q_lengths), 0.125, k_offsets, max(k_lengths))
+        repeated = [t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v)]
+        with torch.no_grad():
+            reference = packing_module.varlen_causal(q, *repeated, offsets, max(q_lengths), 0.125, k_offsets,
+                                                     max(k_lengths))
+        assert torch.equal(grouped, reference) or (grouped.float() - reference.float()).abs().max() < 1e-2

@@ -239,8 +239,10 @@ class Prefills:
         for width, n in zip(widths, new):
             starts.append(starts[-1] + width)
             q_offsets.append(q_offsets[-1] + n)
-        for (_, entry, m), start in zip(part, starts):
-            stack[:, 0, :, start:start + m].copy_(entry.stack[:, :, :m])
+        # one call for every row's copy: each torch call of the engine thread gives the interpreter lock up, and
+        # while agents run, takes a while to get it back
+        torch._foreach_copy_([stack[:, 0, :, start:start + m] for (_, _, m), start in zip(part, starts)],
+                             [entry.stack[:, :, :m] for _, entry, m in part])
         ids = [t for p, _, m in part for t in p[m:]] + [self.eos] * fill
         positions = [m + j for p, _, m in part for j in range(len(p) - m)] + list(range(fill))
         slots = ([start + m + j for (p, _, m), start in zip(part, starts) for j in range(len(p) - m)]

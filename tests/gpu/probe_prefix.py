@@ -124,8 +124,8 @@ def profile_reuse(turn: list[list[int]], admit, finish) -> None:
                       "host_ops": sum(e.count for e in events if not e.key.startswith(("cuda", "Memcpy", "Memset")))}),
           flush=True)
     if cuda:
-        print(events.table(sort_by="self_device_time_total", row_limit=12), flush=True)
-    print(events.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+        print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70), flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70), flush=True)
 
 
 if __name__ == "__main__":
