@@ -29,8 +29,9 @@ def http_client():
     ``AsyncOpenAI(base_url=..., http_client=http_client())``: building a client per agent costs ~20 ms of CPU each.
 
     A request to an address that an app of this process serves (`serve_in_process`: the agent gateway's) goes to
-    the app directly, on the caller's event loop: no socket, no HTTP parsing, no server thread; the same routes,
-    status codes and bodies as over the network."""
+    the app directly, on the caller's event loop: no socket, no HTTP parsing, no server thread, and for the routes
+    its `call` answers, none of the app's HTTP layers either; the same routes, status codes and bodies as over the
+    network."""
     import httpx
 
     loop = asyncio.get_running_loop()
@@ -45,17 +46,24 @@ def http_client():
     return client
 
 
-_IN_PROCESS: dict[tuple[str, int], object] = {}
-"""(host, port) -> the ASGI app of this process serving it (`serve_in_process`)."""
+_IN_PROCESS: dict[tuple[str, int], tuple] = {}
+"""(host, port) -> (the ASGI app of this process serving it, its in-process `call` or None): `serve_in_process`."""
 
 
-def serve_in_process(host: str, port: int, app) -> None:
+def serve_in_process(host: str, port: int, app, call=None) -> None:
     """Let `http_client` send requests for http://host:port to `app` (an ASGI app this process also serves there)
-    without the network; `app` None stops that."""
+    without the network; `app` None stops that. `call`: ``async (method, path, parsed JSON body) -> (status, body,
+    headers) or None`` answers the routes it knows without the app's HTTP layers (None: the app answers), as the
+    agent gateway's `call_in_process` does."""
     if app is None:
         _IN_PROCESS.pop((host, port), None)
     else:
-        _IN_PROCESS[(host, port)] = app
+        _IN_PROCESS[(host, port)] = (app, call)
+
+
+def _in_process_call(url):
+    """The in-process `call` serving httpx URL `url`'s address, or None."""
+    return _IN_PROCESS.get((url.host, url.port), (None, None))[1]
 
 
 @functools.cache
@@ -73,9 +81,21 @@ def _in_process_transport():
 
         async def handle_async_request(self, request):
             address = (request.url.host, request.url.port)
-            app = _IN_PROCESS.get(address)
+            app, call = _IN_PROCESS.get(address, (None, None))
             if app is None:
                 return await self.network.handle_async_request(request)
+            if call is not None and request.headers.get("content-type", "").startswith("application/json"):
+                try:
+                    body = json.loads(await request.aread())
+                except ValueError:
+                    body = None  # the app's own 400
+                answer = await call(request.method, request.url.path, body) if body is not None else None
+                if answer is not None:
+                    status, content, headers = answer
+                    if isinstance(content, str):
+                        return httpx.Response(status, text=content, headers=headers, request=request)
+                    return httpx.Response(status, content=_json_bytes(content), request=request,
+                                          headers={**(headers or {}), "content-type": "application/json"})
             transport = self.apps.get(address)
             if transport is None or transport.app is not app:
                 transport = self.apps[address] = httpx.ASGITransport(app, raise_app_exceptions=False)
@@ -89,10 +109,36 @@ def _in_process_transport():
 
 async def completion_async(base_url: str, body: dict, timeout_s: float = 120.0) -> dict:
     """The first choice of ``POST {base_url}/completions`` with JSON `body` (it has `token_ids` and
-    `prompt_token_ids`: an agent may send the next turn as token ids); raises on an HTTP error."""
-    response = await http_client().post(f"{base_url}/completions", json=body, timeout=timeout_s)
-    raise_for_status(response)
-    return response.json()["choices"][0]
+    `prompt_token_ids`: an agent may send the next turn as token ids); raises on an HTTP error. To an app of this
+    process (`serve_in_process`), `body` goes as it is, not as JSON: a long conversation's ids are not written
+    and read back as text at every turn."""
+    import httpx
+
+    url = httpx.URL(f"{base_url}/completions")
+    call = _in_process_call(url)
+    answer = None
+    if call is not None:
+        try:
+            answer = await asyncio.wait_for(call("POST", url.path, body), timeout_s)
+        except asyncio.TimeoutError:  # as the network's read timeout (the call is cancelled: its rows leave)
+            raise httpx.ReadTimeout(f"no answer from {url} in {timeout_s} s") from None
+    if answer is None:
+        response = await http_client().post(url, json=body, timeout=timeout_s)
+        raise_for_status(response)
+        return response.json()["choices"][0]
+    status, content, headers = answer
+    if status >= 400:
+        raise_for_status(httpx.Response(status, headers=headers, request=httpx.Request("POST", url),
+                                        **({"text": content} if isinstance(content, str) else {"json": content})))
+    choice = dict(content["choices"][0])
+    for key in ("token_ids", "prompt_token_ids"):  # the gateway keeps these lists: the agent gets copies, as JSON
+        choice[key] = list(choice[key])
+    return choice
+
+
+def _json_bytes(content) -> bytes:
+    """A JSON body as the app writes it (Starlette's `JSONResponse`)."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
 
 
 def raise_for_status(response) -> None:

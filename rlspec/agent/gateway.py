@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 import secrets
 import socket
 import sys
@@ -56,6 +57,7 @@ from ..rollout.base import Rollout
 from ..serve.app import EngineHost, build_app
 from ..serve.openai_api import ChatRequest, CompletionRequest, Reply
 from ..serve.process import SWITCH_INTERVAL_S
+from ..serve.shapes import refusal_body
 from ..spec import RunPlan
 from ..tasks import Prompt
 from .client import serve_in_process
@@ -67,6 +69,8 @@ ADMIT_WAIT_S = 0.03
 """How long an agent's turn may wait, while other rows decode, for more turns to start with it (a quarter of the rows
 in flight): each admission holds the decode of every row for its host time (tens of ms for the 0.5B shape on an
 H200), so a step of 64 agents x 4 turns admitted one turn at a time spends seconds there; at most 30 ms a turn."""
+_IN_PROCESS_ROUTE = re.compile(r"/gateway/([^/]+)/v1/(completions|chat/completions)")
+"""The routes `AgentGateway.call_in_process` answers: a trajectory's completions and chat completions."""
 
 _agent_loop: asyncio.AbstractEventLoop | None = None
 _agent_loop_lock = threading.Lock()
@@ -268,16 +272,14 @@ class AgentGateway:
             return reply
 
         # Async routes: every agent's request joins the engine's decode batch while it waits, holding no worker
-        # thread (a thread pool would cap the agents served at once at its size).
-        @self.app.post("/gateway/{trajectory}/v1/completions")
-        async def completions(trajectory: str, req: CompletionRequest, request: Request):
+        # thread (a thread pool would cap the agents served at once at its size). `request` None: called in
+        # process (`call_in_process`), where cancelling the caller's task cancels the rows.
+        async def completion(trajectory: str, req: CompletionRequest, request: Request | None) -> Reply:
             if not isinstance(req.prompt, str) and len(req.prompt) != 1 and not all(isinstance(t, int) for t in req.prompt):
                 raise HTTPException(400, detail=[{"loc": ["body", "prompt"], "msg": "send one prompt per request"}])
-            return (await serve(trajectory, req,
-                                lambda record, forced: self.openai.completion_async(forced, request))).response()
+            return await serve(trajectory, req, lambda record, forced: self.openai.completion_async(forced, request))
 
-        @self.app.post("/gateway/{trajectory}/v1/chat/completions")
-        async def chat(trajectory: str, req: ChatRequest, request: Request):
+        async def chat_completion(trajectory: str, req: ChatRequest, request: Request | None) -> Reply:
             async def sample(record: _Record, forced: ChatRequest) -> Reply:
                 try:
                     return await self.openai.chat_async(forced, self._sampled_turns(record, forced.messages), request)
@@ -286,7 +288,40 @@ class AgentGateway:
                         record.refused = err.detail[0]["msg"]  # the trajectory cannot be one sequence
                     raise
 
-            return (await serve(trajectory, req, sample)).response()
+            return await serve(trajectory, req, sample)
+
+        @self.app.post("/gateway/{trajectory}/v1/completions")
+        async def completions(trajectory: str, req: CompletionRequest, request: Request):
+            return (await completion(trajectory, req, request)).response()
+
+        @self.app.post("/gateway/{trajectory}/v1/chat/completions")
+        async def chat(trajectory: str, req: ChatRequest, request: Request):
+            return (await chat_completion(trajectory, req, request)).response()
+
+        self._in_process = {"completions": (CompletionRequest, completion),
+                            "chat/completions": (ChatRequest, chat_completion)}
+
+    async def call_in_process(self, method: str, path: str, body) -> tuple[int, dict | str, dict | None] | None:
+        """A request of an agent of this process (`client.http_client`, `client.completion_async`) answered
+        without the app's HTTP layers (routing, middleware, FastAPI's body handling: most of a turn's CPU under the
+        one interpreter lock): `body` the parsed JSON; (status, the JSON body or a 500's text, headers), or None where
+        the app itself must answer (another route, a stream, a body its model refuses: the app's 400 then names
+        the field, as over the network). The same routes, refusals and bodies as the app's."""
+        route = _IN_PROCESS_ROUTE.fullmatch(path) if method == "POST" else None
+        if route is None or not isinstance(body, dict) or body.get("stream"):
+            return None
+        model, handler = self._in_process[route[2]]
+        try:
+            req = model.model_validate(body)
+        except ValueError:  # pydantic's ValidationError
+            return None
+        try:
+            reply = await handler(route[1], req, None)
+        except HTTPException as err:
+            return err.status_code, refusal_body(err), err.headers
+        except Exception:  # noqa: BLE001 - as the app answers an error it did not expect
+            return 500, "Internal Server Error", None
+        return 200, reply.body(), None
 
     def _sampled_turns(self, record: _Record, messages: list[dict]) -> dict[int, list[int]]:
         """The message index -> sampled ids of each assistant message that is a chat reply of this trajectory as
@@ -320,7 +355,7 @@ class AgentGateway:
                 raise RunError(f"the agent gateway did not start on 127.0.0.1:{port}")
             time.sleep(0.01)
         # an agent on this process's agent loop that uses `client.http_client` skips the network (`serve_in_process`)
-        serve_in_process("127.0.0.1", port, self.app)
+        serve_in_process("127.0.0.1", port, self.app, self.call_in_process)
         return server, thread, f"http://127.0.0.1:{port}"
 
     def base_url(self, trajectory: str) -> str:

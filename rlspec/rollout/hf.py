@@ -37,7 +37,9 @@ from .sampling import SampleOptions, next_token
 
 def prompt_token_ids(tokenizer, prompts: list[str] | list[list[int]], max_prompt_tokens: int) -> list[list[int]]:
     """Each prompt's token ids: text tokenised, ids taken as they are; `SpecError` for one past `max_prompt_tokens`."""
-    encoded = [tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p) for p in prompts]
+    from ..serve.chat import encode
+
+    encoded = [encode(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
     for text, ids in zip(prompts, encoded):
         if len(ids) > max_prompt_tokens:
             raise SpecError("rollout.max_prompt_tokens", f"a prompt has {len(ids)} tokens (> {max_prompt_tokens}): "

@@ -41,17 +41,21 @@ def _param(loc) -> str | None:
     return str(loc[1]) if len(loc) > 1 and loc[0] == "body" else None
 
 
+def refusal_body(err: HTTPException) -> dict[str, Any]:
+    """The body the app answers `err` with: OpenAI's error object, naming the field of its first detail."""
+    detail = err.detail
+    first = detail[0] if isinstance(detail, list) and detail and isinstance(detail[0], dict) else {}
+    message = first.get("msg", detail if isinstance(detail, str) else str(detail))
+    extra = {k: v for k, v in first.items() if k not in ("loc", "msg")}
+    return error_body(err.status_code, message, _param(first.get("loc")), **extra)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """The app's refusals as OpenAI's error object (see the module docstring)."""
 
     @app.exception_handler(HTTPException)
     async def refused(_request: Request, err: HTTPException) -> JSONResponse:
-        detail = err.detail
-        first = detail[0] if isinstance(detail, list) and detail and isinstance(detail[0], dict) else {}
-        message = first.get("msg", detail if isinstance(detail, str) else str(detail))
-        extra = {k: v for k, v in first.items() if k not in ("loc", "msg")}
-        return JSONResponse(error_body(err.status_code, message, _param(first.get("loc")), **extra),
-                            status_code=err.status_code, headers=err.headers)
+        return JSONResponse(refusal_body(err), status_code=err.status_code, headers=err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, err: RequestValidationError) -> JSONResponse:

@@ -115,3 +115,29 @@ async def cancels_its_completion_once_all_rows_decode(prompt: str, base_url: str
         await asyncio.sleep(0.005)
     call.cancel()
     return "cancelled"
+
+
+async def asks_in_process_and_over_the_socket(prompt: str, base_url: str) -> str:
+    """The same requests through the gateway's in-process client (`http_client`, `completion_async`) and through
+    a plain HTTP client over its socket; the answers into STATE["pairs"]: refusals and malformed bodies, then one
+    completion each way."""
+    import httpx
+
+    from rlspec.agent.client import completion_async, http_client
+
+    unknown = base_url.replace("/gateway/", "/gateway/nobody-").rsplit("/v1", 1)[0] + "/v1"
+    cases = [(base_url, {"prompt": prompt, "max_tokens": 2, "n": 2}),  # refused by the gateway (400, n)
+             (base_url, {"prompt": [prompt, prompt], "max_tokens": 2}),  # refused by the route (400, prompt)
+             (base_url, {"prompt": prompt, "max_tokens": "many"}),  # refused by the model (400, max_tokens)
+             (unknown, {"prompt": prompt, "max_tokens": 2})]  # 404
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as network:
+        for url, body in cases:
+            here = await http_client().post(f"{url}/completions", json=body)
+            there = await network.post(f"{url}/completions", json=body)
+            STATE.setdefault("pairs", []).append(((here.status_code, here.json()), (there.status_code, there.json())))
+        over_socket = (await network.post(f"{base_url}/completions",
+                                          json={"prompt": prompt, "max_tokens": 2})).json()["choices"][0]
+    in_process = await completion_async(base_url, {"prompt": prompt, "max_tokens": 2})
+    STATE.setdefault("choices", []).append((in_process, over_socket))
+    in_process["token_ids"].append(-7)  # the agent's own copy: what the gateway recorded is not changed
+    return in_process["text"] + over_socket["text"]

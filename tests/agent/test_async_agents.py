@@ -120,3 +120,37 @@ def test_an_in_process_call_cancelled_while_it_waits_on_the_engine_frees_its_row
         gateway.close()
     # gone within a second, where 300 tokens take longer; cancelled, but for any that sampled the end token first
     assert not scheduler.pool.live and scheduler.stats["rows_cancelled"] >= 4, scheduler.stats
+
+
+def test_in_process_calls_answer_as_the_app_does_over_its_socket(engine, monkeypatch):  # noqa: F811
+    """An agent of this process reaches the gateway's routes without the app's HTTP layers
+    (`AgentGateway.call_in_process`): the same status codes and bodies as the app over its socket, for a refusal
+    of the gateway, of the route, of the request's model (the app answers those itself) and an unknown trajectory;
+    a completion the same shape both ways; and the ids it returns are the agent's own copies."""
+    from rlspec.agent.client import serve_in_process
+
+    agents.reset()
+    gateway, task = gateway_for(engine, monkeypatch, AGENT + "asks_in_process_and_over_the_socket",
+                                "rollout.agent.max_turns=4")
+    calls = []
+
+    async def counted(method, path, body):
+        answer = await gateway.call_in_process(method, path, body)
+        calls.append(answer is not None)
+        return answer
+
+    port = int(gateway.url.rsplit(":", 1)[1])
+    serve_in_process("127.0.0.1", port, gateway.app, counted)
+    try:
+        out = gateway.rollout(task.sample(0, 2), 0)
+    finally:
+        gateway.close()
+    assert out.metrics["agent/failed"] == 0, out.metrics
+    assert len(agents.STATE["pairs"]) == 4 * 8
+    for here, there in agents.STATE["pairs"]:
+        assert here == there and here[0] in (400, 404), (here, there)
+    # each agent: 3 refusals and its completion answered in process; the model's refusal left to the app
+    assert calls.count(True) == 4 * 8 and calls.count(False) == 8, calls
+    for in_process, over_socket in agents.STATE["choices"]:
+        assert in_process.keys() == over_socket.keys() and len(in_process["token_ids"]) >= 2
+    assert not any(-7 in ids for ids in out.rollout.completion_ids)

@@ -336,3 +336,28 @@ def test_the_streams_decoder_gives_the_tokenizers_text():
         ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(vocab + 50)
                for _ in range(rng.randint(0, 40))]
         assert decode(ids) == tokenizer.decode([t for t in ids if t < vocab], skip_special_tokens=True)
+
+
+def test_encode_gives_the_tokenizers_ids_and_falls_back_where_the_backend_would_truncate():
+    """`chat.encode` (a chat turn encodes its whole conversation; a completion its prompt) takes the fast tokenizer's
+    backend directly: the ids the tokenizer's call gives, special tokens' text and non-ASCII included; a backend
+    with truncation set goes through the tokenizer's call, which lifts it."""
+    import random
+
+    from rlspec.models.factory import load_tokenizer
+    from rlspec.serve.chat import encode
+    from rlspec.spec import ModelSpec
+
+    tokenizer = load_tokenizer(ModelSpec())
+    rng = random.Random(0)
+    pieces = [*tokenizer.all_special_tokens, "abc", " ", "\n", "é", "日本", "<tool_call>", "{\"a\": 1}", "=", "  x"]
+    for _ in range(200):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        assert encode(tokenizer, text) == tokenizer(text, add_special_tokens=False).input_ids, text
+    long = "abcd" * 50
+    tokenizer.backend_tokenizer.enable_truncation(8)
+    try:
+        assert encode(tokenizer, long) == tokenizer(long, add_special_tokens=False).input_ids
+        assert len(encode(tokenizer, long)) > 8
+    finally:
+        tokenizer.backend_tokenizer.no_truncation()
