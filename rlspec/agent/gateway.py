@@ -303,10 +303,10 @@ class AgentGateway:
 
     async def call_in_process(self, method: str, path: str, body) -> tuple[int, dict | str, dict | None] | None:
         """A request of an agent of this process (`client.http_client`, `client.completion_async`) answered
-        without the app's HTTP layers (routing, middleware, FastAPI's body handling: most of a turn's CPU under the
-        one interpreter lock): `body` the parsed JSON; (status, the JSON body or a 500's text, headers), or None where
-        the app itself must answer (another route, a stream, a body its model refuses: the app's 400 then names
-        the field, as over the network). The same routes, refusals and bodies as the app's."""
+        without the app's HTTP layers (routing, middleware, FastAPI's body handling: CPU under the interpreter lock
+        the engine thread shares). `body`: the parsed JSON. Returns (status, the JSON body or a 500's text,
+        headers), or None where the app itself must answer (another route, a stream, a body its model refuses: the
+        app's 400 then names the field, as over the network). The same routes, refusals and bodies as the app's."""
         route = _IN_PROCESS_ROUTE.fullmatch(path) if method == "POST" else None
         if route is None or not isinstance(body, dict) or body.get("stream"):
             return None
