@@ -361,3 +361,9 @@ def test_encode_gives_the_tokenizers_ids_and_falls_back_where_the_backend_would_
         assert len(encode(tokenizer, long)) > 8
     finally:
         tokenizer.backend_tokenizer.no_truncation()
+    special = tokenizer.all_special_tokens[0] + "ab"  # a backend left splitting special tokens by another call
+    tokenizer.backend_tokenizer.encode_special_tokens = True
+    try:
+        assert encode(tokenizer, special) == tokenizer(special, add_special_tokens=False).input_ids
+    finally:
+        tokenizer.backend_tokenizer.encode_special_tokens = False
