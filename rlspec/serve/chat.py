@@ -104,8 +104,9 @@ def encode(tokenizer, text: str) -> list[int]:
     if not text:
         return []
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    splits = bool(getattr(tokenizer, "split_special_tokens", False))
     if (backend is not None and backend.truncation is None and backend.padding is None
-            and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))):
+            and getattr(backend, "encode_special_tokens", False) == splits):
         return backend.encode(text, add_special_tokens=False).ids
     return tokenizer(text, add_special_tokens=False).input_ids
 
