@@ -141,3 +141,16 @@ async def asks_in_process_and_over_the_socket(prompt: str, base_url: str) -> str
     STATE.setdefault("choices", []).append((in_process, over_socket))
     in_process["token_ids"].append(-7)  # the agent's own copy: what the gateway recorded is not changed
     return in_process["text"] + over_socket["text"]
+
+
+async def times_out_its_completion(prompt: str, base_url: str) -> str:
+    """A long completion asked in process with a short `timeout_s`: the network's read timeout, as over the socket."""
+    import httpx
+
+    from rlspec.agent.client import completion_async
+
+    try:
+        await completion_async(base_url, {"prompt": prompt, "max_tokens": 300}, timeout_s=0.05)
+    except httpx.ReadTimeout:
+        STATE["timeouts"] = STATE.get("timeouts", 0) + 1
+    return "timed out"

@@ -154,3 +154,24 @@ def test_in_process_calls_answer_as_the_app_does_over_its_socket(engine, monkeyp
     for in_process, over_socket in agents.STATE["choices"]:
         assert in_process.keys() == over_socket.keys() and len(in_process["token_ids"]) >= 2
     assert not any(-7 in ids for ids in out.rollout.completion_ids)
+
+
+def test_an_in_process_completion_past_its_timeout_raises_the_networks_timeout_and_frees_its_rows(
+        engine, monkeypatch):  # noqa: F811
+    agents.reset()
+    gateway, task = gateway_for(engine, monkeypatch, AGENT + "times_out_its_completion", "rollout.max_new_tokens=300",
+                                "rollout.agent.max_failure_rate=1.0")
+    scheduler = gateway.host.thread
+    try:
+        try:  # (a row that samples the end token within the timeout is answered, and its trajectory kept)
+            gateway.rollout(task.sample(0, 2), 0)
+        except RunError as err:
+            assert "'invalid': " in str(err), err  # answered, but no call of theirs was recorded
+        for _ in range(100):
+            if not scheduler.pool.live:
+                break
+            time.sleep(0.01)
+    finally:
+        gateway.close()
+    assert agents.STATE.get("timeouts", 0) >= 4, agents.STATE
+    assert not scheduler.pool.live and scheduler.stats["rows_cancelled"] >= 4, scheduler.stats
