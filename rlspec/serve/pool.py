@@ -35,6 +35,19 @@ from .prefill import Prefill, Prefills, on_device
 
 MAX_TOP = 20
 """Top log-probs a row may ask for (the `full` step records this many for every row)."""
+FOREACH_RUNS = 8
+"""An admission writes its rows with one `_foreach_copy_` of slot views where their slots form at most this many runs
+of consecutive slots (else an indexed store per tensor: building a view per tensor and run costs host time too)."""
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted `slots` as runs of consecutive slots: (first position, end position, first slot) each."""
+    runs, first = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((first, i, slots[first]))
+            first = i
+    return runs
 
 
 @dataclass(frozen=True)
@@ -118,6 +131,7 @@ class ServingPool:
         self.check_every = check_every or (sampler.check_every if sampler.use_graphs else 1)
         self._pools: dict[int, _Slots] = {}
         self._pool: _Slots | None = None
+        self._heads: Tensor | None = None
         self.live: dict[int, int] = {}
         """slot -> the caller's row id."""
         self._rows: dict[int, RowSampling] = {}
@@ -179,12 +193,10 @@ class ServingPool:
         with self._on_device():
             self._resize(len(self.live) + len(rows))
             self.prefills.prefill([ids for _, ids, _ in rows])
-            pool, dev = self._pool, self.device
+            pool = self._pool
             empty = [b for b in range(self.slots) if b not in self.live][:len(rows)]
-            # The prompts' K/V copied in: one gather of every layer's K and V and one indexed store per layer and
-            # prefill batch they came from (each op is host time, and the server's event loop contends for the
-            # interpreter while this runs). A slot takes its prompt's tokens and what follows them in the batch up
-            # to the longest prompt copied; `valid` keeps those out, and decoding overwrites them.
+            # The prompts' K/V, last hidden states and settings written into their slots (`_write_prompts`,
+            # `_write_settings`): a few torch calls whatever the layers, where the free slots run in order.
             sources: dict[int, tuple[Prefill, list[int], list[int]]] = {}
             for i, (_, ids, _) in enumerate(rows):
                 batch, index = self.prefills.get(ids)
@@ -192,37 +204,86 @@ class ServingPool:
                 group[1].append(empty[i])
                 group[2].append(index)
             for batch, slots, indices in sources.values():
-                width = max(batch.widths[i] for i in indices)
-                host = torch.tensor([slots, indices, [batch.starts[i] for i in indices]])
-                slot, index, start = host.to(dev, non_blocking=True).unbind(0)
-                tokens = (start[:, None] + torch.arange(width, device=dev)).clamp_(max=batch.tokens - 1)
-                gathered = batch.stack[:, :, tokens]  # [2 * layers, Hkv, rows, width, D]
-                for cache, part in zip(pool.keys + pool.values, gathered):
-                    cache[slot, :, :width] = part.transpose(0, 1)
-                pool.hidden[slot] = batch.hidden[index]
-            slot = torch.tensor(empty, device=dev)
-            widths = torch.tensor([len(ids) for _, ids, _ in rows], device=dev)
-            samplings = [sampling for _, _, sampling in rows]
-
-            def column(values, dtype=torch.long):
-                return torch.tensor(values, dtype=dtype, device=dev)
-
-            pool.valid[slot] = torch.arange(self.length, device=dev)[None, :] < widths[:, None]
-            pool.position[slot] = widths
-            pool.write[slot] = widths
-            pool.step[slot] = 0
-            pool.key[slot] = column([s.key for s in samplings])
-            pool.limit[slot] = column([s.max_tokens for s in samplings])
-            pool.temperature[slot] = column([[1.0 if s.greedy else s.temperature] for s in samplings], torch.float32)
-            pool.top_p[slot] = column([[s.top_p] for s in samplings], torch.float32)
-            pool.greedy[slot] = column([s.greedy for s in samplings], torch.bool)
-            pool.plain[slot] = column([s.plain for s in samplings], torch.bool)
-            pool.done[slot] = False
+                self._write_prompts(pool, batch, slots, indices)
+            self._write_settings(pool, empty, [len(ids) for _, ids, _ in rows], [s for _, _, s in rows])
         for (row_id, ids, sampling), b in zip(rows, empty):
             self.live[b] = row_id
             self._rows[b] = sampling
             self._sampled[b] = 0
             self._sequence[b] = list(ids)
+
+    def _write_prompts(self, pool: "_Slots", batch: Prefill, slots: list[int], indices: list[int]) -> None:
+        """Rows `indices` of prefill `batch` into `slots`: every layer's K/V and the last hidden state. Each torch
+        call of the engine thread gives the interpreter lock up, and while agents or a server's routes run,
+        taking it back can wait a switch interval: where the slots form few runs of consecutive slots, one gather
+        and one `_foreach_copy_` of views (indexing a tensor takes no lock turn), not an indexed store per layer."""
+        dev = self.device
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        slots, indices = [slots[i] for i in order], [indices[i] for i in order]
+        width = max(batch.widths[i] for i in indices)
+        runs = _runs(slots)
+        host = torch.tensor([slots, indices, [batch.starts[i] for i in indices]])
+        slot, index, start = host.to(dev, non_blocking=True).unbind(0)
+        tokens = (start[:, None] + torch.arange(width, device=dev)).clamp_(max=batch.tokens - 1)
+        caches = pool.keys + pool.values
+        if len(runs) > FOREACH_RUNS:
+            # A slot takes its prompt's tokens and what follows them in the batch up to the longest prompt copied;
+            # `valid` keeps those out, and decoding overwrites them.
+            gathered = batch.stack[:, :, tokens]  # [2 * layers, Hkv, rows, width, D]
+            for cache, part in zip(caches, gathered):
+                cache[slot, :, :width] = part.transpose(0, 1)
+            pool.hidden[slot] = batch.hidden[index]
+            return
+        heads = self._head_index(batch.stack.shape[1])
+        gathered = batch.stack[:, heads, tokens[:, None, :]]  # [2 * layers, rows, Hkv, width, D]
+        hidden = batch.hidden[index]
+        into, out = [], []
+        for first, last, at in runs:
+            n = last - first
+            into += [cache[at:at + n, :, :width] for cache in caches] + [pool.hidden[at:at + n]]
+            out += [gathered[layer, first:last] for layer in range(len(caches))] + [hidden[first:last]]
+        torch._foreach_copy_(into, out)
+
+    def _head_index(self, heads: int) -> Tensor:
+        """[1, heads, 1] on the pool's device: indexes a prefill's K/V heads beside its tokens."""
+        if self._heads is None or self._heads.shape[1] != heads:
+            self._heads = torch.arange(heads, device=self.device)[None, :, None]
+        return self._heads
+
+    def _write_settings(self, pool: "_Slots", slots: list[int], widths: list[int],
+                        samplings: list[RowSampling]) -> None:
+        """Each new row's position, cache mask, noise key, limits and sampling settings into its slot: one tensor of
+        each dtype to the device, then one `_foreach_copy_` per few runs of consecutive slots (`_write_prompts`)."""
+        dev = self.device
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        slots = [slots[i] for i in order]
+        widths = [widths[i] for i in order]
+        samplings = [samplings[i] for i in order]
+        runs = _runs(slots)
+        longs = torch.tensor([[w, w, 0, s.key, s.max_tokens] for w, s in zip(widths, samplings)], device=dev)
+        floats = torch.tensor([[1.0 if s.greedy else s.temperature, s.top_p] for s in samplings], dtype=torch.float32,
+                              device=dev)
+        flags = torch.tensor([[s.greedy, s.plain, False] for s in samplings], dtype=torch.bool, device=dev)
+        valid = torch.arange(self.length, device=dev)[None, :] < longs[:, :1]
+        columns = [("position", longs, 0), ("write", longs, 1), ("step", longs, 2), ("key", longs, 3),
+                   ("limit", longs, 4), ("greedy", flags, 0), ("plain", flags, 1), ("done", flags, 2)]
+        if len(runs) > FOREACH_RUNS:
+            slot = torch.tensor(slots, device=dev)
+            for name, source, column in columns:
+                getattr(pool, name)[slot] = source[:, column]
+            pool.temperature[slot] = floats[:, :1]
+            pool.top_p[slot] = floats[:, 1:]
+            pool.valid[slot] = valid
+            return
+        into, out = [], []
+        for first, last, at in runs:
+            end = at + last - first
+            for name, source, column in columns:
+                into.append(getattr(pool, name)[at:end])
+                out.append(source[first:last, column])
+            into += [pool.temperature[at:end], pool.top_p[at:end], pool.valid[at:end]]
+            out += [floats[first:last, :1], floats[first:last, 1:], valid[first:last]]
+        torch._foreach_copy_(into, out)
 
     def release(self, slots: list[int]) -> None:
         """Free rows before they end (the caller drops what they sampled)."""

@@ -103,3 +103,35 @@ def test_the_prefill_attention_kernels_are_a_valid_choice():
     with sdpa_kernel(PREFILL_ATTENTION):
         restricted = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(restricted, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+@pytest.mark.parametrize("live", [(), (1, 4), (0, 2, 4, 6)])
+def test_an_admission_writes_its_rows_with_few_calls_as_with_a_store_per_tensor(sampler, monkeypatch, live):
+    """An admission writes its rows' K/V, hidden states and settings with one `_foreach_copy_` over runs of
+    consecutive free slots (live rows between them: 1, 3 or 5 runs); the pool's every per-slot tensor ends up as
+    with an indexed store per tensor (`FOREACH_RUNS` 0), from a packed batch (rows from their prompts' starts)."""
+    from rlspec.serve import pool as pool_module
+    from rlspec.serve.pool import RowSampling
+
+    def admitted(runs: int):
+        monkeypatch.setattr(pool_module, "FOREACH_RUNS", runs)
+        pool = pool_of(sampler, packed=True)
+        pool.admit([(100 + b, [40 + b, 41, 42], RowSampling(key=b, max_tokens=4)) for b in range(8)])
+        pool.release([b for b in range(8) if b not in live])
+        calls = []
+        foreach = torch._foreach_copy_
+        monkeypatch.setattr(torch, "_foreach_copy_", lambda *a: calls.append(1) or foreach(*a))
+        pool.admit([(i, list(p), RowSampling(key=7 + i, max_tokens=5 + i, temperature=0.5 + i, top_p=0.9,
+                                             greedy=i == 1, top_logprobs=2 * (i == 2)))
+                    for i, p in enumerate(PROMPTS + [PROMPTS[1], (9, 9)])][:8 - len(live)])
+        monkeypatch.setattr(torch, "_foreach_copy_", foreach)
+        return pool, calls
+
+    few, calls = admitted(16)
+    many, none = admitted(0)
+    assert len(calls) == 2 and not none  # one for the prompts (one prefill batch), one for the settings
+    for name in (*few.PER_ROW, "keys", "values"):
+        ours, theirs = getattr(few._pool, name), getattr(many._pool, name)
+        for a, b in zip(ours if isinstance(ours, list) else [ours], theirs if isinstance(theirs, list) else [theirs]):
+            assert torch.equal(a, b), name
+    assert few.live == many.live
