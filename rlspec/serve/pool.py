@@ -31,23 +31,13 @@ from torch import Tensor
 from ..rollout.noise import keyed_exponential
 from ..rollout.sampling import exponential_race
 from ..rollout.static import BATCH_BUCKETS, CACHE_STEP, SHRINK_FLOOR, GraphSampler, bucket_for
-from .prefill import Prefill, Prefills, on_device
+from .prefill import Prefill, Prefills, on_device, slot_runs
 
 MAX_TOP = 20
 """Top log-probs a row may ask for (the `full` step records this many for every row)."""
 FOREACH_RUNS = 8
 """An admission writes its rows with one `_foreach_copy_` of slot views where their slots form at most this many runs
 of consecutive slots (else an indexed store per tensor: building a view per tensor and run costs host time too)."""
-
-
-def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """Sorted `slots` as runs of consecutive slots: (first position, end position, first slot) each."""
-    runs, first = [], 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1:
-            runs.append((first, i, slots[first]))
-            first = i
-    return runs
 
 
 @dataclass(frozen=True)
@@ -221,7 +211,7 @@ class ServingPool:
         order = sorted(range(len(slots)), key=slots.__getitem__)
         slots, indices = [slots[i] for i in order], [indices[i] for i in order]
         width = max(batch.widths[i] for i in indices)
-        runs = _runs(slots)
+        runs = slot_runs(slots)
         host = torch.tensor([slots, indices, [batch.starts[i] for i in indices]])
         slot, index, start = host.to(dev, non_blocking=True).unbind(0)
         tokens = (start[:, None] + torch.arange(width, device=dev)).clamp_(max=batch.tokens - 1)
@@ -259,7 +249,7 @@ class ServingPool:
         slots = [slots[i] for i in order]
         widths = [widths[i] for i in order]
         samplings = [samplings[i] for i in order]
-        runs = _runs(slots)
+        runs = slot_runs(slots)
         longs = torch.tensor([[w, w, 0, s.key, s.max_tokens] for w, s in zip(widths, samplings)], device=dev)
         floats = torch.tensor([[1.0 if s.greedy else s.temperature, s.top_p] for s in samplings], dtype=torch.float32,
                               device=dev)

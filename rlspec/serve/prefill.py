@@ -440,6 +440,21 @@ class _Entry:
     hashes: list[int] = field(default_factory=list)
 
 
+KEEP_RUNS = 8
+"""Rows that end together are kept with one stack per run of consecutive slots up to this many runs (else one gather
+per layer)."""
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted `slots` as runs of consecutive slots: (first position, end position, first slot) each."""
+    runs, first = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((first, i, slots[first]))
+            first = i
+    return runs
+
+
 class PrefixCache:
     """The K/V of rows that ended, kept by their token ids, so that a prompt extending one of them (an agent's next
     turn: the conversation so far, then a tool result) prefills only its new tokens. Not thread-safe (the engine
@@ -494,14 +509,27 @@ class PrefixCache:
         cost = width
         if cost > self.max_tokens:
             return
+        caches = keys + values
+        order = sorted(range(len(rows)), key=lambda i: rows[i][1])
+        runs = slot_runs([rows[i][1] for i in order])
+        parts: dict[int, tuple[Tensor, int]] = {}  # row -> (its copy, its place there)
         try:
-            index = torch.tensor([slot for _, slot in rows], device=keys[0].device)
-            stack = torch.stack([t[index, :, :width] for t in keys + values])  # [2L, rows, Hkv, width, D]
+            if len(runs) <= KEEP_RUNS:
+                # one stack per run of consecutive slots, of slices (indexing a tensor takes no lock turn; a
+                # gather per layer would be 2L torch calls, each a turn of the lock the agents' thread holds)
+                for first, last, at in runs:
+                    stack = torch.stack([t[at:at + last - first, :, :width] for t in caches])  # [2L, n, Hkv, W, D]
+                    parts.update((order[p], (stack, p - first)) for p in range(first, last))
+            else:
+                index = torch.tensor([slot for _, slot in rows], device=keys[0].device)
+                stack = torch.stack([t[index, :, :width] for t in caches])  # [2L, rows, Hkv, width, D]
+                parts.update((i, (stack, i)) for i in range(len(rows)))
         except Exception:  # noqa: BLE001 - no memory, or a device already failing: never worth failing a row for
             self.clear()
             return
         for i, (ids, _) in enumerate(rows):
-            self._add(tuple(ids), stack[:, i], cost)
+            stack, place = parts[i]
+            self._add(tuple(ids), stack[:, place], cost)
 
     def _add(self, ids: tuple[int, ...], stack: Tensor, cost: int) -> None:
         entry = _Entry(ids, stack, cost)

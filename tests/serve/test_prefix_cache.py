@@ -172,3 +172,28 @@ def test_prefix_reuse_on_cuda_agrees_with_a_fresh_prefill_within_bf16():
     for (t1, lp1), (t2, lp2) in zip(with_cache, without):
         same = next((k for k, (x, y) in enumerate(zip(t1, t2)) if x != y), len(t1))
         torch.testing.assert_close(torch.tensor(lp1[:same]), torch.tensor(lp2[:same]), rtol=0, atol=0.1)
+
+
+@pytest.mark.parametrize("slots", [[3], [5, 1, 2], [0, 6, 2, 4, 7]])
+def test_rows_kept_from_runs_of_slots_hold_what_a_gather_per_layer_takes(slots, monkeypatch):
+    """`PrefixCache.keep` copies rows that end together with one stack per run of consecutive slots (slices, no
+    gather per layer): each kept entry holds its slot's K/V as the gather per layer does (`KEEP_RUNS` 0), in the same
+    order of entries (the newest answers for a shared block)."""
+    from rlspec.serve import prefill
+
+    gen = torch.Generator().manual_seed(0)
+    keys = [torch.randn(8, 2, 40, 4, generator=gen) for _ in range(3)]
+    values = [torch.randn(8, 2, 40, 4, generator=gen) for _ in range(3)]
+    rows = [([1] * BLOCK + [slot] * (3 + slot), slot) for slot in slots]
+
+    def kept(runs: int) -> list:
+        monkeypatch.setattr(prefill, "KEEP_RUNS", runs)
+        cache = PrefixCache(10_000)
+        cache.keep(rows, keys, values)
+        return list(cache._entries.values())
+
+    by_runs, by_gather = kept(8), kept(0)
+    assert [e.ids for e in by_runs] == [e.ids for e in by_gather] == [tuple(ids) for ids, _ in rows]
+    for (ids, slot), a, b in zip(rows, by_runs, by_gather):
+        assert torch.equal(a.stack, b.stack)
+        assert torch.equal(a.stack[:, :, :len(ids)], torch.stack([t[slot, :, :len(ids)] for t in keys + values]))
