@@ -91,11 +91,7 @@ def _in_process_transport():
                     body = None  # the app's own 400
                 answer = await call(request.method, request.url.path, body) if body is not None else None
                 if answer is not None:
-                    status, content, headers = answer
-                    if isinstance(content, str):
-                        return httpx.Response(status, text=content, headers=headers, request=request)
-                    return httpx.Response(status, content=_json_bytes(content), request=request,
-                                          headers={**(headers or {}), "content-type": "application/json"})
+                    return _response(answer, request)
             transport = self.apps.get(address)
             if transport is None or transport.app is not app:
                 transport = self.apps[address] = httpx.ASGITransport(app, raise_app_exceptions=False)
@@ -126,19 +122,26 @@ async def completion_async(base_url: str, body: dict, timeout_s: float = 120.0) 
         response = await http_client().post(url, json=body, timeout=timeout_s)
         raise_for_status(response)
         return response.json()["choices"][0]
-    status, content, headers = answer
+    status, content, _ = answer
     if status >= 400:
-        raise_for_status(httpx.Response(status, headers=headers, request=httpx.Request("POST", url),
-                                        **({"text": content} if isinstance(content, str) else {"json": content})))
+        raise_for_status(_response(answer, httpx.Request("POST", url)))
     choice = dict(content["choices"][0])
     for key in ("token_ids", "prompt_token_ids"):  # the gateway keeps these lists: the agent gets copies, as JSON
         choice[key] = list(choice[key])
     return choice
 
 
-def _json_bytes(content) -> bytes:
-    """A JSON body as the app writes it (Starlette's `JSONResponse`)."""
-    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+def _response(answer: tuple, request):
+    """An in-process `call`'s (status, body, headers) as the httpx response the app would have sent: a 500's text, or
+    JSON written as the app writes it (Starlette's `JSONResponse`)."""
+    import httpx
+
+    status, content, headers = answer
+    if isinstance(content, str):
+        return httpx.Response(status, text=content, headers=headers, request=request)
+    body = json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+    return httpx.Response(status, content=body, request=request,
+                          headers={**(headers or {}), "content-type": "application/json"})
 
 
 def raise_for_status(response) -> None:
