@@ -23,6 +23,8 @@ RESUMABLE_CHANGES = (
     "rollout.task.judge.timeout_s", "rollout.task.judge.max_retries", "rollout.task.judge.backoff_s",
     "rollout.task.judge.backoff_max_s", "rollout.task.judge.jitter", "rollout.task.judge.max_concurrency",
     "rollout.agent.timeout_s", "rollout.server_reconnect_s",
+    # where the agents run: their trajectories are the same in the run's process and in agent processes (tested)
+    "rollout.agent.processes",
     # how a step is executed, not what it computes: the split into micro-batches (the loss normalisation is the
     # batch's, whatever the split), compiled layers, the engine's slot pool (a sample's tokens are keyed by seed,
     # sample and position, not by its slot), DeepSpeed's ZeRO stage and buckets, FSDP2's resharding

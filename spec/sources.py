@@ -232,6 +232,11 @@ class AgentSpec(Section):
     engine's decode batch together; e.g. 64 to 1024 with async agents, docs/agents.md)."""
     max_failure_rate: float = 0.25
     """A step whose share of failed trajectories (raised, timed out, invalid) exceeds this fails the run."""
+    processes: int = 0
+    """Agent processes: 0 runs the agents and the gateway's routes in the run's process, beside the engine thread
+    (one interpreter lock for all); N runs them in N processes of their own, each a whole gateway front at its own
+    address, joined to the run's engine by a pipe (their rows join the one decode batch). For many agents whose
+    Python (an OpenAI client, chat templates) would hold the engine back: docs/agents.md."""
 
     @property
     def enabled(self) -> bool:
@@ -249,5 +254,6 @@ class AgentSpec(Section):
         positive(self.timeout_s, f"{p}.timeout_s")
         positive(self.max_turns, f"{p}.max_turns")
         positive(self.concurrency, f"{p}.concurrency")
+        non_negative(self.processes, f"{p}.processes")
         require(0 <= self.max_failure_rate <= 1, f"{p}.max_failure_rate", f"must be in [0, 1], got {self.max_failure_rate}",
                 "e.g. 0.25; 0 fails the run on the first failed trajectory")

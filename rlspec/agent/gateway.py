@@ -171,6 +171,8 @@ class _Job:
     trajectory_id: str
     prompt: Prompt
     group: int
+    seed: int = 0
+    """Its sampling seed: each turn's is derived from it (the gateway's, not the agent's)."""
     answer: object = None
     failure: AgentFailure | None = None
     started_s: float = 0.0
@@ -192,28 +194,44 @@ class AgentRollout:
     """`agent/*` counts of the step."""
 
 
-class AgentGateway:
-    """Runs the agent of `plan.spec.rollout.agent` on each prompt, `group_size` times, through the engine."""
+def finish(job: _Job, record: _Record):
+    """The assembled trajectory of a job, or None with `job.failure` set."""
+    job.turns = len(record.calls)
+    job.malformed_tool_calls = record.malformed_tool_calls
+    if record.refused and (job.failure is None or job.failure.kind == "error"):
+        job.failure = AgentFailure("invalid", record.refused)  # the refusal, not the agent's reaction to it
+    if job.failure is not None:
+        return None
+    problem = None
+    if not isinstance(job.answer, str):
+        problem = f"the agent returned {type(job.answer).__name__}, not a str answer"
+    elif not record.calls:
+        problem = "the agent answered without asking the model for a completion"
+    else:
+        try:
+            return assemble(record.calls)
+        except ContextMismatch as err:
+            problem = f"its turns are not one sequence the engine saw: {err}"
+    job.failure = AgentFailure("invalid", problem)
+    return None
 
-    def __init__(self, plan: RunPlan, engine) -> None:
-        from ..rollout.hf import HFEngine
 
+class GatewayFront:
+    """The gateway's routes over an engine host, at an address of their own: in the run's process over its engine
+    (`AgentGateway`), or in an agent process over a pipe to it (`rlspec.agent.processes`). Holds the records of the
+    trajectories whose agents run beside it, and runs those agents (`run_job`) on this process's agent loop."""
+
+    def __init__(self, plan: RunPlan, host) -> None:
         self.plan = plan
         self.spec = plan.spec.rollout.agent
         self.agent = load_agent(self.spec)
-        hosted = engine if isinstance(engine, HFEngine) else _EngineView(engine, engine.tokenizer, plan.spec.rollout,
-                                                                         vocab_size=_model_vocab(plan))
-        model_name = plan.spec.model.path or plan.spec.model.preset
-        # The trainer writes the weights between steps only: `rollout` says so with a job at each step's start, and
-        # the pool keeps its derived copies and ended rows' K/V (prefix reuse across turns) until then.
-        self.host = EngineHost(hosted, model_name, owns_weights=True)
-        # Turns arrive one by one while other agents' rows decode: they start in batches (`Scheduler.admit_wait_s`).
-        self.host.thread.admit_wait_s = ADMIT_WAIT_S
+        self.host = host
         # The bridge endpoints of the app are never used here; a token nobody knows keeps them shut.
         self.app = build_app(self.host, secrets.token_hex(16))
         self.openai = self.app.state.openai
         self._records: dict[str, _Record] = {}
-        self._engine_failure: RunError | None = None
+        self.engine_failure: RunError | None = None
+        """The engine's first failure while serving an agent (the run's failure, not the agent's)."""
         self._lock = threading.Lock()
         self._add_routes()
         self._server, self._thread, self.url = self._start()
@@ -258,7 +276,7 @@ class AgentGateway:
             except HTTPException:
                 raise
             except Exception as err:  # the engine failed: the run's failure, not the agent's (see `rollout`)
-                self._engine_failure = self._engine_failure or RunError(
+                self.engine_failure = self.engine_failure or RunError(
                     f"the rollout engine failed while serving an agent: {type(err).__name__}: {err}", traceback.format_exc())
                 raise HTTPException(503, detail=[{"loc": ["engine"], "msg": "the rollout engine failed"}]) from None
             choice = reply.choices[0]
@@ -366,91 +384,139 @@ class AgentGateway:
         self._server.should_exit = True
         self._thread.join(timeout=5.0)
 
+    # --- the agents of one step -----------------------------------------------------------------------
+    def open(self, trajectory_id: str, seed: int) -> None:
+        """A record for a trajectory whose agent is about to start here."""
+        with self._lock:
+            self._records[trajectory_id] = _Record(seed=seed)
+
+    def pop(self, trajectory_id: str) -> _Record:
+        """The trajectory's record, closed (later requests of its agent are refused) and no longer kept."""
+        with self._lock:
+            record = self._records.pop(trajectory_id)
+            record.closed = True
+        return record
+
+    async def run_job(self, job: _Job) -> None:
+        """Run `job`'s agent to its answer or failure (`job.answer`, `job.failure`)."""
+        job.started_s = time.monotonic()
+        try:  # a command kills itself at timeout_s: the margin lets it report its own timeout
+            job.answer = await asyncio.wait_for(
+                self.agent(job.prompt.text, self.base_url(job.trajectory_id), self.spec.timeout_s),
+                self.spec.timeout_s + 1.0)
+        except asyncio.TimeoutError:
+            with self._lock:
+                self._records[job.trajectory_id].closed = True
+            job.failure = AgentFailure("timeout", f"agent still running after {self.spec.timeout_s:g} s "
+                                                  "(rollout.agent.timeout_s); stopped")
+        except AgentFailure as failure:
+            job.failure = failure
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - an agent's exception is a counted, reported failure
+            job.failure = AgentFailure("error", f"agent raised {type(err).__name__}: {err}", traceback.format_exc())
+
+
+class AgentGateway:
+    """Runs the agent of `plan.spec.rollout.agent` on each prompt, `group_size` times, through the engine: in this
+    process (`GatewayFront`), or in `rollout.agent.processes` agent processes of their own
+    (`rlspec.agent.processes`)."""
+
+    def __init__(self, plan: RunPlan, engine) -> None:
+        from ..rollout.hf import HFEngine
+
+        self.plan = plan
+        self.spec = plan.spec.rollout.agent
+        hosted = engine if isinstance(engine, HFEngine) else _EngineView(engine, engine.tokenizer, plan.spec.rollout,
+                                                                         vocab_size=_model_vocab(plan))
+        model_name = plan.spec.model.path or plan.spec.model.preset
+        # The trainer writes the weights between steps only: `rollout` says so with a job at each step's start, and
+        # the pool keeps its derived copies and ended rows' K/V (prefix reuse across turns) until then.
+        self.host = EngineHost(hosted, model_name, owns_weights=True)
+        # Turns arrive one by one while other agents' rows decode: they start in batches (`Scheduler.admit_wait_s`).
+        self.host.thread.admit_wait_s = ADMIT_WAIT_S
+        self.front: GatewayFront | None = None
+        self.processes = None
+        if self.spec.processes:
+            from .processes import AgentProcesses
+
+            load_agent(self.spec)  # a bad function or command is named here (exit 2), before any process starts
+            self.processes = AgentProcesses(plan, self.host, model_name)
+        else:
+            self.front = GatewayFront(plan, self.host)
+
+    @property
+    def url(self) -> str:
+        return self.front.url
+
+    @property
+    def app(self):
+        return self.front.app
+
+    @property
+    def openai(self):
+        return self.front.openai
+
+    async def call_in_process(self, method: str, path: str, body):
+        return await self.front.call_in_process(method, path, body)
+
+    def close(self) -> None:
+        if self.front is not None:
+            self.front.close()
+        if self.processes is not None:
+            self.processes.close()
+
     # --- one step's trajectories ----------------------------------------------------------------------
     def rollout(self, prompts: list[Prompt], step: int) -> AgentRollout:
         """Run `group_size` agents per prompt; assemble, count and drop as the module docstring says."""
         group_size, seed = self.plan.spec.algorithm.group_size, self.plan.spec.algorithm.seed
-        jobs = [_Job(f"s{step}-p{i}-g{k}-{secrets.token_hex(4)}", prompt, i)
+        jobs = [_Job(f"s{step}-p{i}-g{k}-{secrets.token_hex(4)}", prompt, i,
+                     seed=(seed * 1_000_003 + step * 65_537 + (i * group_size + k) * 257) % 2**31)
                 for i, prompt in enumerate(prompts) for k in range(group_size)]
-        with self._lock:
-            for index, job in enumerate(jobs):
-                self._records[job.trajectory_id] = _Record(seed=(seed * 1_000_003 + step * 65_537 + index * 257) % 2**31)
         # A job: the pool refreshes what it derives from the weights (fused copies, kept prefills and prefixes) before
         # this step's first rows, as after a push (the trainer's last step wrote them in place).
         self.host.thread.run(_weights_written)
-        try:
-            self._run_agents(jobs)
-            if self._engine_failure is not None:
-                raise self._engine_failure
-            kept = [self._finish(job) for job in jobs]
-        finally:
-            with self._lock:
-                for job in jobs:
-                    self._records.pop(job.trajectory_id).closed = True
-        return self._collect(jobs, kept, step)
-
-    def _run_agents(self, jobs: list[_Job]) -> None:
-        """Every job as a task on the agent event loop (`agent_loop`), at most `concurrency` at once: a job that ends
-        starts the next one at once, whatever its group. A job past its timeout is cancelled (an async function, a
-        command's wait) or abandoned (a plain function's thread); either way its trajectory is closed."""
         # The engine thread makes hundreds of short torch calls an admission, each giving the interpreter lock up and
-        # taking it back; with the agents' and the routes' Python busy on other threads, each take-back can wait
-        # Python's switch interval (5 ms by default): the server's shorter one while agents run (`rlspec serve`'s).
+        # taking it back; with the agents' and the routes' Python (or the pipes' readers) busy on other threads, each
+        # take-back can wait Python's switch interval (5 ms by default): the server's shorter one while agents run.
         interval = sys.getswitchinterval()
         sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
-        running = asyncio.run_coroutine_threadsafe(self._run_all(jobs), agent_loop())
+        try:
+            kept, failure = (self.processes or self).run(jobs)
+        finally:
+            sys.setswitchinterval(interval)
+        if failure is not None:
+            raise failure
+        return self._collect(jobs, kept, step)
+
+    def run(self, jobs: list[_Job]) -> tuple[list, RunError | None]:
+        """Every job as a task on this process's agent event loop (`agent_loop`), at most `concurrency` at once: a
+        job that ends starts the next one at once, whatever its group. A job past its timeout is cancelled (an async
+        function, a command's wait) or abandoned (a plain function's thread); either way its trajectory is closed.
+        Returns the assembled trajectories (None where failed: `finish`) and the engine's failure while serving
+        them, if any."""
+        front = self.front
+        for job in jobs:
+            front.open(job.trajectory_id, job.seed)
+        slots = asyncio.Semaphore(self.spec.concurrency)  # (bound to the agent loop at its first wait)
+
+        async def one(job: _Job) -> None:
+            async with slots:
+                await front.run_job(job)
+
+        async def run_all() -> None:
+            await asyncio.gather(*(one(job) for job in jobs))
+
+        running = asyncio.run_coroutine_threadsafe(run_all(), agent_loop())
         try:
             running.result()
         except BaseException:  # e.g. a stop signal while the step samples: its agents are cancelled, not left running
             running.cancel()
             raise
         finally:
-            sys.setswitchinterval(interval)
-
-    async def _run_all(self, jobs: list[_Job]) -> None:
-        slots = asyncio.Semaphore(self.spec.concurrency)
-
-        async def one(job: _Job) -> None:
-            async with slots:
-                job.started_s = time.monotonic()
-                try:  # a command kills itself at timeout_s: the margin lets it report its own timeout
-                    job.answer = await asyncio.wait_for(
-                        self.agent(job.prompt.text, self.base_url(job.trajectory_id), self.spec.timeout_s),
-                        self.spec.timeout_s + 1.0)
-                except asyncio.TimeoutError:
-                    with self._lock:
-                        self._records[job.trajectory_id].closed = True
-                    job.failure = AgentFailure("timeout", f"agent still running after {self.spec.timeout_s:g} s "
-                                                          "(rollout.agent.timeout_s); stopped")
-                except AgentFailure as failure:
-                    job.failure = failure
-                except Exception as err:  # noqa: BLE001 - an agent's exception is a counted, reported failure
-                    job.failure = AgentFailure("error", f"agent raised {type(err).__name__}: {err}",
-                                               traceback.format_exc())
-
-        await asyncio.gather(*(one(job) for job in jobs))
-
-    def _finish(self, job: _Job):
-        """The assembled trajectory of a job, or None with `job.failure` set."""
-        record = self._records[job.trajectory_id]
-        job.turns = len(record.calls)
-        job.malformed_tool_calls = record.malformed_tool_calls
-        if record.refused and (job.failure is None or job.failure.kind == "error"):
-            job.failure = AgentFailure("invalid", record.refused)  # the refusal, not the agent's reaction to it
-        if job.failure is not None:
-            return None
-        problem = None
-        if not isinstance(job.answer, str):
-            problem = f"the agent returned {type(job.answer).__name__}, not a str answer"
-        elif not record.calls:
-            problem = "the agent answered without asking the model for a completion"
-        else:
-            try:
-                return assemble(record.calls)
-            except ContextMismatch as err:
-                problem = f"its turns are not one sequence the engine saw: {err}"
-        job.failure = AgentFailure("invalid", problem)
-        return None
+            records = [front.pop(job.trajectory_id) for job in jobs]
+        failure, front.engine_failure = front.engine_failure, None
+        if failure is not None:
+            return [], failure
+        return [finish(job, record) for job, record in zip(jobs, records)], None
 
     def _collect(self, jobs: list[_Job], trajectories: list, step: int) -> AgentRollout:
         failed = [job for job in jobs if job.failure is not None]

@@ -143,7 +143,9 @@ class EngineCore:
     """The engine process's side of the pipe: `EngineHost`'s scheduler takes the rows; one reader thread takes the
     HTTP process's messages; the engine thread sends each step's deltas (`flush`)."""
 
-    def __init__(self, conn, host) -> None:
+    def __init__(self, conn, host, flush_on_iteration: bool = True) -> None:
+        """`flush_on_iteration` false: the caller runs `flush` from the scheduler's `on_iteration` itself (several
+        cores over one engine: the agent gateway's processes, `rlspec.agent.processes`)."""
         from .chat import decoder
 
         self.conn = conn
@@ -156,7 +158,8 @@ class EngineCore:
         self._touched: dict[int, _Forwarded] = {}
         self._lock = threading.Lock()
         self.writer = PipeWriter(conn, "rlspec-engine-pipe-writer")
-        host.thread.on_iteration = self.flush
+        if flush_on_iteration:
+            host.thread.on_iteration = self.flush
 
     def send(self, message) -> None:
         self.writer.send(message)
@@ -190,18 +193,33 @@ class EngineCore:
         self.send(("deltas", deltas))
 
     def serve_forever(self) -> None:
+        """The engine process's main loop: it exits when the HTTP process stops it or is gone."""
+        self.serve()
+        os._exit(0)  # nothing in flight is read any more
+
+    def serve(self) -> None:
+        """Take the other side's messages until a `stop` or the pipe's close."""
         while True:
             try:
                 messages = received(self.conn.recv())
-            except (EOFError, OSError):  # the HTTP process is gone
-                os._exit(0)
+            except (EOFError, OSError):  # the other process is gone
+                return
             for message in messages:
+                if message[0] == "stop":
+                    return
                 self._take(message)
+
+    def close(self) -> None:
+        """The other side is gone (its process ended) while the engine keeps serving: its rows leave the batch at the
+        next step, its jobs stop at their next token, and nothing more is sent."""
+        for sub in list(self.subs.values()):
+            sub.cancel()
+        for abort in list(self.aborts.values()):
+            abort.set()
+        self.writer.close()
 
     def _take(self, message) -> None:
         kind = message[0]
-        if kind == "stop":  # the server is stopping: nothing in flight is read any more
-            os._exit(0)
         if kind == "rows":
             _, rid, prompt_ids, samplings, stops = message
             sub = _Forwarded(prompt_ids, samplings, stops, self.decode if stops else None)
@@ -263,6 +281,15 @@ def settle_heap() -> None:
     gc.freeze()
 
 
+def engine_info(host, max_model_len: int | None = None, warmed=None) -> dict:
+    """What the other side of the pipe needs to know of `host`'s engine before its first request (`RemoteScheduler`,
+    `RemoteHost`)."""
+    sampler = getattr(host.engine, "sampler_kind", None)
+    return {"pool_reason": host.thread.pool_reason, "row_budget": host.thread.row_budget,
+            "context": host.thread.context, "max_model_len": max_model_len, "vocab": host.thread.vocab,
+            "sampler": sampler() if sampler else None, "pid": os.getpid(), "warmed": warmed}
+
+
 def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str, switch_interval: float,
                 warm_pool: bool = False, max_model_len: int | None = None) -> None:
     """The engine process: `build(plan, engine_index)` the engine (`process.build_engine`), answer `ready` (or
@@ -280,11 +307,7 @@ def engine_main(conn, build: Callable, plan, engine_index: int, model_name: str,
         # the HTTP process keeps the bound; only the bridge's jobs write this engine's weights
         host = EngineHost(engine, model_name, max_queued_rows=sys.maxsize, owns_weights=True,
                           max_model_len=max_model_len)
-        sampler = getattr(engine, "sampler_kind", None)
-        info = {"pool_reason": host.thread.pool_reason, "row_budget": host.thread.row_budget,
-                "context": host.thread.context, "max_model_len": max_model_len, "vocab": host.thread.vocab,
-                "sampler": sampler() if sampler else None, "pid": os.getpid(),
-                "warmed": host.thread.warm_pool() if warm_pool else None}
+        info = engine_info(host, max_model_len, host.thread.warm_pool() if warm_pool else None)
     except BaseException as err:  # noqa: BLE001 - the HTTP process raises it (a SpecError stays exit 2)
         conn.send(("failed", _portable(err)))
         return
@@ -312,7 +335,7 @@ class RemoteScheduler(RowQueue):
 
     outside = False
 
-    def __init__(self, proc: "EngineProcess", info: dict, max_queued_rows: int) -> None:
+    def __init__(self, proc: "EnginePipe", info: dict, max_queued_rows: int) -> None:
         self.proc = proc
         self.pool_reason = info["pool_reason"]
         self.row_budget = info["row_budget"]
@@ -377,31 +400,17 @@ class RemoteScheduler(RowQueue):
                 "refused": self.stats["refused"]}
 
 
-class EngineProcess:
-    """The HTTP process's handle on the engine process: start, send, calls with replies, the reader thread."""
+class EnginePipe:
+    """This side of a pipe to an `EngineCore` (`info`: its `engine_info`): send, calls with replies, the reader
+    thread. `on_exit(why)` is called (from the reader thread) when the other side has gone without being stopped."""
 
-    def __init__(self, build: Callable, plan, engine_index: int, model_name: str, switch_interval: float,
-                 on_exit: Callable[[str], None], warm_pool: bool = False, max_model_len: int | None = None) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.conn, child = context.Pipe()
-        self.proc = context.Process(target=engine_main, name="rlspec-engine",
-                                    args=(child, build, plan, engine_index, model_name, switch_interval, warm_pool,
-                                          max_model_len))
-        self.proc.start()
-        child.close()
+    def __init__(self, conn, info: dict, on_exit: Callable[[str], None]) -> None:
+        self.conn = conn
+        self.info = info
         self.on_exit = on_exit
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count()
         self.scheduler: RemoteScheduler | None = None
-        try:
-            kind, info = self.conn.recv()
-        except EOFError:
-            self.proc.join(10)
-            raise RunError(f"the engine process exited with code {self.proc.exitcode} before it was ready") from None
-        if kind == "failed":
-            self.proc.join(10)
-            raise _raise_portable(info)
-        self.info = info
         self.stopping = False
         self.writer = PipeWriter(self.conn, "rlspec-engine-pipe-writer")
         threading.Thread(target=self._read, name="rlspec-engine-pipe", daemon=True).start()
@@ -445,8 +454,7 @@ class EngineProcess:
             self._apply(deltas)
         if self.stopping:
             return
-        self.proc.join(5)
-        why = f"the engine process (pid {self.proc.pid}) exited with code {self.proc.exitcode}"
+        why = self.gone()
         error = RunError(why)
         for future in list(self._calls.values()):
             if not future.done():
@@ -466,14 +474,49 @@ class EngineProcess:
             loop.call_soon_threadsafe(self.scheduler.apply, list(deltas))
         deltas.clear()
 
+    def gone(self) -> str:
+        """Why the other side went away unasked (the reader thread found the pipe closed)."""
+        return "the engine's side of the pipe closed"
+
     def stop(self) -> None:
-        """Tell the engine process to exit, then make sure it has. A message, not the pipe's close: this process's
-        reader thread is blocked reading the pipe, which keeps it open for the engine process whatever `close` does
-        here (it waited out 10 s, then was killed)."""
+        """Tell the other side this one is done. A message, not the pipe's close: this process's reader thread is
+        blocked reading the pipe, which keeps it open for the other side whatever `close` does here (an engine
+        process waited out 10 s, then was killed)."""
         self.stopping = True
         self.send(("stop",))
         self.writer.close()
         self.writer.thread.join(STOP_WAIT_S)
+
+
+class EngineProcess(EnginePipe):
+    """The HTTP process's handle on the engine process: start it, then the pipe to it."""
+
+    def __init__(self, build: Callable, plan, engine_index: int, model_name: str, switch_interval: float,
+                 on_exit: Callable[[str], None], warm_pool: bool = False, max_model_len: int | None = None) -> None:
+        context = multiprocessing.get_context("spawn")
+        conn, child = context.Pipe()
+        self.proc = context.Process(target=engine_main, name="rlspec-engine",
+                                    args=(child, build, plan, engine_index, model_name, switch_interval, warm_pool,
+                                          max_model_len))
+        self.proc.start()
+        child.close()
+        try:
+            kind, info = conn.recv()
+        except EOFError:
+            self.proc.join(10)
+            raise RunError(f"the engine process exited with code {self.proc.exitcode} before it was ready") from None
+        if kind == "failed":
+            self.proc.join(10)
+            raise _raise_portable(info)
+        super().__init__(conn, info, on_exit)
+
+    def gone(self) -> str:
+        self.proc.join(5)
+        return f"the engine process (pid {self.proc.pid}) exited with code {self.proc.exitcode}"
+
+    def stop(self) -> None:
+        """Tell the engine process to exit, then make sure it has."""
+        super().stop()
         self.proc.join(STOP_WAIT_S)
         if self.proc.is_alive():
             self.proc.kill()
@@ -489,15 +532,26 @@ class RemoteHost:
                  max_model_len: int | None = None) -> None:
         """`build(plan, engine_index)`: the engine, in the engine process (`process.build_engine`); `on_exit(why)`:
         called (from a thread of this process) when the engine process has died."""
+        self._attach(EngineProcess(build, plan, engine_index, model_name, switch_interval, on_exit, warm_pool,
+                                   max_model_len), plan, model_name, max_queued_rows)
+
+    @classmethod
+    def over(cls, pipe: EnginePipe, plan, model_name: str, max_queued_rows: int) -> "RemoteHost":
+        """The face over an engine that serves `pipe` from another process of its own (the run's process, for the
+        agent gateway's processes: `rlspec.agent.processes`)."""
+        host = cls.__new__(cls)
+        host._attach(pipe, plan, model_name, max_queued_rows)
+        return host
+
+    def _attach(self, pipe: EnginePipe, plan, model_name: str, max_queued_rows: int) -> None:
         from ..models.factory import load_tokenizer
 
         self.model_name = model_name
-        self.process = EngineProcess(build, plan, engine_index, model_name, switch_interval, on_exit, warm_pool,
-                                     max_model_len)
-        info = self.process.info
+        self.process = pipe
+        info = pipe.info
         self.warmed = info["warmed"]
         self.engine = _EngineView(load_tokenizer(plan.spec.model), plan.spec.rollout, info["sampler"])
-        self.thread = self.process.scheduler = RemoteScheduler(self.process, info, max_queued_rows)
+        self.thread = pipe.scheduler = RemoteScheduler(pipe, info, max_queued_rows)
         self.engine_pid = info["pid"]
         self.started = time.time()
 

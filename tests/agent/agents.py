@@ -154,3 +154,13 @@ async def times_out_its_completion(prompt: str, base_url: str) -> str:
     except httpx.ReadTimeout:
         STATE["timeouts"] = STATE.get("timeouts", 0) + 1
     return "timed out"
+
+
+def exits_its_process_on_b(prompt: str, base_url: str) -> str:
+    """Ends the whole process it runs in on a prompt about b (an agent process that dies mid-step)."""
+    import os
+
+    text = complete(base_url, prompt, 4)
+    if prompt.startswith("b"):
+        os._exit(3)
+    return text

@@ -378,7 +378,8 @@ print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen']
       #   trajectory", which has the agents' longest-trajectory tail); generated (model) tokens/s of each, medians of
       #   the steps after the first (AM_STEPS agent steps, default 5: the second still captures graphs for new shapes)
       # chat: the chat agent example (two turns of 4 tokens, a tool call between) at 64 and 256 agents: trajectories/s
-      #   (agents on the process's agent loop reach the gateway in process), and at 64 over the gateway's socket
+      #   (agents on the process's agent loop reach the gateway in process), in 8 agent processes (rollout.agent.processes,
+      #   rows -p8), and at 64 over the gateway's socket; AM_CHAT picks rows (default "64 64-p8 256 256-p8 64-http")
       # calc: the calculator agent on the gsm8k sample prompts at 64 and 256 agents (tiny model: mostly one turn)
       # prefix: a turn's admission with prefix reuse against a full prefill of the same ~2k-token context, 1/8/64 rows,
       #   then one more reuse admission of each under torch.profiler (device busy time against wall; the top ops in the log)
@@ -403,7 +404,7 @@ out={'agent_traj_per_s':m(a,'trajectories_per_s'),'agent_tok_per_s':m(a,'model_t
  'turns':m(a,'turns_mean'),'tokens_per_traj':m(a,'model_tokens_mean'),'engine_busy':m(a,'engine_busy_share'),
  'prefix_hits':m(a,'prefix_hits'),'prefix_new_tokens':m(a,'prefix_new_tokens'),'prefix_reused_tokens':m(a,'prefix_reused_tokens'),
  'admits':m(a,'admits'),'admit_ms_each':m(a,'admit_ms_each'),'cpu_s_engine':m(a,'cpu_s_engine'),'cpu_s_agents':m(a,'cpu_s_agents'),
- 'cpu_s_http':m(a,'cpu_s_http')}
+ 'cpu_s_http':m(a,'cpu_s_http'),'cpu_s_agent_procs':m(a,'cpu_s_agent_procs')}
 if p: out.update(plain_tok_per_s=m(p,'model_tokens_per_s'),ratio=round(m(a,'model_tokens_per_s')/m(p,'model_tokens_per_s'),3) if a else None)
 if q: out.update(plain_own_lengths_tok_per_s=m(q,'model_tokens_per_s'),ratio_own_lengths=round(m(a,'model_tokens_per_s')/m(q,'model_tokens_per_s'),3) if a else None)
 print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
@@ -423,10 +424,11 @@ print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
               cat $OUT/agents_plain_$n.log $OUT/agents_multiturn_$n.log > $OUT/agents_both_$n.log
               am_summary $OUT/agents_both_$n.log "multiturn $n agents"; cp $OUT/results.txt $FINAL/
             done ;;
-          chat) for n in 64 256 64-http; do  # 64-http: the agents over the gateway's socket, not in process
+          chat) for n in ${AM_CHAT:-64 64-p8 256 256-p8 64-http}; do  # -http: over the gateway's socket; -pN: N agent processes
+              procs=0; case $n in *-p*) procs=${n#*-p} ;; esac
               CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $ROOT/examples/agent_chat_tool.yaml hardware=gpu1 \
-                rollout.agent.function=$ROOT/examples/agents/chat_tool.py:solve --agents ${n%-http} --steps 5 \
-                $([ $n = 64-http ] && echo --http) > $OUT/agents_chat_$n.log 2>&1
+                rollout.agent.function=$ROOT/examples/agents/chat_tool.py:solve rollout.agent.processes=$procs \
+                --agents ${n%%-*} --steps 5 $([ $n = 64-http ] && echo --http) > $OUT/agents_chat_$n.log 2>&1
               echo "agents_multiturn chat $n exit $?" >> $OUT/results.txt; am_summary $OUT/agents_chat_$n.log "chat $n agents"
               cp $OUT/results.txt $FINAL/
             done ;;

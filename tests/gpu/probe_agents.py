@@ -4,7 +4,8 @@ line: the step's wall, the engine thread's seconds admitting (prefill) and decod
 seconds calls spent waiting for the engine (queue + admission + decode, summed over calls and divided by the
 agents, i.e. per agent) against each agent's wall, the turns, the model tokens, and the prefix cache's counters.
 `--http`: the agents reach the gateway over its socket (else in process, as an agent on the process's agent loop
-does). Per step also the CPU seconds of the engine thread, the agents' loop, the HTTP server's thread and the rest.
+does). With `rollout.agent.processes=N` the agents run in N processes of their own (`cpu_s_agent_procs`: their CPU
+seconds; the calls' wait is not measured there). Per step also the CPU seconds of the engine thread, the agents' loop, the HTTP server's thread and the rest.
 `--plain-tokens N` then times the engine's plain batched rollout of as many trajectories, N new tokens each;
 `--plain-like-multiturn` also times a plain rollout of each trajectory's own length (`plain_pool_step` lines): the
 multiturn agent's (`examples/agents/multiturn_tokens.py`) model tokens of that trajectory, summed over its turns, as
@@ -57,7 +58,7 @@ def main() -> None:
 
         serve_in_process("127.0.0.1", int(gateway.url.rsplit(":", 1)[1]), None)
     waited = [0.0]
-    for name in ("completion_async", "chat_async"):  # the seconds each call awaited the engine (its queue included)
+    for name in ("completion_async", "chat_async") if gateway.front else ():  # the seconds each call awaited the
         original = getattr(gateway.openai, name)
 
         async def timed(*a, _original=original, **k):
@@ -69,17 +70,19 @@ def main() -> None:
 
         setattr(gateway.openai, name, timed)
     scheduler = gateway.host.thread
+    procs = gateway.processes.procs if gateway.processes else []
     try:
         for step in range(args.steps):
             before, waited[0] = dict(scheduler.stats), 0.0
             prefix_before = _prefix(scheduler)
             captured_before = _captured(scheduler)
-            cpu_before = _thread_cpu()
+            cpu_before = {**_thread_cpu(), "agent_procs": _procs_cpu(procs)}
             began = time.perf_counter()
             out = gateway.rollout(task.sample(step, prompts), step)
             wall = time.perf_counter() - began
             stats = {k: scheduler.stats[k] - before[k] for k in ("admits", "admit_s", "steps", "decode_s")}
-            cpu = {name: round(s - cpu_before.get(name, 0.0), 3) for name, s in _thread_cpu().items()}
+            cpu = {name: round(s - cpu_before.get(name, 0.0), 3)
+                   for name, s in {**_thread_cpu(), "agent_procs": _procs_cpu(procs)}.items()}
             model_tokens = sum(sum(m) for m in out.rollout.completion_mask)
             n = out.metrics["agent/trajectories"]
             print(json.dumps({
@@ -191,6 +194,20 @@ def _thread_cpu() -> dict[str, float]:
         key = {"rlspec-engine": "engine", "rlspec-agents": "agents", "rlspec-agent-gateway": "http"}.get(name, "other")
         out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+def _procs_cpu(procs) -> float:
+    """CPU seconds so far of the agent processes (`rollout.agent.processes`; Linux: /proc)."""
+    import os
+
+    total = 0.0
+    for proc in procs:
+        try:
+            fields = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def _prefix(scheduler) -> dict:
