@@ -379,7 +379,8 @@ print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen']
       #   the steps after the first (AM_STEPS agent steps, default 5: the second still captures graphs for new shapes)
       # chat: the chat agent example (two turns of 4 tokens, a tool call between) at 64 and 256 agents: trajectories/s
       #   (agents on the process's agent loop reach the gateway in process), in 8 agent processes (rollout.agent.processes,
-      #   rows -p8), and at 64 over the gateway's socket; AM_CHAT picks rows (default "64 64-p8 256 256-p8 64-http")
+      #   rows -p8), and at 64 over the gateway's socket; AM_CHAT picks rows (default "64 64-p8 256 256-p8 64-http"; a row's
+      #   flags below), AM_PYSPY samples them too
       # calc: the calculator agent on the gsm8k sample prompts at 64 and 256 agents (tiny model: mostly one turn)
       # prefix: a turn's admission with prefix reuse against a full prefill of the same ~2k-token context, 1/8/64 rows,
       #   then one more reuse admission of each under torch.profiler (device busy time against wall; the top ops in the log)
@@ -424,11 +425,19 @@ print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
               cat $OUT/agents_plain_$n.log $OUT/agents_multiturn_$n.log > $OUT/agents_both_$n.log
               am_summary $OUT/agents_both_$n.log "multiturn $n agents"; cp $OUT/results.txt $FINAL/
             done ;;
-          chat) for n in ${AM_CHAT:-64 64-p8 256 256-p8 64-http}; do  # -http: over the gateway's socket; -pN: N agent processes
-              procs=0; case $n in *-p*) procs=${n#*-p} ;; esac
+          chat) for n in ${AM_CHAT:-64 64-p8 256 256-p8 64-http}; do
+              # a row: the agents, then -pN (N agent processes), -http (over the gateway's socket), -bf16 (model.dtype),
+              # -wMS (the scheduler's admission wait in ms, default the gateway's 30), -f (that wait whatever admissions cost)
+              flags=(); procs=0; dtype=()
+              for f in $(echo ${n#*-} | tr - ' '); do case $f in
+                p[0-9]*) procs=${f#p} ;; http) flags+=(--http) ;; bf16) dtype=(model.dtype=bfloat16) ;;
+                w[0-9]*) flags+=(--admit-wait-s $(python3 -c "print(${f#w}/1000)")) ;; f) flags+=(--fixed-admit-wait) ;;
+                esac; done
               CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $ROOT/examples/agent_chat_tool.yaml hardware=gpu1 \
-                rollout.agent.function=$ROOT/examples/agents/chat_tool.py:solve rollout.agent.processes=$procs \
-                --agents ${n%%-*} --steps 5 $([ $n = 64-http ] && echo --http) > $OUT/agents_chat_$n.log 2>&1
+                rollout.agent.function=$ROOT/examples/agents/chat_tool.py:solve rollout.agent.processes=$procs "${dtype[@]}" \
+                --agents ${n%%-*} --steps ${AM_STEPS:-5} "${flags[@]}" > $OUT/agents_chat_$n.log 2>&1 &
+              probe=$!; [ -n "${AM_PYSPY:-}" ] && am_spy $probe $OUT/agents_chat_$n.log $OUT/agents_chat_${n}_pyspy.txt
+              wait $probe
               echo "agents_multiturn chat $n exit $?" >> $OUT/results.txt; am_summary $OUT/agents_chat_$n.log "chat $n agents"
               cp $OUT/results.txt $FINAL/
             done ;;

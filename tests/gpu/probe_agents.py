@@ -35,6 +35,10 @@ def main() -> None:
                         help="also a plain rollout of each trajectory's own length as the multiturn agent plans it")
     parser.add_argument("--http", action="store_true",
                         help="agents reach the gateway over its socket, not in process (`client.serve_in_process`)")
+    parser.add_argument("--admit-wait-s", type=float, default=None,
+                        help="the scheduler's admit_wait_s (default: the gateway's, agent.gateway.ADMIT_WAIT_S)")
+    parser.add_argument("--fixed-admit-wait", action="store_true",
+                        help="the admission wait as before it followed the admissions' cost: admit_wait_s always")
     args = parser.parse_args()
 
     from rlspec.agent.gateway import AgentGateway
@@ -70,6 +74,12 @@ def main() -> None:
 
         setattr(gateway.openai, name, timed)
     scheduler = gateway.host.thread
+    if args.admit_wait_s is not None:
+        scheduler.admit_wait_s = args.admit_wait_s
+    if args.fixed_admit_wait:  # the average never moves from its first admission's (graphs captured: >= the wait)
+        import rlspec.serve.scheduler as scheduler_module
+
+        scheduler_module.ADMIT_COST_WEIGHT, scheduler.admit_cost_s = 0.0, 1.0
     procs = gateway.processes.procs if gateway.processes else []
     try:
         for step in range(args.steps):

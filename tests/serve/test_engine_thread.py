@@ -27,7 +27,8 @@ def _scheduler():
 
 def test_with_admit_wait_rows_queued_behind_rows_in_flight_start_together():
     """`Scheduler.admit_wait_s` (the agent gateway's): with rows in flight, queued rows wait for a quarter of their
-    number (or the free slots), or for the oldest to have waited that long; an idle pool starts them at once."""
+    number (or the free slots), or for the oldest to have waited that long, or as long as an admission lately cost
+    (`admit_cost_s`) if less; an idle pool starts them at once."""
     from types import SimpleNamespace
 
     from rlspec.serve.pool import RowSampling
@@ -38,9 +39,9 @@ def test_with_admit_wait_rows_queued_behind_rows_in_flight_start_together():
         out.arrived_s -= age_s
         return out
 
-    def ready(waiting, live: int, free: int = 64, wait_s: float = 0.03) -> bool:
+    def ready(waiting, live: int, free: int = 64, wait_s: float = 0.03, cost_s: float | None = None) -> bool:
         state = SimpleNamespace(admit_wait_s=wait_s, pool=SimpleNamespace(live=dict.fromkeys(range(live))),
-                                waiting=waiting)
+                                waiting=waiting, admit_cost_s=cost_s)
         return Scheduler._batch_ready(state, free)
 
     assert ready([sub(1)], live=0)  # idle: at once
@@ -49,6 +50,10 @@ def test_with_admit_wait_rows_queued_behind_rows_in_flight_start_together():
     assert ready([sub(1), sub(3)], live=16)
     assert ready([sub(2)], live=16, free=2)  # they fill the free slots
     assert ready([sub(1, age_s=0.05)], live=16)  # the oldest waited long enough
+    # never longer than an admission has lately cost
+    assert not ready([sub(1, age_s=0.015)], live=16) and ready([sub(1, age_s=0.015)], live=16, cost_s=0.01)
+    assert not ready([sub(1, age_s=0.015)], live=16, cost_s=0.02)
+    assert not ready([sub(1, age_s=0.015)], live=16, cost_s=0.5)  # a slow admission (a graph's capture): the cap
     waiting = [sub(1)]
     time.sleep(0.04)
     assert ready(waiting, live=16)
