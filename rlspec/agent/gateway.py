@@ -31,6 +31,9 @@ the socket: `client.serve_in_process`): their requests join one decode batch (th
 front of the in-process engine here or in the rollout server), and a turn extending an earlier one prefills only its
 new tokens (`rlspec.serve.prefill.PrefixCache`).
 
+With `rollout.agent.processes` N > 0 the agents and these routes run in N agent processes instead, each a whole
+`GatewayFront` at its own address over the run's engine (`rlspec.agent.processes`); the run's process keeps the engine.
+
 A GRPO group is `group_size` trajectories of one prompt. A failed trajectory (see `runner`) is counted
 and dropped, never scored; a group left with fewer than two trajectories is dropped too (GRPO compares
 within a group). A step whose share of failed trajectories exceeds `rollout.agent.max_failure_rate`

@@ -384,7 +384,8 @@ print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen']
       # calc: the calculator agent on the gsm8k sample prompts at 64 and 256 agents (tiny model: mostly one turn)
       # prefix: a turn's admission with prefix reuse against a full prefill of the same ~2k-token context, 1/8/64 rows,
       #   then one more reuse admission of each under torch.profiler (device busy time against wall; the top ops in the log)
-      # AM_AGENTS="64 256": the multiturn part's agent counts. AM_PYSPY=<seconds>: py-spy samples each multiturn agents'
+      # AM_AGENTS="64 256": the multiturn part's agent counts; AM_FIXED_WAIT=1: their admission wait 30 ms whatever
+      #   admissions cost (as before 68c2366; probe_agents --fixed-admit-wait). AM_PYSPY=<seconds>: py-spy samples each multiturn agents'
       #   process (every thread, idle ones too: where the engine thread waits) for that long from the end of its second
       #   step (graphs for new shapes captured); per-thread summary in agents_multiturn_<n>_pyspy_top.txt
       AM_PY="timeout ${AM_TIMEOUT:-300} python3"
@@ -419,7 +420,7 @@ print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
               CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps 0 --plain-tokens 640 --plain-like-multiturn \
                 > $OUT/agents_plain_$n.log 2>&1; echo "agents_multiturn plain $n exit $?" >> $OUT/results.txt
               CUDA_VISIBLE_DEVICES=$ONE $AM_PY $ROOT/tests/gpu/probe_agents.py $MT --agents $n --steps ${AM_STEPS:-5} \
-                > $OUT/agents_multiturn_$n.log 2>&1 &
+                $([ -n "${AM_FIXED_WAIT:-}" ] && echo --fixed-admit-wait) > $OUT/agents_multiturn_$n.log 2>&1 &
               probe=$!; [ -n "${AM_PYSPY:-}" ] && am_spy $probe $OUT/agents_multiturn_$n.log $OUT/agents_multiturn_${n}_pyspy.txt
               wait $probe; echo "agents_multiturn multiturn $n exit $?" >> $OUT/results.txt
               cat $OUT/agents_plain_$n.log $OUT/agents_multiturn_$n.log > $OUT/agents_both_$n.log
