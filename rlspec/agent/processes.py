@@ -11,7 +11,7 @@ processes, and the run's process keeps only the engine:
       results: trajectory or failure   <-- control pipe --  `GatewayFront` at the process's own address
       `EngineCore` over the engine     <-- engine pipe --->  `RemoteHost` (rows, cancels, their tokens)
 
-Each agent process is a whole gateway front (`rlspec.agent.gateway.GatewayFront`): the same routes, refusals and
+Each agent process is a whole gateway front (`rlspec.agent.front.GatewayFront`): the same routes, refusals and
 records, its own 127.0.0.1 port for agents that use the network (a command agent, a plain function, a client of their
 own), and `client.http_client`'s in-process path for those that use it. It reaches the run's engine as the HTTP
 process of `rlspec serve --engine-process` reaches its engine process (`rlspec.serve.engine_process`): the rows of
@@ -40,6 +40,7 @@ from ..serve.engine_process import (EngineCore, EnginePipe, PipeWriter, RemoteHo
                                     engine_info, received, settle_heap)
 from ..spec import RunPlan
 from ..tasks import Prompt
+from .front import GatewayFront, AgentJob, agent_loop, finish
 from .runner import AgentFailure
 
 START_TIMEOUT_S = 300.0
@@ -62,6 +63,7 @@ class AgentProcesses:
         self.writers: list[PipeWriter] = []
         self.procs = []
         self.urls: list[str] = []
+        self.closed = False
         for index in range(self.spec.processes):
             control, control_child = context.Pipe()
             engine, engine_child = context.Pipe()
@@ -152,6 +154,9 @@ class AgentProcesses:
 
     def close(self) -> None:
         """Stop every agent process (each ends at a `stop`, or when its pipes close), then make sure it has."""
+        if self.closed:
+            return
+        self.closed = True
         for i, conn in enumerate(self.controls):
             writer = self.writers[i] if i < len(self.writers) else None
             try:
@@ -175,11 +180,11 @@ class AgentProcesses:
 # --- an agent process -----------------------------------------------------------------------------------------
 def agent_process_main(control, engine, plan: RunPlan, model_name: str, info: dict, switch_interval: float) -> None:
     """An agent process: a gateway front over the run's engine (through `engine`), agents run as `control` says."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the run's process, which stops this one
+    # A terminal's Ctrl-C reaches the run's process too, which stops this one (here it would only print a traceback).
+    # A handler that does nothing, not SIG_IGN, which a command agent started from here would inherit.
+    signal.signal(signal.SIGINT, _ignored)
     sys.setswitchinterval(switch_interval)
     try:
-        from .gateway import GatewayFront, agent_loop
-
         pipe = EnginePipe(engine, info, on_exit=_engine_gone)
         host = RemoteHost.over(pipe, plan, model_name, max_queued_rows=sys.maxsize)
         front = GatewayFront(plan, host)
@@ -190,6 +195,10 @@ def agent_process_main(control, engine, plan: RunPlan, model_name: str, info: di
     control.send(("ready", front.url))
     settle_heap()
     _AgentHost(control, front, loop).serve()
+
+
+def _ignored(signum, frame) -> None:
+    """Ctrl-C in an agent process: the run's process stops it (`agent_process_main`)."""
 
 
 def _engine_gone(why: str) -> None:
@@ -233,9 +242,7 @@ class _AgentHost:
             future.cancel()
 
     async def _run(self, trajectory_id: str, text: str, seed: int) -> None:
-        from .gateway import _Job, finish
-
-        job = _Job(trajectory_id, Prompt(text), 0, seed=seed)
+        job = AgentJob(trajectory_id, Prompt(text), 0, seed=seed)
         front = self.front
         front.open(trajectory_id, seed)
         try:

@@ -5,6 +5,8 @@ Each gateway here starts two agent processes (spawned: each imports torch and lo
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from rlspec.errors import RunError
@@ -71,3 +73,35 @@ def test_agent_processes_is_checked_and_a_bad_agent_is_named_before_any_process_
         gateway_for(engine, monkeypatch, "rollout.agent.function=tests.agent.agents:no_such_agent",
                     "rollout.agent.processes=2")
     assert not multiprocessing.active_children()
+
+
+def test_a_sigterm_to_the_runs_process_group_checkpoints_exits_143_and_leaves_no_process(tmp_path):
+    """A preemption's SIGTERM to every process of the run (`rlspec run` and its agent processes): the run's process
+    checkpoints its last step and exits 143 as alone (`tests/test_faults.py`), whatever the agent processes did
+    first, and none of them is left."""
+    import signal
+    import subprocess
+    import time
+
+    from rlspec.runtime.metrics import read_metrics
+    from tests.conftest import REPO, interrupt_after_rows, rlspec_cmd
+
+    out = tmp_path / "o"
+    proc = subprocess.Popen(rlspec_cmd("run", "examples/agent_copy_two_turn.yaml", *SMALL, "algorithm.steps=40",
+                                       "rollout.agent.processes=2", "checkpoint.every_n_steps=0", "--out", str(out),
+                                       "--no-progress"),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    err, took = interrupt_after_rows(proc, out / "metrics.jsonl", 2, lambda: os.killpg(proc.pid, signal.SIGTERM))
+    print(f"\nSIGTERM to the group: exit {proc.returncode} {took:.2f} s after the signal")
+    assert proc.returncode == 143, err[-3000:]
+    last = read_metrics(out / "metrics.jsonl")[-1]["step"]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{last:06d}"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # any process of the group left?
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("a process of the run's group outlived it")
