@@ -245,7 +245,6 @@ class EngineCore:
 
     def _call(self, cid: int, what: str, args: tuple) -> Callable[[], Any]:
         from .app import bridge_call
-        from .openai_api import generate_alone
 
         host = self.host
         if what == "bridge":
@@ -257,7 +256,9 @@ class EngineCore:
 
             def generate():
                 try:
-                    return asyncio.run(host.thread.run_async(generate_alone, host, *args, abort))
+                    # the host's own call: on the engine thread, or beside it for an engine outside this process
+                    # (the agent gateway's view of Ray engines or a rollout server, behind agent processes)
+                    return asyncio.run(host.generate_alone(*args, abort=abort))
                 finally:
                     self.aborts.pop(cid, None)
 

@@ -27,12 +27,14 @@ def test_agent_run_through_a_rollout_server(tmp_path, monkeypatch):
         assert 0 < row["response_len/mean"] <= 8 and row["sync/bytes"] > 0
 
 
-def test_a_chat_agent_runs_through_a_rollout_server(tmp_path, monkeypatch):
-    """The chat turns reach the server as token ids (the earlier turns' sampled ids spliced in)."""
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_chat_agent_runs_through_a_rollout_server(tmp_path, monkeypatch, processes):
+    """The chat turns reach the server as token ids (the earlier turns' sampled ids spliced in); in agent processes
+    too, where each turn goes to the run's process as a call that runs beside its engine thread."""
     pytest.importorskip("openai")
     monkeypatch.chdir(REPO)
-    out = run(SPEC, [*SHORT, "hardware.rollout=separate", "rollout.agent.function=examples/agents/chat_tool.py:solve"],
-              out=str(tmp_path / "run"), progress=False)
+    out = run(SPEC, [*SHORT, "hardware.rollout=separate", "rollout.agent.function=examples/agents/chat_tool.py:solve",
+                     f"rollout.agent.processes={processes}"], out=str(tmp_path / "run"), progress=False)
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["agent/trajectories"] == 4 and row["agent/failed"] == 0 and row["agent/turns_mean"] == 2.0
 
