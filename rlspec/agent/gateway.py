@@ -54,7 +54,7 @@ from ..serve.app import EngineHost
 from ..serve.process import SWITCH_INTERVAL_S
 from ..spec import RunPlan
 from ..tasks import Prompt
-from .front import GatewayFront, AgentJob, agent_loop, finish
+from .front import AgentJob, GatewayFront, agent_loop, finish
 from .runner import load_agent
 
 ADMIT_WAIT_S = 0.03

@@ -40,7 +40,7 @@ from ..serve.engine_process import (EngineCore, EnginePipe, PipeWriter, RemoteHo
                                     engine_info, received, settle_heap)
 from ..spec import RunPlan
 from ..tasks import Prompt
-from .front import GatewayFront, AgentJob, agent_loop, finish
+from .front import AgentJob, GatewayFront, agent_loop, finish
 from .runner import AgentFailure
 
 START_TIMEOUT_S = 300.0
@@ -234,8 +234,10 @@ class _AgentHost:
                     self._cancel_all()
                 elif message[0] == "job":
                     _, trajectory_id, text, seed = message
-                    self.running[trajectory_id] = asyncio.run_coroutine_threadsafe(
+                    future = self.running[trajectory_id] = asyncio.run_coroutine_threadsafe(
                         self._run(trajectory_id, text, seed), self.loop)
+                    # (at once, here, if the agent has already ended)
+                    future.add_done_callback(lambda _, key=trajectory_id: self.running.pop(key, None))
 
     def _cancel_all(self) -> None:
         for future in list(self.running.values()):
@@ -249,7 +251,6 @@ class _AgentHost:
             await front.run_job(job)
         finally:
             record = front.pop(trajectory_id)
-            self.running.pop(trajectory_id, None)
         try:
             trajectory = finish(job, record)
             engine_failed, front.engine_failure = front.engine_failure, None
