@@ -3,12 +3,14 @@
 - No import circles: no module reaches itself through its imports, module-level or inside a function.
 - No package holds more than 12 modules.
 - The README's "Where things are" section names every package, and names only packages that exist.
+- pyproject's package list names every package (a non-editable install, as the GPU machine's, leaves out the rest).
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,3 +127,9 @@ def test_the_readme_says_where_every_package_is():
     assert named == packages
     for first in re.findall(r"^\| `[\w/]+/` \| .*? \| `([\w/.]+)` \|$", section, re.M):
         assert (ROOT / first).is_file(), first
+
+
+def test_pyproject_installs_every_package():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, (_, is_init) in _modules().items() if is_init}
+    assert packages - listed == set(), "add them to [tool.setuptools] packages in pyproject.toml"

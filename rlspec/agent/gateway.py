@@ -29,7 +29,7 @@ agent in a thread of its own), the next starting as soon as one ends, and the ga
 without holding a thread (an agent on the agent loop using `client.http_client` reaches them in process, without
 the socket: `client.serve_in_process`): their requests join one decode batch (the scheduler of `rlspec.serve`, in
 front of the in-process engine here or in the rollout server), and a turn extending an earlier one prefills only its
-new tokens (`rlspec.serve.prefill.PrefixCache`).
+new tokens (`rlspec.serve.kv.prefix.PrefixCache`).
 
 With `rollout.agent.processes` N > 0 the agents and these routes run in N agent processes instead, each a whole
 `GatewayFront` at its own address over the run's engine (`rlspec.agent.processes`); the run's process keeps the engine.

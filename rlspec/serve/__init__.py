@@ -5,7 +5,8 @@
   `/v1/chat/completions`, with token ids and log-probs) and their text plumbing in `chat.py` (chat
   templates, stop strings, tool calls).
 - `scheduler.py`: the engine thread: every request in flight joins one decode batch in `pool.py` (the CUDA-graph
-  engine's slot pool with per-row sampling settings), bridge
+  engine's slot pool with per-row sampling settings; `kv/`: the prompts' prefills and prefix reuse it admits rows
+  from), bridge
   jobs run between decode steps once the rows in flight have drained, a bounded queue (429 past it); `live.py`: a
   request's plan and its live stream.
 - `ops.py`: the bridge's named operations and its wire format (JSON + safetensors; no code travels).

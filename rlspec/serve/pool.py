@@ -31,7 +31,8 @@ from torch import Tensor
 from ..rollout.noise import keyed_exponential
 from ..rollout.sampling import exponential_race
 from ..rollout.static import BATCH_BUCKETS, CACHE_STEP, SHRINK_FLOOR, GraphSampler, bucket_for
-from .prefill import Prefill, Prefills, on_device, slot_runs
+from .kv.prefill import Prefill, Prefills, on_device
+from .kv.prefix import slot_runs
 
 MAX_TOP = 20
 """Top log-probs a row may ask for (the `full` step records this many for every row)."""

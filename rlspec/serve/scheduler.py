@@ -261,7 +261,7 @@ class Scheduler(RowQueue):
                 "capture_s": round(capture_s, 4), "prefix_cache": self._prefix_cache()}
 
     def _prefix_cache(self) -> dict | None:
-        """The pool's prefix cache (`prefill.PrefixCache`, shared with the long lane): its counters since start and
+        """The pool's prefix cache (`kv.prefix.PrefixCache`, shared with the long lane): its counters since start and
         the tokens it holds against its bound; None before the pool is made."""
         if self.pool is None:
             return None

@@ -1,4 +1,4 @@
-"""A turn's prefill with prefix reuse against a full prefill of the same context (`rlspec.serve.prefill.PrefixCache`):
+"""A turn's prefill with prefix reuse against a full prefill of the same context (`rlspec.serve.kv.prefix.PrefixCache`):
 the spec's model in a serving pool; `--rows` rows of `--context`-token prompts admitted and decoded `--tokens` tokens
 each (turn 1), then their next turn (prompt + sampled tokens + a `--tool`-token result) admitted twice: into the
 pool that kept turn 1's K/V (prefix reuse), and into the same pool with its prefix cache emptied (a full prefill of
@@ -38,7 +38,7 @@ def main() -> None:
     from rlspec.serve.process import build_engine
     from rlspec.serve.scheduler import make_pool
 
-    from rlspec.serve import prefill
+    from rlspec.serve.kv import prefill
 
     served_min = prefill.GRAPH_MIN_REUSED  # what the pool serves with: reuse only past this many reused tokens
     prefill.GRAPH_MIN_REUSED = 0  # every match reused, whatever an admission saves: the cost of reuse itself

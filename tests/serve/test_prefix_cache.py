@@ -1,4 +1,4 @@
-"""Prefix reuse across turns (`rlspec.serve.prefill.PrefixCache`) in the serving pool, CPU fp32: a row's next turn (its
+"""Prefix reuse across turns (`rlspec.serve.kv.prefix.PrefixCache`) in the serving pool, CPU fp32: a row's next turn (its
 prompt, the tokens it sampled, then a tool result) prefills only the new tokens, and samples the same tokens with
 the same log-probs as a fresh prefill of the whole context (bit for bit); the bound, eviction and a weight refresh;
 on CUDA the same within bf16 (GPU-marked)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlspec.serve.pool import RowSampling, ServingPool
-from rlspec.serve.prefill import BLOCK, PrefixCache
+from rlspec.serve.kv.prefix import BLOCK, PrefixCache
 
 PROMPT = [(7 * i) % 200 + 3 for i in range(40)]
 TOOL = [(11 * i) % 200 + 3 for i in range(23)]
@@ -101,7 +101,7 @@ def test_the_captured_extension_lays_out_several_turns_as_their_fresh_prefills(s
     one after another, a padding sequence, varlen attention with key offsets), run eagerly on CPU under the mask it
     stands for: each turn's K/V and last hidden equal its fresh prefill's to fp32 rounding, across two forwards (the
     graph's token bound lowered) and rows reusing different lengths."""
-    from rlspec.serve import prefill
+    from rlspec.serve.kv import prefill
 
     monkeypatch.setattr(prefill.Prefills, "_capture", lambda self, forward: ((r := _Replayed(forward)), r.out))
     monkeypatch.setattr(prefill, "PREFILL_GRAPH_TOKENS", 64)
@@ -179,7 +179,7 @@ def test_rows_kept_from_runs_of_slots_hold_what_a_gather_per_layer_takes(slots, 
     """`PrefixCache.keep` copies rows that end together with one stack per run of consecutive slots (slices, no
     gather per layer): each kept entry holds its slot's K/V as the gather per layer does (`KEEP_RUNS` 0), in the same
     order of entries (the newest answers for a shared block)."""
-    from rlspec.serve import prefill
+    from rlspec.serve.kv import prefix
 
     gen = torch.Generator().manual_seed(0)
     keys = [torch.randn(8, 2, 40, 4, generator=gen) for _ in range(3)]
@@ -187,7 +187,7 @@ def test_rows_kept_from_runs_of_slots_hold_what_a_gather_per_layer_takes(slots, 
     rows = [([1] * BLOCK + [slot] * (3 + slot), slot) for slot in slots]
 
     def kept(runs: int) -> list:
-        monkeypatch.setattr(prefill, "KEEP_RUNS", runs)
+        monkeypatch.setattr(prefix, "KEEP_RUNS", runs)
         cache = PrefixCache(10_000)
         cache.keep(rows, keys, values)
         return list(cache._entries.values())
