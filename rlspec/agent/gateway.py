@@ -182,7 +182,10 @@ class AgentGateway:
         interval = sys.getswitchinterval()
         sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
         try:
-            kept, failure = (self.processes or self).run(jobs)
+            if self.processes is not None:
+                kept, failure = self.processes.run(jobs)
+            else:
+                kept, failure = self.run(jobs)
         finally:
             sys.setswitchinterval(interval)
         if failure is not None:

@@ -60,9 +60,7 @@ class AgentProcesses:
         info = engine_info(host)
         self.cores: list[EngineCore] = []
         self.controls = []
-        self.writers: list[PipeWriter] = []
         self.procs = []
-        self.urls: list[str] = []
         self.closed = False
         for index in range(self.spec.processes):
             control, control_child = context.Pipe()
@@ -78,12 +76,12 @@ class AgentProcesses:
             self.controls.append(control)
             self.procs.append(proc)
         host.thread.on_iteration = self._flush  # each step's tokens to every agent process, one message each
+        self.writers = [PipeWriter(conn, f"rlspec-agents-{i}-writer") for i, conn in enumerate(self.controls)]
         try:
             self._wait_ready()
         except BaseException:
             self.close()
             raise
-        self.writers = [PipeWriter(conn, f"rlspec-agents-{i}-writer") for i, conn in enumerate(self.controls)]
 
     def _serve(self, core: EngineCore) -> None:
         core.serve()
@@ -106,7 +104,6 @@ class AgentProcesses:
                                "was ready") from None
             if kind == "failed":
                 raise _raise_portable(value)
-            self.urls.append(value)
 
     def run(self, jobs: list) -> tuple[list, RunError | None]:
         """Run every job's agent in the agent processes; fills each job's answer, failure, turns and malformed tool
@@ -157,17 +154,10 @@ class AgentProcesses:
         if self.closed:
             return
         self.closed = True
-        for i, conn in enumerate(self.controls):
-            writer = self.writers[i] if i < len(self.writers) else None
-            try:
-                if writer is not None:
-                    writer.send(("stop",))
-                    writer.close()
-                    writer.thread.join(STOP_WAIT_S)
-                else:
-                    conn.send(("stop",))
-            except (OSError, ValueError):
-                pass
+        for writer in self.writers:
+            writer.send(("stop",))
+            writer.close()
+            writer.thread.join(STOP_WAIT_S)
         for proc in self.procs:
             proc.join(STOP_WAIT_S)
             if proc.is_alive():
@@ -192,7 +182,7 @@ def agent_process_main(control, engine, plan: RunPlan, model_name: str, info: di
     except BaseException as err:  # noqa: BLE001 - the run's process raises it (a SpecError stays exit 2)
         control.send(("failed", _portable(err)))
         return
-    control.send(("ready", front.url))
+    control.send(("ready", None))
     settle_heap()
     _AgentHost(control, front, loop).serve()
 
