@@ -73,8 +73,8 @@ class PrefixCache:
         self.stats = {"kept": 0, "evicted": 0, "hits": 0, "misses": 0, "reused_tokens": 0, "new_tokens": 0,
                       "declined": 0, "captured": 0}
         """Counters since start: rows kept and evicted; admitted prompts with a match (hits) and without (misses); the
-        tokens reused and computed for the hits; hits prefilled whole all the same (`prefill.GRAPH_MIN_REUSED`); hits extended
-        by a captured forward (`Prefills.extension_graph`)."""
+        tokens reused and computed for the hits; hits prefilled whole all the same (`prefill.GRAPH_MIN_REUSED`);
+        hits extended by a captured forward (`prefill.Prefills.extension_graph`)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -194,7 +194,8 @@ def extend(decoder, rows: list[tuple[tuple[int, ...], _Entry, int]], eos: int, d
 
 def extension_batches(rows: list, separate: bool, cells: int) -> list[list]:
     """`rows` (prompt, entry, reused) split into extension forwards: each alone when `separate` (CPU: a prompt's K/V
-    then do not depend on the others'), else by similar widths up to `cells` rows x width a forward (`prefill.EXTEND_BYTES`)."""
+    then do not depend on the others'), else by similar widths up to `cells` rows x width a forward
+    (`prefill.EXTEND_BYTES`)."""
     if separate:
         return [[row] for row in rows]
     batches, part = [], []
