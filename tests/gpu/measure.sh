@@ -378,9 +378,10 @@ print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen']
       #   trajectory", which has the agents' longest-trajectory tail); generated (model) tokens/s of each, medians of
       #   the steps after the first (AM_STEPS agent steps, default 5: the second still captures graphs for new shapes)
       # chat: the chat agent example (two turns of 4 tokens, a tool call between) at 64 and 256 agents: trajectories/s
-      #   (agents on the process's agent loop reach the gateway in process), in 8 agent processes (rollout.agent.processes,
-      #   rows -p8), and at 64 over the gateway's socket; AM_CHAT picks rows (default "64 64-p8 256 256-p8 64-http"; a row's
-      #   flags below), AM_PYSPY samples them too
+      #   (agents on the process's agent loop reach the gateway in process), in 12 agent processes (rollout.agent.processes,
+      #   rows -p12: the best of 8/12/16 on a 16-core host), and at 64 over the gateway's socket; AM_CHAT picks rows
+      #   (default "64 64-p12 256 256-p12 64-http"; a row's flags below), AM_PYSPY samples them too. Each part alone fits
+      #   a call (~4-6 min); chat plus multiturn did not (AM_PARTS=chat, then AM_PARTS=multiturn, one call each)
       # calc: the calculator agent on the gsm8k sample prompts at 64 and 256 agents (tiny model: mostly one turn)
       # prefix: a turn's admission with prefix reuse against a full prefill of the same ~2k-token context, 1/8/64 rows,
       #   then one more reuse admission of each under torch.profiler (device busy time against wall; the top ops in the log)
@@ -426,7 +427,7 @@ print(sys.argv[2], out)" "$1" "$2" >> $OUT/results.txt 2>&1
               cat $OUT/agents_plain_$n.log $OUT/agents_multiturn_$n.log > $OUT/agents_both_$n.log
               am_summary $OUT/agents_both_$n.log "multiturn $n agents"; cp $OUT/results.txt $FINAL/
             done ;;
-          chat) for n in ${AM_CHAT:-64 64-p8 256 256-p8 64-http}; do
+          chat) for n in ${AM_CHAT:-64 64-p12 256 256-p12 64-http}; do
               # a row: the agents, then -pN (N agent processes), -http (over the gateway's socket), -bf16 (model.dtype),
               # -wMS (the scheduler's admission wait in ms, default the gateway's 30), -f (that wait whatever admissions cost)
               flags=(); procs=0; dtype=()
