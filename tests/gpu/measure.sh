@@ -380,8 +380,8 @@ print(sys.argv[2], 'gen samples/s median', round(s.median(64 / r['timing_s/gen']
       # chat: the chat agent example (two turns of 4 tokens, a tool call between) at 64 and 256 agents: trajectories/s
       #   (agents on the process's agent loop reach the gateway in process), in 12 agent processes (rollout.agent.processes,
       #   rows -p12: the best of 8/12/16 on a 16-core host), and at 64 over the gateway's socket; AM_CHAT picks rows
-      #   (default "64 64-p12 256 256-p12 64-http"; a row's flags below), AM_PYSPY samples them too. Each part alone fits
-      #   a call (~4-6 min); chat plus multiturn did not (AM_PARTS=chat, then AM_PARTS=multiturn, one call each)
+      #   (default "64 64-p12 256 256-p12 64-http"; a row's flags below), AM_PYSPY samples them too. Seven chat rows
+      #   and the multiturn part did not fit one call (2026-11-29): AM_PARTS=chat, then AM_PARTS=multiturn, a call each
       # calc: the calculator agent on the gsm8k sample prompts at 64 and 256 agents (tiny model: mostly one turn)
       # prefix: a turn's admission with prefix reuse against a full prefill of the same ~2k-token context, 1/8/64 rows,
       #   then one more reuse admission of each under torch.profiler (device busy time against wall; the top ops in the log)
