@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..core.weights import (LocalWeights, NamedTensors, SenderFn, WeightSource, as_source, collect_cpu,  # noqa: F401
-                            receive_beside, send_beside)
+                            export_flat, receive_beside, send_beside)
 from ..errors import RunError
 
 class SyncError(RunError):
@@ -77,29 +77,35 @@ class Bucket:
 
 
 def buckets(named: NamedTensors, bucket_mb: int) -> Iterator[Bucket]:
-    """Group tensors into flat buckets of at most `bucket_mb` MB (a larger tensor gets its own bucket)."""
+    """Group tensors into flat buckets of at most `bucket_mb` MB (a larger tensor gets its own bucket).
+
+    A group that lays out a fresh export buffer whole (`export_buffer`: a sharded trainer's gathered group of the
+    same size) is sent as that buffer, without a copy."""
     limit = bucket_mb * (1 << 20)
-    pending: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
+    pending: dict[torch.dtype, list[tuple[str, Tensor, Tensor | None]]] = {}
     sizes: dict[torch.dtype, int] = {}
     for name, tensor in named:
+        base = tensor._base  # before `detach`, which forgets it
         tensor = tensor.detach()
         size = tensor.numel() * tensor.element_size()
         if pending.get(tensor.dtype) and sizes[tensor.dtype] + size > limit:
             yield _flatten(pending.pop(tensor.dtype))
             sizes[tensor.dtype] = 0
-        pending.setdefault(tensor.dtype, []).append((name, tensor))
+        pending.setdefault(tensor.dtype, []).append((name, tensor, base))
         sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + size
     for group in pending.values():
         if group:
             yield _flatten(group)
 
 
-def _flatten(group: list[tuple[str, Tensor]]) -> Bucket:
+def _flatten(group: list[tuple[str, Tensor, Tensor | None]]) -> Bucket:
     entries, offset = [], 0
-    for name, tensor in group:
+    for name, tensor, _ in group:
         entries.append((name, tuple(tensor.shape), offset, tensor.numel()))
         offset += tensor.numel()
-    flat = torch.cat([t.reshape(-1) for _, t in group]) if len(group) > 1 else group[0][1].reshape(-1).clone()
+    flat = export_flat([(t, base) for _, t, base in group])
+    if flat is None:
+        flat = torch.cat([t.reshape(-1) for _, t, _ in group]) if len(group) > 1 else group[0][1].reshape(-1).clone()
     return Bucket(flat, entries)
 
 

@@ -189,16 +189,18 @@ class FSDPWorker(RankWorker):
         """Full weights by HF state-dict name (LoRA merged, a tied weight under its first name only) in
         `model.dtype`.
 
-        Gathered a third of a bucket (`sync.bucket_mb`, or one larger tensor) at a time on every rank: one
-        all-gather of a group holds the rank's shards, every rank's and the full tensors (`gather_flat`), so the
-        extra memory is about one bucket, not the model. An all-gather leaves the full tensors on every rank: each
-        rank yields them (a colocated rank feeds the engine beside it from its own copy); `keep` changes nothing.
+        Gathered a bucket (`sync.bucket_mb`, or one larger tensor) at a time on every rank, grouped as the
+        transports bucket them: one all-gather of a group gives its full tensors side by side in one fresh buffer
+        (`gather_flat`), which a bucketing transport sends as that bucket without another copy. A group holds the
+        rank's shards, every rank's and the full tensors at once, so the extra memory is about two buckets, not
+        the model. An all-gather leaves the full tensors on every rank: each rank yields them (a colocated rank
+        feeds the engine beside it from its own copy); `keep` changes nothing.
         """
         self._sharded()
         if self.aliases is None:  # the model's ties do not change: walked once, not at every push
             self.aliases = tied_aliases(self.model)
         for group in gather_groups(untied(merged_weights(self.model), self.aliases),
-                                   (self.plan.spec.sync.bucket_mb << 20) // 3,
+                                   self.plan.spec.sync.bucket_mb << 20,
                                    lambda t: t.numel() * self.dtype.itemsize):
             yield from self._gather(group)
 

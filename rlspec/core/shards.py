@@ -122,13 +122,17 @@ def gather_flat(pending: list[tuple[str, Tensor]], dtype: torch.dtype,
 
     FSDP2 shards each parameter on dim 0 as `torch.chunk` does (every rank `ceil(rows / world)` rows, the last
     non-empty rank fewer, any after it none). Each rank casts its shards into one flat buffer, each padded to the
-    full chunk, one `all_gather_into_tensor` brings every rank's buffer (none on one rank), and each full tensor is
-    its chunks side by side (the padding only ever trails): one collective per bucket instead of one `full_tensor()` (a
-    collective and DTensor's dispatch on the host) per tensor. Tensors that are not sharded that way (another
-    mesh or placement), and a group of one (a large embedding alone: one collective either way, without the flat
-    buffers), take `full_tensor()`. `flat` None: the flat gather on CUDA only; over gloo on the host the per-tensor
-    gathers cost little and the flat buffers more memory (a bucket's export on CPU grew rank 0's resident memory
-    by 8.0 MiB flat against 5.5 MiB per tensor, `tests/backends/fsdp/test_fsdp.py`).
+    full chunk, and one `all_gather_into_tensor` brings every rank's buffer (none on one rank): one collective per
+    group instead of one `full_tensor()` (a collective and DTensor's dispatch on the host) per tensor.
+
+    The full tensors come back as consecutive views of one fresh buffer (`export_buffer`), so a transport sends the
+    group as its bucket without copying it again (`sync.base.buckets`): on one rank that buffer is the cast shards
+    themselves; on several, each tensor's chunks are copied out of the rank-major gather next to each other, in one
+    fused copy (a lone tensor without padding is the gather itself). Tensors that are not sharded that way (another
+    mesh or placement) take `full_tensor()`, and a group holding any is not one buffer. `flat` None: the flat gather
+    on CUDA only; over gloo on the host the per-tensor gathers cost little and the flat buffers more memory (a
+    bucket's export on CPU grew rank 0's resident memory by 8.0 MiB flat against 5.5 MiB per tensor,
+    `tests/backends/fsdp/test_fsdp.py`).
     """
     import math
     from itertools import accumulate
@@ -136,36 +140,59 @@ def gather_flat(pending: list[tuple[str, Tensor]], dtype: torch.dtype,
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
+    from .weights import export_buffer
+
     sharded = [t for _, t in pending if isinstance(t, DTensor)]
     mesh = sharded[0].device_mesh if sharded else None
     if flat is None:
         flat = bool(sharded) and sharded[0].device.type == "cuda"
     one_mesh = bool(sharded) and mesh.ndim == 1 and all(t.device_mesh == mesh and tuple(t.placements) == (Shard(0),)
                                                        for t in sharded)
-    if not flat or len(sharded) < 2 or not one_mesh:
+    if not flat or not one_mesh:
         return [(name, t.to(dtype).full_tensor() if isinstance(t, DTensor) else t.to(dtype)) for name, t in pending]
     world = mesh.size()
     rows = [-(-t.shape[0] // world) if isinstance(t, DTensor) else 0 for _, t in pending]
     sizes = [r * math.prod(t.shape[1:]) for r, (_, t) in zip(rows, pending)]
     offsets = list(accumulate([0, *sizes[:-1]]))
-    # Not zeroed: a shard shorter than its chunk leaves padding that only ever trails, and is cut off below
-    local = torch.empty(sum(sizes), dtype=dtype, device=sharded[0].to_local().device)
-    for (_, t), offset in zip(pending, offsets):
-        if isinstance(t, DTensor):
-            shard = t.to_local()
-            local[offset:offset + shard.numel()].copy_(shard.reshape(-1))
-    if world == 1:  # the shards are the full tensors: no collective, no second copy (a split layout's one rank)
-        gathered = local
-    else:
-        gathered = torch.empty(world * local.numel(), dtype=dtype, device=local.device)
-        # all_gather_single is all_gather_into_tensor's name from torch 2.13 on (the old one warns there)
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, local,
-                                                                                  group=mesh.get_group())
-    gathered = gathered.view(world, local.numel())
-    full = []
-    for (name, t), r, size, offset in zip(pending, rows, sizes, offsets):
+    owned = [t.to_local() if isinstance(t, DTensor) else None for _, t in pending]
+    device = sharded[0].to_local().device
+    total = sum(sizes)
+    # Not zeroed: a shard shorter than its chunk leaves padding that only ever trails, and is never read
+    local = export_buffer(total, dtype, device) if world == 1 else torch.empty(total, dtype=dtype, device=device)
+    shards = [(local[offset:offset + shard.numel()], shard.reshape(-1))
+              for shard, offset in zip(owned, offsets) if shard is not None and shard.numel()]
+    if shards:
+        torch._foreach_copy_([d for d, _ in shards], [s for _, s in shards])
+    if world == 1:  # the shards are the full tensors, side by side: no collective, no second copy
+        return [(name, local[offset:offset + size].view(t.shape) if isinstance(t, DTensor) else t.to(dtype))
+                for (name, t), size, offset in zip(pending, sizes, offsets)]
+    alone = len(pending) == 1 and rows[0] * world == pending[0][1].shape[0]  # the gather is the tensor, rows in order
+    gathered = (export_buffer if alone else torch.empty)(world * total, dtype=dtype, device=device)
+    # all_gather_single is all_gather_into_tensor's name from torch 2.13 on (the old one warns there)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, local, group=mesh.get_group())
+    if alone:
+        return [(pending[0][0], gathered.view(pending[0][1].shape))]
+    gathered = gathered.view(world, total)
+    out = export_buffer(sum(t.numel() for t in sharded), dtype, device)
+    full, dests, sources, at = [], [], [], 0
+    for (name, t), r, offset in zip(pending, rows, offsets):
         if not isinstance(t, DTensor):
             full.append((name, t.to(dtype)))
             continue
-        full.append((name, gathered[:, offset:offset + size].reshape(world * r, *t.shape[1:])[:t.shape[0]]))
+        rest = tuple(t.shape[1:])
+        inner = math.prod(rest)
+        chunks = gathered[:, offset:offset + r * inner].view(world, r, *rest)
+        if r * world == t.shape[0]:  # no padding: one copy of every rank's chunk
+            dests.append(out[at:at + t.numel()].view(world, r, *rest))
+            sources.append(chunks)
+        else:  # rank k's valid rows only, so the tensor's rows lie side by side
+            for k in range(world):
+                valid = min(r, t.shape[0] - k * r)
+                if valid > 0:
+                    dests.append(out[at + k * r * inner:at + (k * r + valid) * inner].view(valid, *rest))
+                    sources.append(chunks[k, :valid])
+        full.append((name, out[at:at + t.numel()].view(t.shape)))
+        at += t.numel()
+    if dests:
+        torch._foreach_copy_(dests, sources)
     return full

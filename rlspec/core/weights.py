@@ -95,6 +95,33 @@ def gather_groups(named: NamedTensors, limit_bytes: int,
         yield group
 
 
+EXPORT_BUFFER = "_rlspec_export_buffer"
+"""Attribute that marks a buffer an export made for this push alone (`export_buffer`)."""
+
+
+def export_buffer(numel: int, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """A fresh flat buffer that an export lays full tensors out in, one after another, and hands over as views.
+    Nothing else holds it, so a transport may send it as its bucket instead of copying the views into one
+    (`sync.base.buckets`)."""
+    buffer = torch.empty(numel, dtype=dtype, device=device)
+    setattr(buffer, EXPORT_BUFFER, True)
+    return buffer
+
+
+def export_flat(tensors: list[tuple[Tensor, Tensor | None]]) -> Tensor | None:
+    """The `export_buffer` that `tensors` (each with its `_base`, taken before any `detach`) lay out whole, in
+    order and without gaps; None when they do not (then a transport copies them into a bucket of its own)."""
+    base = tensors[0][1] if tensors else None
+    if base is None or not getattr(base, EXPORT_BUFFER, False):
+        return None
+    offset = 0
+    for tensor, owner in tensors:
+        if owner is not base or tensor.storage_offset() != offset or not tensor.is_contiguous():
+            return None
+        offset += tensor.numel()
+    return base.detach() if offset == base.numel() else None
+
+
 def tied_aliases(model: torch.nn.Module) -> frozenset[str]:
     """The parameter names that are a second name of a parameter already named (a tied LM head: `lm_head.weight`
     is `model.embed_tokens.weight`). An export leaves them out, so a tied tensor crosses the wire once; the engine,

@@ -11,7 +11,8 @@ Each window is written as `DIR/rank<R>_<phase>.json`:
   collectives; `host_gap_s = wall_s - busy_s` is time the GPU had nothing to run (the host did not feed it, or
   it waited on a collective's peer);
 - `kernel_s`: summed kernel time by kind (`gemm`, `attention`, `all_gather`, `reduce_scatter`, `all_reduce`,
-  `broadcast`, `optimizer`, `copy`, `other`), and `exposed_comm_s`: collective time not overlapped by compute.
+  `broadcast`, `optimizer`, `copy`, `other`), and `exposed_comm_s`: collective time not overlapped by compute;
+- `host_ops_ms`: the operators the host spent most time in (self CPU ms, with their call counts).
 
 Every window, profiled or not, also appends a row to `DIR/rank<R>_calls.jsonl`: its wall time and what changed
 in it (`counters`: graphs Dynamo compiled, the CUDA allocator's device allocations, frees and retries), which says
@@ -168,6 +169,7 @@ class RankTracer:
         kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type.name == "CUDA"]
         row = {"rank": self.rank, "phase": phase, "call": self.call} | summarize(kernels, wall)
+        row["host_ops_ms"] = host_ops_ms(prof)
         folder = Path(self.folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank{self.rank}_{phase}.json").write_text(json.dumps(row, indent=1))
@@ -178,6 +180,13 @@ class RankTracer:
                 shutil.copyfileobj(src, dst)
             raw.unlink()
         self._count(phase)
+
+
+def host_ops_ms(prof, top: int = 12) -> dict[str, float]:
+    """The `top` operators by the host time spent in them alone (self CPU time, ms): what a window's host gap
+    went to."""
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {f"{e.key} x{e.count}": round(e.self_cpu_time_total / 1e3, 3) for e in ops}
 
 
 def table(folder: str | Path) -> str:
@@ -191,6 +200,10 @@ def table(folder: str | Path) -> str:
         cells = [r["phase"], str(r["rank"])] + [f"{r[k] * 1e3:.1f}" for k in ("wall_s", "busy_s", "host_gap_s",
                                                                               "exposed_comm_s")]
         lines.append(" | ".join(cells + [f"{r['kernel_s'].get(k, 0.0) * 1e3:.1f}" for k in kinds]))
+    for r in sorted(rows, key=lambda r: (r["phase"], r["rank"])):
+        if r.get("host_ops_ms"):
+            lines.append(f"host ms, {r['phase']} rank {r['rank']}: "
+                         + ", ".join(f"{op} {ms:g}" for op, ms in r["host_ops_ms"].items()))
     return "milliseconds per window\n" + "\n".join(lines) + calls_table(folder)
 
 

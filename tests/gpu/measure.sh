@@ -87,12 +87,16 @@ mg_bench() {  # ROW GPUS TIMEOUT_S BACKEND SPEC [OVERRIDES...]: one bench row of
   echo "$row exit $(cat $OUT/mg_$row.exit)" >> $OUT/results.txt; grep -m3 "Error\|error:" $OUT/mg_$row.log >> $OUT/results.txt
   keep mg_$row $SCRATCH/b_mg_$row; mg_done
 }
-mg_push() {  # ROW GPUS BENCH_SYNC_ARGS...: one push row (the 7B shape, fsdp ranks and Ray engines)
+mg_push() {  # ROW GPUS BENCH_SYNC_ARGS...: one push row (the 7B shape, fsdp ranks and Ray engines); every rank's
+  # push window traced (rlspec.perf.rank_trace): the 7th push, bench_sync's untimed first one without verification,
+  # so the timed medians are not the profiler's; rank 0's Chrome trace too
   local row=$1 need=$2; shift 2
   if [ $NGPU -lt $need ]; then echo "push $row: skipped, needs $need GPUs ($NGPU here)" >> $OUT/results.txt; return; fi
-  timeout 150 python3 -m rlspec.perf.bench_sync --backend fsdp --model qwen2_7b_shape --repeats 5 "$@" \
+  RLSPEC_RANK_TRACE=$OUT/trace_push_$row RLSPEC_RANK_TRACE_CALL=6 RLSPEC_RANK_TRACE_CHROME=1 \
+    timeout 150 python3 -m rlspec.perf.bench_sync --backend fsdp --model qwen2_7b_shape --repeats 5 "$@" \
     --json $OUT/mg_push_$row.json > $OUT/mg_push_$row.log 2>&1
-  echo "push $row exit $?" >> $OUT/results.txt; tail -4 $OUT/mg_push_$row.log >> $OUT/results.txt; mg_done
+  echo "push $row exit $?" >> $OUT/results.txt; sed -n "/(median of/,\$p" $OUT/mg_push_$row.log | grep -v -i warn | head -40 >> $OUT/results.txt
+  python3 -m rlspec.perf.rank_trace $OUT/trace_push_$row >> $OUT/results.txt 2>&1; mg_done
 }
 sections=$(echo "$@" | sed 's/\bmultigpu\b/multigpu_a multigpu_b multigpu_c multigpu_d multigpu_e multigpu_f multigpu_g/')
 

@@ -24,6 +24,8 @@ def test_every_call_gets_a_row_and_a_recompile_for_a_new_shape_is_counted(tmp_pa
     assert [c["profiled"] for c in calls] == [False, True, False, False]
     assert [c["compiled_graphs"] for c in calls] == [1, 0, 1, 0]
     assert all(c["wall_s"] > 0 and c["phase"] == "train" for c in calls)
-    assert (tmp_path / "rank0_train.json").exists()  # the profiled window's summary, as before
+    summary = json.loads((tmp_path / "rank0_train.json").read_text())  # the profiled window's summary
+    assert summary["host_ops_ms"] and all(ms >= 0 for ms in summary["host_ops_ms"].values())
     printed = table(tmp_path)
+    assert "host ms, train rank 0: " in printed
     assert "rank 0 train 2: " in printed and "compiled_graphs 1" in printed and "train 1 (profiled)" in printed

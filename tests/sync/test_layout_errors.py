@@ -129,7 +129,7 @@ def test_a_packing_bug_on_the_sender_fails_verification(method, bug, tmp_path, m
     else:
         real_flatten = sync_base._flatten
         monkeypatch.setattr(sync_base, "_flatten",
-                            lambda group: real_flatten([(n, wrong(t) if n == target else t) for n, t in group]))
+                            lambda group: real_flatten([(n, wrong(t) if n == target else t, b) for n, t, b in group]))
     trainer = load_model(ModelSpec(), 0)
     with pytest.raises(SyncError, match=target.replace(".", r"\.")):
         _push(method, _source(method, trainer), _engine(), tmp_path, monkeypatch)

@@ -1,4 +1,5 @@
-"""`gather_flat`: one all-gather per bucket rebuilds every FSDP2-sharded tensor exactly, uneven shards included."""
+"""`gather_flat`: one all-gather per bucket rebuilds every FSDP2-sharded tensor exactly, uneven shards included,
+side by side in one buffer that `sync.base.buckets` sends as the bucket without copying it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from rlspec.core.shards import gather_flat
+    from rlspec.sync.base import buckets
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -33,8 +35,23 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
         got = gather_flat(pending, torch.float64, flat=True)  # on CPU too
         expected = [(f"t{i}", t.double()) for i, t in enumerate(full)]
         expected.insert(2, ("plain", torch.arange(4.0, dtype=torch.float64)))
-        queue.put((rank, [(a, b, tuple(t.shape), t.dtype, bool(torch.equal(t, e)))
-                          for (a, t), (b, e) in zip(got, expected, strict=True)]))
+        rows = [(a, b, tuple(t.shape), t.dtype, bool(torch.equal(t, e)))
+                for (a, t), (b, e) in zip(got, expected, strict=True)]
+        # Only sharded tensors: one buffer holds them all, and the bucket is that buffer (no copy). A lone tensor
+        # is gathered alone (its gather is the tensor when its rows divide; else its chunks are copied out).
+        groups = [pending[:2] + pending[3:], pending[:1], pending[-1:]]
+        shared = []
+        for group in groups:
+            tensors = gather_flat(group, torch.float64, flat=True)
+            bucket, = buckets(iter(tensors), bucket_mb=1)
+            shared.append((bucket.flat.data_ptr() == tensors[0][1].data_ptr(),
+                           all(torch.equal(a, b) for (_, a), (_, b) in zip(bucket.unpack(), tensors, strict=True))))
+        # A group with a tensor that is not sharded is copied into a bucket of its own
+        mixed = gather_flat(pending[:3], torch.float64, flat=True)
+        bucket, = buckets(iter(mixed), bucket_mb=1)
+        shared.append((bucket.flat.data_ptr() != mixed[0][1].data_ptr(),
+                       all(torch.equal(a, b) for (_, a), (_, b) in zip(bucket.unpack(), mixed, strict=True))))
+        queue.put((rank, (rows, shared)))
     finally:
         dist.destroy_process_group()
 
@@ -55,5 +72,7 @@ def test_uneven_shards_come_back_exact(world):
         p.join(timeout=60)
         assert p.exitcode == 0
     for rank in range(world):
-        for got_name, want_name, shape, dtype, equal in results[rank]:
+        rows, shared = results[rank]
+        for got_name, want_name, shape, dtype, equal in rows:
             assert got_name == want_name and dtype == torch.float64 and equal, (rank, got_name, shape)
+        assert shared == [(True, True)] * 4, (rank, shared)
