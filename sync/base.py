@@ -24,6 +24,7 @@ from torch import Tensor
 from ..core.weights import (LocalWeights, NamedTensors, SenderFn, WeightSource, as_source, collect_cpu,  # noqa: F401
                             export_flat, receive_beside, send_beside)
 from ..errors import RunError
+from . import fused_sums
 
 class SyncError(RunError):
     """A transfer failed, timed out, or the engine's weights did not verify (a run failure: exit 1)."""
@@ -307,7 +308,8 @@ def check_mapping(own: list[tuple[str, Tensor]], written: list[str]) -> None:
 
 # --- byte checksums: the device-side fingerprint ------------------------------------------------------------
 
-def checksums(tensors: Sequence[Tensor], words: Sequence[Tensor | None] | None = None) -> Tensor:
+def checksums(tensors: Sequence[Tensor], words: Sequence[Tensor | None] | None = None,
+              launch: tuple[Tensor, ...] | None = None) -> Tensor:
     """One int32 per tensor, computed where the tensors live with no host sync: the tensor's bytes read as
     32-bit words (as bytes when their count is not a multiple of 4), each times an odd weight of its position
     (`position_weights`), summed modulo 2**32.
@@ -317,11 +319,36 @@ def checksums(tensors: Sequence[Tensor], words: Sequence[Tensor | None] | None =
     2**32), and so does moving elements (a transposed weight, swapped heads, a wrong offset). A few kernels per
     tensor and no float64 copies: this is the fingerprint for transports that move bytes unchanged (dtype
     included). `words` (from `word_views`, for tensors whose storage stays put) saves the per-call view work.
+    On CUDA with Triton, tensors that are all aligned int32 words take one launch for them all
+    (`sync.fused_sums`, the same sums; `launch`: its tables, kept by a captured graph).
     """
     words = word_views(tensors) if words is None else words
-    sums = [_weighted(w if w is not None else _words(t.detach().reshape(-1).clone()), torch.int32)
-            for t, w in zip(tensors, words)]
+    fused = _fused(tensors, words)
+    if fused:
+        sums = fused_sums.fused_checksums([words[i] for i in fused], *_tables(tensors[0].device, torch.int32),
+                                          WEIGHT_PERIOD, launch)
+        if len(fused) == len(words):
+            return sums
+        by_index = dict(zip(fused, sums))  # the others (bytes, or not aligned) one by one below
+    else:
+        by_index = {}
+    sums = [by_index[i] if i in by_index else
+            _weighted(w if w is not None else _words(t.detach().reshape(-1).clone()), torch.int32)
+            for i, (t, w) in enumerate(zip(tensors, words))]
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int32)
+
+
+def checksum_launch(tensors: Sequence[Tensor], words: Sequence[Tensor | None]) -> tuple[Tensor, ...] | None:
+    """The tables `checksums(tensors, words)` launches its one kernel with (`sync.fused_sums.tables`), or None
+    where it launches none: for a captured graph to hold."""
+    fused = _fused(tensors, words)
+    return fused_sums.tables([words[i] for i in fused]) if fused else None
+
+
+def _fused(tensors: Sequence[Tensor], words: Sequence[Tensor | None]) -> list[int]:
+    """The tensors whose checksums the one kernel takes (aligned int32 words on CUDA; past WEIGHT_PERIOD**2
+    words `_weighted` says why not)."""
+    return [i for i, w in enumerate(words) if fused_sums.usable(w, tensors[0].device) and w.numel() <= WEIGHT_PERIOD ** 2]
 
 
 def word_views(tensors: Sequence[Tensor]) -> list[Tensor | None]:

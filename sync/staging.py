@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .base import SyncError, check_mapping, checksums, compare_checksums, word_views
+from .base import SyncError, check_mapping, checksum_launch, checksums, compare_checksums, word_views
 
 ALIGN_BYTES = 16
 """Each tensor starts at a multiple of this in its bucket (vectorised copies, word checksums)."""
@@ -129,6 +129,8 @@ class BucketChecksums:
         self.outs: list[Tensor] = []
         self.captured: list[tuple[int, ...]] = []
         """Each bucket's tensors' addresses when captured."""
+        self.launches: list = []
+        """Each bucket's fused-kernel tables (`checksum_launch`) its graph reads."""
 
     def __call__(self, bucket: int | None = None) -> Tensor:
         """The checksums of one bucket's tensors, or of all (in entry order), enqueued where they live."""
@@ -152,18 +154,20 @@ class BucketChecksums:
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
+        # the fused kernel's tables (`checksum_launch`), held as long as the graphs that read them
+        self.launches = [checksum_launch(tensors, words) for tensors, words in zip(self.tensors, self.words)]
         with torch.cuda.stream(side):  # warm-up outside the capture
-            for tensors, words in zip(self.tensors, self.words):
-                checksums(tensors, words)
+            for tensors, words, launch in zip(self.tensors, self.words, self.launches):
+                checksums(tensors, words, launch)
         current.wait_stream(side)
         self.graphs, self.outs = [], []
         self.captured = [self._pointers(b) for b in range(len(self.tensors))]
-        for tensors, words in zip(self.tensors, self.words):
+        for tensors, words, launch in zip(self.tensors, self.words, self.launches):
             graph = torch.cuda.CUDAGraph()
             # thread_local: other threads of this process (a server's web workers, a trainer's loops) may touch
             # CUDA meanwhile; only this thread's calls must be capture-safe.
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.outs.append(checksums(tensors, words))
+                self.outs.append(checksums(tensors, words, launch))
             self.graphs.append(graph)
 
 
