@@ -26,8 +26,9 @@ about 5 x 100 s); a call cut short keeps the rows it finished (faults.jsonl), `-
 soak: one run of SPEC as it is (its prompts, lengths, token budget), weights pushed every step, stopped by SIGTERM
 after --seconds from its launch. It reports GPU memory in use (nvidia-smi, every GPU) at step 10 and at the end
 (within 2% is the bound), each step's time against the median of steps 2.. (none above 2x), and the host RSS of
-the run's processes (driver, Ray, actors) at step 10, at the end, and its slope over the second half (MiB/min).
-Written to stdout and DIR/soak.json.
+the run's processes (driver, Ray, actors) at step 10, at the end, and its slope over the second half (MiB/min), and
+every ~30 s the host RSS by kind of process (driver, trainer, engine, ray, other: the sum counts the first steps'
+compile workers and shared pages once per process). Written to stdout and DIR/soak.json.
 """
 
 from __future__ import annotations
@@ -265,17 +266,21 @@ def soak(spec: str, backend: str, seconds: float, gpus: list[str], root: Path) -
                                        "checkpoint.every_n_steps=0", "hardware.preempt_grace_s=60"])
     started = time.monotonic()
     samples: list[tuple[float, int, int, float]] = []  # (s since launch, rows, GPU MiB, host RSS MiB)
+    kinds: list[tuple[int, dict[str, float]]] = []  # (rows, host RSS MiB by kind of process)
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
-            rss = 0
+            by_kind: dict[str, float] = {}
             for member in tree(proc.pid):
                 try:
-                    rss += member.memory_info().rss
+                    kind = process_kind(member, proc.pid, backend)
+                    by_kind[kind] = by_kind.get(kind, 0.0) + member.memory_info().rss / 2**20
                 except Exception:  # noqa: BLE001 - gone meanwhile
                     pass
-            samples.append((time.monotonic() - started, len(rows(out)), sum(gpu_memory_mib(gpus)), rss / 2**20))
+            n = len(rows(out))
+            samples.append((time.monotonic() - started, n, sum(gpu_memory_mib(gpus)), sum(by_kind.values())))
+            kinds.append((n, {k: round(v) for k, v in sorted(by_kind.items())}))
             stop.wait(2.0)
 
     watcher = threading.Thread(target=sample, daemon=True)
@@ -312,7 +317,26 @@ def soak(spec: str, backend: str, seconds: float, gpus: list[str], root: Path) -
         result["gpu_mem_change_pct"] = round(100 * (end[2] - at10[2]) / max(at10[2], 1), 2)
         result["gpu_mem_within_2pct"] = abs(result["gpu_mem_change_pct"]) <= 2
     result["no_step_over_2x_median"] = not result["slow_steps"]
+    # Host memory by kind of process, every ~30 s: a sum over every process of the run counts the compile
+    # workers of the first steps, and shared pages once per process, so the trend is read per kind
+    result["rss_mib_by_kind"] = [{"step": n, **k} for n, k in kinds[::15]]
+    if kinds:
+        result["rss_mib_by_kind"].append({"step": kinds[-1][0], **kinds[-1][1]})
     return result
+
+
+def process_kind(member, driver: int, backend: str) -> str:
+    """driver, trainer, engine, ray (its own daemons and workers) or other (compile workers, ...)."""
+    if member.pid == driver:
+        return "driver"
+    line = " ".join(member.cmdline())
+    if WORKER_TITLES[backend] in line:
+        return "trainer"
+    if "EngineWorker" in line:
+        return "engine"
+    if "ray" in line.split(" ")[0] or "raylet" in line or "gcs_server" in line or "ray::" in line:
+        return "ray"
+    return "other"
 
 
 def main() -> None:
