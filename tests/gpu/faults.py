@@ -24,9 +24,10 @@ Every fault row should end within 60 s; one call on a 4-GPU machine runs one bac
 about 5 x 100 s); a call cut short keeps the rows it finished (faults.jsonl), `--faults` runs the rest.
 
 soak: one run of SPEC as it is (its prompts, lengths, token budget), weights pushed every step, stopped by SIGTERM
-after --seconds from its launch. It reports GPU memory in use (nvidia-smi, every GPU) at step 10 and at the end
-(within 2% is the bound), each step's time against the median of steps 2.. (none above 2x), and the host RSS of
-the run's processes (driver, Ray, actors) at step 10, at the end, and its slope over the second half (MiB/min), and
+after --seconds from its launch. It reports GPU memory in use (nvidia-smi, every GPU) at step 10 and at the end (the
+last sample before the SIGTERM: after it the processes exit) (within 2% is the bound), each step's time against the
+median of steps 2.. (none above 2x), and the host RSS of the run's processes (driver, Ray, actors) at step 10, at the
+end, and its slope over the second half before the SIGTERM (MiB/min), and
 every ~30 s the host RSS by kind of process (driver, trainer, engine, ray, other: the sum counts the first steps'
 compile workers and shared pages once per process). Written to stdout and DIR/soak.json.
 """
@@ -266,7 +267,7 @@ def soak(spec: str, backend: str, seconds: float, gpus: list[str], root: Path) -
                                        "checkpoint.every_n_steps=0", "hardware.preempt_grace_s=60"])
     started = time.monotonic()
     samples: list[tuple[float, int, int, float]] = []  # (s since launch, rows, GPU MiB, host RSS MiB)
-    kinds: list[tuple[int, dict[str, float]]] = []  # (rows, host RSS MiB by kind of process)
+    kinds: list[tuple[int, dict[str, float]]] = []  # (rows, host RSS MiB by kind of process), one per sample
     stop = threading.Event()
 
     def sample() -> None:
@@ -287,6 +288,7 @@ def soak(spec: str, backend: str, seconds: float, gpus: list[str], root: Path) -
     watcher.start()
     while time.monotonic() - started < seconds and proc.poll() is None:
         time.sleep(1)
+    signalled = time.monotonic() - started
     for member in tree(proc.pid):
         try:
             member.send_signal(signal.SIGTERM)
@@ -299,9 +301,10 @@ def soak(spec: str, backend: str, seconds: float, gpus: list[str], root: Path) -
     times = [r["timing_s/step"] for r in steps[2:]]
     median = statistics.median(times) if times else None
     at10 = next((s for s in samples if s[1] >= 11), None)
-    end = [s for s in samples if s[1] == len(steps)] or samples[-1:]
-    end = end[0] if end else None
-    half = [s for s in samples if s[0] >= samples[-1][0] / 2] if samples else []
+    # The end is the last sample before the SIGTERM: after it the processes exit and their memory goes with them
+    running = [s for s in samples if s[0] < signalled]
+    end = running[-1] if running else None
+    half = [s for s in running if s[0] >= running[-1][0] / 2] if running else []
     slope = None
     if len(half) >= 2:
         xs, ys = [s[0] / 60 for s in half], [s[3] for s in half]
@@ -319,9 +322,10 @@ def soak(spec: str, backend: str, seconds: float, gpus: list[str], root: Path) -
     result["no_step_over_2x_median"] = not result["slow_steps"]
     # Host memory by kind of process, every ~30 s: a sum over every process of the run counts the compile
     # workers of the first steps, and shared pages once per process, so the trend is read per kind
-    result["rss_mib_by_kind"] = [{"step": n, **k} for n, k in kinds[::15]]
-    if kinds:
-        result["rss_mib_by_kind"].append({"step": kinds[-1][0], **kinds[-1][1]})
+    kept = kinds[:len(running)]
+    result["rss_mib_by_kind"] = [{"step": n, **k} for n, k in kept[::15]]
+    if kept:
+        result["rss_mib_by_kind"].append({"step": kept[-1][0], **kept[-1][1]})
     return result
 
 
