@@ -319,8 +319,8 @@ def checksums(tensors: Sequence[Tensor], words: Sequence[Tensor | None] | None =
     2**32), and so does moving elements (a transposed weight, swapped heads, a wrong offset). A few kernels per
     tensor and no float64 copies: this is the fingerprint for transports that move bytes unchanged (dtype
     included). `words` (from `word_views`, for tensors whose storage stays put) saves the per-call view work.
-    On CUDA with Triton, tensors that are all aligned int32 words take one launch for them all
-    (`sync.fused_sums`, the same sums; `launch`: its tables, kept by a captured graph).
+    On CUDA with Triton, the tensors whose bytes are aligned int32 words take one launch for them all
+    (`sync.fused_sums`, the same sums; `launch`: its tables, kept by a captured graph), the rest their own.
     """
     words = word_views(tensors) if words is None else words
     fused = _fused(tensors, words)
@@ -348,7 +348,8 @@ def checksum_launch(tensors: Sequence[Tensor], words: Sequence[Tensor | None]) -
 def _fused(tensors: Sequence[Tensor], words: Sequence[Tensor | None]) -> list[int]:
     """The tensors whose checksums the one kernel takes (aligned int32 words on CUDA; past WEIGHT_PERIOD**2
     words `_weighted` says why not)."""
-    return [i for i, w in enumerate(words) if fused_sums.usable(w, tensors[0].device) and w.numel() <= WEIGHT_PERIOD ** 2]
+    device = tensors[0].device if tensors else None
+    return [i for i, w in enumerate(words) if fused_sums.usable(w, device) and w.numel() <= WEIGHT_PERIOD ** 2]
 
 
 def word_views(tensors: Sequence[Tensor]) -> list[Tensor | None]:

@@ -64,3 +64,10 @@ def test_a_sharded_trainers_export_detaches_each_tensor_once(monkeypatch):
     assert len(calls) == len(named) == len(model.state_dict())
     assert all(not t.requires_grad for _, t in named)
     assert all(torch.equal(t, model.state_dict()[n]) for n, t in named)
+    # detach=False (the fsdp gather, which reads the local shards without autograd): the model's own tensors
+    calls.clear()
+    monkeypatch.setattr(torch.Tensor, "detach", counted)
+    own = list(merged_weights(model, detach=False))
+    monkeypatch.setattr(torch.Tensor, "detach", detach)
+    kept = model.state_dict(keep_vars=True)
+    assert not calls and [n for n, _ in own] == list(kept) and all(t is kept[n] for n, t in own)

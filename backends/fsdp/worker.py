@@ -199,7 +199,7 @@ class FSDPWorker(RankWorker):
         self._sharded()
         if self.aliases is None:  # the model's ties do not change: walked once, not at every push
             self.aliases = tied_aliases(self.model)
-        for group in gather_groups(untied(merged_weights(self.model), self.aliases),
+        for group in gather_groups(untied(merged_weights(self.model, detach=False), self.aliases),
                                    self.plan.spec.sync.bucket_mb << 20,
                                    lambda t: t.numel() * self.dtype.itemsize):
             yield from self._gather(group)

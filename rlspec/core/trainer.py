@@ -191,15 +191,19 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     return dict(merged_weights(model))
 
 
-def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+def merged_weights(model: torch.nn.Module, detach: bool = True) -> Iterator[tuple[str, Tensor]]:
     """`full_state_dict`'s items one at a time, each merged weight computed when it is reached (so a
     sharded trainer can gather them bucket by bucket; on DTensor parameters the results are DTensors).
 
     Each tensor is detached once: `state_dict()` would detach it and a second `detach` again, and on an FSDP2
     model each is a DTensor dispatch (291 tensors of a 24-layer model on a 2-core CPU host: 23 ms for
-    `state_dict()`, 1.2 ms with `keep_vars`, 22 ms for the detaches), paid at every push."""
+    `state_dict()`, 1.2 ms with `keep_vars`, 22 ms for the detaches), paid at every push. `detach=False` leaves
+    the model's own tensors (parameters included) as they are, for a caller that reads them without autograd
+    (`rlspec.core.shards.gather_flat` takes each DTensor's local shard): no dispatch at all. A merged LoRA weight
+    is computed, and detached, either way."""
     if not hasattr(model, "peft_config"):
-        yield from ((k, v.detach()) for k, v in model.state_dict(keep_vars=True).items())
+        items = model.state_dict(keep_vars=True).items()
+        yield from ((k, v.detach()) for k, v in items) if detach else items
         return
     base = model.get_base_model()
     lora = {name: module for name, module in base.named_modules()
