@@ -99,7 +99,9 @@ def _block_table(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, 
 def _address_table(pointers: tuple[int, ...], device: torch.device) -> Tensor:
     key = (pointers, device)
     if key not in _addresses:
-        _addresses[key] = torch.tensor(pointers, dtype=torch.int64).to(device)
+        # from pinned memory without waiting: a plain copy to the device would wait for everything enqueued
+        # before it (a trainer's export checksums each bucket while the previous one is on the wire)
+        _addresses[key] = torch.tensor(pointers, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
     _addresses.move_to_end(key)
     while len(_addresses) > KEPT:
         _addresses.popitem(last=False)
