@@ -152,10 +152,11 @@ class BucketChecksums:
     def _capture(self) -> None:
         device = next(t.device for tensors in self.tensors for t in tensors)
         current = torch.cuda.current_stream(device)
+        # the fused kernel's tables (`checksum_launch`), held as long as the graphs that read them; copied to the
+        # device on the current stream, which the side stream then waits for
+        self.launches = [checksum_launch(tensors, words) for tensors, words in zip(self.tensors, self.words)]
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
-        # the fused kernel's tables (`checksum_launch`), held as long as the graphs that read them
-        self.launches = [checksum_launch(tensors, words) for tensors, words in zip(self.tensors, self.words)]
         with torch.cuda.stream(side):  # warm-up outside the capture
             for tensors, words, launch in zip(self.tensors, self.words, self.launches):
                 checksums(tensors, words, launch)
