@@ -100,7 +100,7 @@ def _address_table(pointers: tuple[int, ...], device: torch.device) -> Tensor:
     # Copied from pinned memory without waiting (a plain copy to the device would wait for everything enqueued
     # before it: a trainer's export checksums each bucket while the previous one is on the wire), so a table is
     # kept per stream: one copied on another stream might not have landed yet
-    key = (pointers, device, torch.cuda.current_stream(device).stream_id)
+    key = (pointers, device, torch.cuda.current_stream(device).cuda_stream)
     if key not in _addresses:
         _addresses[key] = torch.tensor(pointers, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
     _addresses.move_to_end(key)
