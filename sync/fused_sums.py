@@ -27,8 +27,9 @@ except ImportError:  # the CPU install: the per-tensor reductions
 
 BLOCK = 8192
 """Words per program."""
-KEPT = 8
-"""Block tables (and address tables) kept, the least recently used dropped past it."""
+KEPT = 128
+"""Block tables (and address tables) kept, the least recently used dropped past it: a push checksums each bucket
+with its own (a 7B model in 256 MB buckets has about 60), a few hundred KB each."""
 _blocks: "OrderedDict[tuple, tuple[Tensor, Tensor, Tensor]]" = OrderedDict()
 _addresses: "OrderedDict[tuple, Tensor]" = OrderedDict()
 
@@ -81,7 +82,7 @@ def fused_checksums(words: list[Tensor], cols: Tensor, rows: Tensor, period: int
 
 def _block_table(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """Per block: the tensor it belongs to, its first word's index in that tensor, its word count."""
-    key = (sizes, device)
+    key = (sizes, device, torch.cuda.current_stream(device).cuda_stream)
     if key not in _blocks:
         sizes_t = torch.tensor(sizes, dtype=torch.int64)
         per = (sizes_t + BLOCK - 1) // BLOCK
@@ -89,7 +90,7 @@ def _block_table(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, 
         first = torch.cumsum(per, 0) - per  # each tensor's first block
         starts = (torch.arange(int(per.sum())) - first[owners]) * BLOCK
         counts = torch.clamp(sizes_t[owners] - starts, max=BLOCK)
-        _blocks[key] = tuple(t.to(device) for t in (owners, starts, counts))
+        _blocks[key] = tuple(_to_device(t, device) for t in (owners, starts, counts))
     _blocks.move_to_end(key)
     while len(_blocks) > KEPT:
         _blocks.popitem(last=False)
@@ -97,13 +98,17 @@ def _block_table(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, 
 
 
 def _address_table(pointers: tuple[int, ...], device: torch.device) -> Tensor:
-    # Copied from pinned memory without waiting (a plain copy to the device would wait for everything enqueued
-    # before it: a trainer's export checksums each bucket while the previous one is on the wire), so a table is
-    # kept per stream: one copied on another stream might not have landed yet
     key = (pointers, device, torch.cuda.current_stream(device).cuda_stream)
     if key not in _addresses:
-        _addresses[key] = torch.tensor(pointers, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+        _addresses[key] = _to_device(torch.tensor(pointers, dtype=torch.int64), device)
     _addresses.move_to_end(key)
     while len(_addresses) > KEPT:
         _addresses.popitem(last=False)
     return _addresses[key]
+
+
+def _to_device(table: Tensor, device: torch.device) -> Tensor:
+    """`table` on `device`, copied from pinned memory without waiting: a plain copy would wait for everything
+    enqueued before it (a trainer's export checksums each bucket while the previous one is on the wire). So the
+    tables are kept per stream: one copied on another stream might not have landed yet."""
+    return table.pin_memory().to(device, non_blocking=True)
