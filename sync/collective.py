@@ -92,8 +92,6 @@ class _Channel:
     """Sender of a streamed push: its code words on the device."""
     stream_side: object = None
     """Engine of a streamed push on CUDA: the side stream and pinned word its codes are read through."""
-    stream_sums: object = None
-    """Engine of a streamed push with `sync.verify`: (its weights' ids, their kept `BucketChecksums`)."""
 
     def run_listened(self, version: int, work) -> None:
         """The listener's job: run push `version`'s engine half unless the bridge call already has, and keep its

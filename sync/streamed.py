@@ -28,7 +28,7 @@ from collections import deque
 import torch
 
 from .base import Bucket, SyncError, buckets, check_mapping, checksums, compare_checksums
-from .staging import BucketChecksums, Phases
+from .staging import Phases
 
 SAME, NEW, END = 0, 1, 2
 SLOTS = 2
@@ -124,7 +124,9 @@ def receive(channel, engine, payload) -> dict:
         phases.mark("wait")
         check_mapping(own, written)
         if payload["verify"]:
-            actual = _engine_sums(channel, [lookup[name] for name in written])()  # enqueued before the host waits
+            # enqueued before the host waits; one launch on CUDA (the engine's tensors from `named_weights()` may
+            # be new objects at every push, so no graph is kept of them)
+            actual = checksums([lookup[name] for name in written])
             compare_checksums(written, expected.cpu(), actual)
             phases.mark("verify")
     return {"buckets": b, "times": phases.times}
@@ -137,16 +139,6 @@ def _copy_in(channel, lookup: dict, bucket: Bucket, work) -> list[str]:
     if pairs:
         torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
     return [name for name, *_ in bucket.entries]
-
-
-def _engine_sums(channel, tensors: list[torch.Tensor]) -> BucketChecksums:
-    """The checksums of the engine's weights in the push's order, kept on the channel while the push writes the
-    same tensors (on CUDA one captured graph replayed per push, not a few launches per tensor: 339 tensors of the
-    7B shape took 43 ms of the engine's host time launched one by one)."""
-    key = tuple(map(id, tensors))
-    if channel.stream_sums is None or channel.stream_sums[0] != key:
-        channel.stream_sums = (key, BucketChecksums([tensors]))
-    return channel.stream_sums[1]
 
 
 def _codes(channel) -> torch.Tensor:
