@@ -82,29 +82,32 @@ def fused_checksums(words: list[Tensor], cols: Tensor, rows: Tensor, period: int
 
 def _block_table(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """Per block: the tensor it belongs to, its first word's index in that tensor, its word count."""
-    key = (sizes, device, torch.cuda.current_stream(device).cuda_stream)
-    if key not in _blocks:
+    def make() -> tuple[Tensor, Tensor, Tensor]:
         sizes_t = torch.tensor(sizes, dtype=torch.int64)
         per = (sizes_t + BLOCK - 1) // BLOCK
         owners = torch.repeat_interleave(torch.arange(len(sizes)), per)
         first = torch.cumsum(per, 0) - per  # each tensor's first block
         starts = (torch.arange(int(per.sum())) - first[owners]) * BLOCK
         counts = torch.clamp(sizes_t[owners] - starts, max=BLOCK)
-        _blocks[key] = tuple(_to_device(t, device) for t in (owners, starts, counts))
-    _blocks.move_to_end(key)
-    while len(_blocks) > KEPT:
-        _blocks.popitem(last=False)
-    return _blocks[key]
+        return tuple(_to_device(t, device) for t in (owners, starts, counts))
+
+    return _kept(_blocks, sizes, device, make)
 
 
 def _address_table(pointers: tuple[int, ...], device: torch.device) -> Tensor:
-    key = (pointers, device, torch.cuda.current_stream(device).cuda_stream)
-    if key not in _addresses:
-        _addresses[key] = _to_device(torch.tensor(pointers, dtype=torch.int64), device)
-    _addresses.move_to_end(key)
-    while len(_addresses) > KEPT:
-        _addresses.popitem(last=False)
-    return _addresses[key]
+    return _kept(_addresses, pointers, device, lambda: _to_device(torch.tensor(pointers, dtype=torch.int64), device))
+
+
+def _kept(cache: OrderedDict, key: tuple, device: torch.device, make):
+    """`cache`'s entry for `key` on `device` and the current stream (`_to_device` says why per stream), made by
+    `make()` when missing; the least recently used dropped past `KEPT`."""
+    key = (key, device, torch.cuda.current_stream(device).cuda_stream)
+    if key not in cache:
+        cache[key] = make()
+    cache.move_to_end(key)
+    while len(cache) > KEPT:
+        cache.popitem(last=False)
+    return cache[key]
 
 
 def _to_device(table: Tensor, device: torch.device) -> Tensor:
